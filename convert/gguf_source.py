@@ -1,0 +1,141 @@
+"""GGUF import of Llama-architecture models: tensors under their HF names, config and tokenizer.
+
+Quantized GGUF tensors are dequantized with the `gguf` package one tensor at a time. llama.cpp's
+converter permutes the rows of q/k projections for its interleaved RoPE; they are permuted back to
+the rotate_half layout HF checkpoints (and jaxtune) use.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+from jaxtune.errors import CheckpointError, UnsupportedModelError
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_IGNORED = re.compile(r"^rope_freqs\.weight$|\.attn_rot_embd$")
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's q/k row permutation (interleaved pairs -> rotate_half halves), per head."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFSource:
+    """A GGUF file seen as HF-named tensors plus an HF-style config dict."""
+
+    def __init__(self, path: str | os.PathLike):
+        import gguf
+
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise CheckpointError(f"GGUF file {self.path} does not exist; check the path")
+        try:
+            self._reader = gguf.GGUFReader(self.path)
+        except Exception as e:  # the reader raises ValueError/struct errors/IndexError on bad bytes
+            raise CheckpointError(f"{self.path} is not a readable GGUF file ({type(e).__name__}: {e}); re-download it") from None
+        arch = self._field("general.architecture")
+        if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+            )
+        self.hf_config = self._build_config()
+        self._tensors: dict[str, Any] = {}
+        for t in self._reader.tensors:
+            name = _hf_name(t.name)
+            if name is not None:
+                self._tensors[name] = t
+            elif not _IGNORED.search(t.name):
+                raise UnsupportedModelError(f"GGUF tensor {t.name!r} has no counterpart in a Llama model; unsupported variant")
+
+    def _field(self, key: str, default: Any = None) -> Any:
+        field = self._reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def _build_config(self) -> dict[str, Any]:
+        p = "llama."
+        try:
+            hidden = int(self._field(p + "embedding_length"))
+            heads = int(self._field(p + "attention.head_count"))
+            cfg: dict[str, Any] = {
+                "model_type": "llama",
+                "hidden_size": hidden,
+                "intermediate_size": int(self._field(p + "feed_forward_length")),
+                "num_hidden_layers": int(self._field(p + "block_count")),
+                "num_attention_heads": heads,
+                "num_key_value_heads": int(self._field(p + "attention.head_count_kv", heads)),
+                "head_dim": int(self._field(p + "attention.key_length", hidden // heads)),
+                "rms_norm_eps": float(self._field(p + "attention.layer_norm_rms_epsilon", 1e-5)),
+                "rope_theta": float(self._field(p + "rope.freq_base", 10000.0)),
+                "max_position_embeddings": int(self._field(p + "context_length", 4096)),
+                "bos_token_id": self._field("tokenizer.ggml.bos_token_id"),
+                "eos_token_id": self._field("tokenizer.ggml.eos_token_id"),
+            }
+        except TypeError:
+            raise CheckpointError(f"{self.path} lacks llama.* hyper-parameters; the GGUF file is incomplete") from None
+        tokens = self._reader.fields.get("tokenizer.ggml.tokens")
+        vocab = self._field(p + "vocab_size")
+        cfg["vocab_size"] = int(vocab if vocab is not None else len(tokens.data))
+        scaling = self._field(p + "rope.scaling.type")
+        if scaling == "linear":
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(self._field(p + "rope.scaling.factor"))}
+        elif scaling not in (None, "none"):
+            raise UnsupportedModelError(f"unsupported GGUF rope scaling {scaling!r}; supported: none, linear")
+        cfg["tie_word_embeddings"] = not any(t.name == "output.weight" for t in self._reader.tensors)
+        return cfg
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(self._tensors[name].shape.tolist()))
+
+    def get(self, name: str) -> np.ndarray:
+        import gguf
+
+        t = self._tensors[name]
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(self.shape(name))
+        if name.endswith("q_proj.weight"):
+            w = unpermute_qk(w, self.hf_config["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            w = unpermute_qk(w, self.hf_config["num_key_value_heads"])
+        return w
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "GGUFSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

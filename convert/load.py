@@ -1,0 +1,155 @@
+"""`from_pretrained`: an HF directory or GGUF file -> (jaxtune model, tokenizer), tensor by tensor."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from convert.gguf_source import GGUFSource
+from convert.safetensors_source import SafetensorsSource
+from jaxtune.bundled import resolve_model_path
+from jaxtune.config import ModelConfig, load_hf_config
+from jaxtune.errors import CheckpointError
+from jaxtune.model import CausalLM, abstract_model
+
+_IGNORED_TENSORS = re.compile(r"rotary_emb\.inv_freq$")
+Path = tuple[str, ...]
+
+
+def hf_name_to_path(name: str) -> tuple[Path, int | None] | None:
+    """HF tensor name -> (path in the model's state, layer index for stacked layers), or None if foreign."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if m:
+        return ("layers", *m.group(2).split(".")), int(m.group(1))
+    if name.startswith("model."):
+        return tuple(name[len("model."):].split(".")), None
+    if name == "lm_head.weight":
+        return ("lm_head", "weight"), None
+    return None
+
+
+def _flatten(tree: dict, prefix: Path = ()) -> dict[Path, Any]:
+    out: dict[Path, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, prefix + (str(k),)))
+        else:
+            out[prefix + (str(k),)] = v
+    return out
+
+
+def _unflatten_into(tree: dict, flat: dict[Path, Any]) -> None:
+    for path, value in flat.items():
+        node = tree
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = value
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_layer(buf: jax.Array, index: jax.Array, value: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(buf, value, index, 0)
+
+
+def _plan(source, cfg: ModelConfig, expected: dict[Path, jax.ShapeDtypeStruct]) -> dict[str, tuple[Path, int | None]]:
+    """Matches every checkpoint tensor to a model slot, checking names, shapes and completeness first."""
+    plan: dict[str, tuple[Path, int | None]] = {}
+    filled: set[tuple[Path, int | None]] = set()
+    for name in source.names():
+        if _IGNORED_TENSORS.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        target = hf_name_to_path(name)
+        if target is None or target[0] not in expected:
+            raise CheckpointError(
+                f"checkpoint tensor {name!r} has no place in a {cfg.model_type} model with this config; "
+                "the weights and config.json do not match"
+            )
+        path, layer = target
+        want = expected[path].shape[1:] if layer is not None else expected[path].shape
+        if layer is not None and layer >= cfg.num_layers:
+            raise CheckpointError(f"checkpoint has layer {layer} but config.json says num_hidden_layers={cfg.num_layers}")
+        got = source.shape(name)
+        if tuple(got) != tuple(want):
+            raise CheckpointError(f"tensor {name} has shape {tuple(got)} but config.json implies {tuple(want)}")
+        plan[name] = target
+        filled.add(target)
+    for path in expected:
+        layers = range(cfg.num_layers) if path[0] == "layers" else [None]
+        for layer in layers:
+            if (path, layer) not in filled:
+                where = f"model.layers.{layer}." if layer is not None else ("" if path[0] == "lm_head" else "model.")
+                where += ".".join(path[1:] if layer is not None else path)
+                raise CheckpointError(f"checkpoint lacks tensor {where}; the download is incomplete or the config does not match")
+    return plan
+
+
+def load_model(source, cfg: ModelConfig, dtype: str | jnp.dtype = "bfloat16", *, desc: str = "loading") -> CausalLM:
+    """Fills an abstract model from a tensor source; host memory holds one tensor at a time."""
+    dtype = jnp.dtype(dtype)
+    graphdef, state = nnx.split(abstract_model(cfg, dtype=dtype))
+    pure = nnx.to_pure_dict(state)
+    expected = _flatten(pure)
+    plan = _plan(source, cfg, expected)
+    values: dict[Path, jax.Array] = {}
+    for name, (path, layer) in tqdm(plan.items(), desc=desc, unit="tensor", leave=False):
+        host = np.asarray(source.get(name)).astype(expected[path].dtype, copy=False)
+        if layer is None:
+            values[path] = jnp.asarray(host)
+        else:
+            if path not in values:
+                values[path] = jnp.zeros(expected[path].shape, expected[path].dtype)
+            values[path] = _set_layer(values[path], jnp.int32(layer), jnp.asarray(host))
+        del host
+    _unflatten_into(pure, values)
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)
+
+
+def _load_tokenizer(path: str, gguf_file: str | None = None):
+    from transformers import AutoTokenizer
+
+    if gguf_file is not None:
+        return AutoTokenizer.from_pretrained(os.path.dirname(gguf_file) or ".", gguf_file=os.path.basename(gguf_file))
+    has_tokenizer = any(
+        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    )
+    if not has_tokenizer:
+        warnings.warn(f"{path} has no tokenizer files; returning tokenizer=None", stacklevel=3)
+        return None
+    return AutoTokenizer.from_pretrained(path)
+
+
+def open_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, Any, str | None]:
+    """(config, tensor source, gguf path or None) for an HF directory or a .gguf file, validated."""
+    path = resolve_model_path(os.fspath(path))
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise CheckpointError(f"{path} is a file but not a .gguf; pass an HF model directory or a .gguf file")
+        source = GGUFSource(path)
+        return ModelConfig.from_hf(source.hf_config), source, path
+    cfg = load_hf_config(path)
+    return cfg, SafetensorsSource(path), None
+
+
+def from_pretrained(path: str | os.PathLike, *, dtype: str = "bfloat16", load_in_4bit: bool = False):
+    """Loads (model, tokenizer) from an HF directory (single or sharded safetensors) or a .gguf file.
+
+    `path` may also be a bundled model name (`smollm2`). Weights are read tensor by tensor with a progress
+    bar and cast to `dtype`; the tokenizer comes from the same directory (or the GGUF's embedded one).
+    """
+    if load_in_4bit:
+        raise NotImplementedError("load_in_4bit is not available yet; load in bfloat16")
+    cfg, source, gguf_path = open_checkpoint(path)
+    with source:
+        model = load_model(source, cfg, dtype, desc=f"loading {os.path.basename(os.fspath(path).rstrip('/'))}")
+    tokenizer = _load_tokenizer(os.fspath(path), gguf_path)
+    return model, tokenizer

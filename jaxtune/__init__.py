@@ -1,0 +1,35 @@
+"""jaxtune: QLoRA fine-tuning of Llama-family models in JAX."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxtune.config import ModelConfig
+from jaxtune.errors import CheckpointError, JaxtuneError, UnsupportedModelError
+from jaxtune.generate import generate
+from jaxtune.model import CausalLM, init_model
+
+__version__ = "0.1.0"
+
+# Checkpoint I/O lives in the `convert` package (which imports jaxtune); re-exported lazily to avoid a cycle.
+_FROM_CONVERT = {"from_pretrained": "convert.load"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_CONVERT:
+        import importlib
+
+        return getattr(importlib.import_module(_FROM_CONVERT[name]), name)
+    raise AttributeError(f"module 'jaxtune' has no attribute {name!r}")
+
+
+__all__ = [
+    "CausalLM",
+    "CheckpointError",
+    "JaxtuneError",
+    "ModelConfig",
+    "UnsupportedModelError",
+    "from_pretrained",
+    "generate",
+    "init_model",
+]

@@ -1,0 +1,172 @@
+"""Model configuration read from (and written back to) a Hugging Face `config.json`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from jaxtune.errors import CheckpointError, UnsupportedModelError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder. Frozen so it can be a static jit argument."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads="
+                f"{self.num_kv_heads}; fix the checkpoint's config.json"
+            )
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Builds a config from a transformers `config.json` dict (transformers 4.x and 5.x layouts)."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported architecture model_type={model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"unsupported hidden_act={act!r} in {model_type} config; only 'silu' is implemented")
+        try:
+            hidden = int(hf["hidden_size"])
+            heads = int(hf["num_attention_heads"])
+            layers = int(hf["num_hidden_layers"])
+            inter = int(hf["intermediate_size"])
+            vocab = int(hf["vocab_size"])
+        except KeyError as e:
+            raise CheckpointError(f"config.json lacks required key {e.args[0]!r}; is this a complete HF checkpoint?") from None
+        rope = dict(hf.get("rope_parameters") or {})
+        rope.update(hf.get("rope_scaling") or {})
+        theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported rope_type={rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        sliding_window = None
+        if model_type == "mistral":
+            sliding_window = hf.get("sliding_window")
+        elif model_type == "qwen2":
+            layer_types = hf.get("layer_types") or []
+            if hf.get("use_sliding_window") or "sliding_attention" in layer_types:
+                raise UnsupportedModelError(
+                    "qwen2 with use_sliding_window=True is not supported; set use_sliding_window=false "
+                    "(all released Qwen2/2.5 checkpoints use full attention)"
+                )
+        attention_bias = bool(hf.get("attention_bias", False))
+        eos = hf.get("eos_token_id")
+        return cls(
+            model_type=model_type,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_type=rope_type,
+            rope_factor=float(rope.get("factor", 1.0)),
+            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            rope_original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type == "llama" and attention_bias,
+            mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
+            sliding_window=int(sliding_window) if sliding_window else None,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The transformers `config.json` dict for this model (written by converters and exporters)."""
+        rope: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
+        if self.rope_type == "linear":
+            rope["factor"] = self.rope_factor
+        elif self.rope_type == "llama3":
+            rope.update(
+                factor=self.rope_factor,
+                low_freq_factor=self.rope_low_freq_factor,
+                high_freq_factor=self.rope_high_freq_factor,
+                original_max_position_embeddings=self.rope_original_max_position,
+            )
+        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+        out: dict[str, Any] = {
+            "architectures": [arch[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None if self.rope_type == "default" else {k: v for k, v in rope.items() if k != "rope_theta"},
+            "rope_parameters": rope,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+        }
+        if self.model_type == "llama":
+            out.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
+        if self.model_type == "mistral":
+            out["sliding_window"] = self.sliding_window
+        if self.model_type == "qwen2":
+            out.update(use_sliding_window=False, sliding_window=None)
+        return out
+
+
+def load_hf_config(model_dir: str | os.PathLike) -> ModelConfig:
+    """Reads `model_dir/config.json` into a ModelConfig with clear errors for missing or bad files."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{model_dir} has no config.json; point to a Hugging Face model directory or a .gguf file")
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); restore the file") from None
+    return ModelConfig.from_hf(hf)

@@ -1,0 +1,155 @@
+"""Batched text generation with a KV cache: one prefill, then a compiled decode loop."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxtune.model import CausalLM, KVCache
+
+Prompt = str | Sequence[dict[str, str]]
+_BUCKET = 16  # prompt and cache lengths are rounded up to this, so nearby lengths share one compilation
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def eos_token_ids(model: CausalLM, tokenizer: Any) -> tuple[int, ...]:
+    """End-of-sequence ids from the tokenizer and the model config (chat models often declare several)."""
+    ids: set[int] = set()
+    for source in (getattr(tokenizer, "eos_token_id", None), model.config.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source is not None:
+            ids.update(int(i) for i in source)
+    return tuple(sorted(ids))
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """Token ids of a plain string (with the tokenizer's BOS) or a chat message list (chat template)."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_p < 1.0:
+        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+        cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+        cutoff_idx = jnp.sum(cum < top_p, axis=-1, keepdims=True)
+        cutoff = jnp.take_along_axis(sorted_logits, cutoff_idx, axis=-1)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len", "temperature", "top_p", "eos_ids")
+)
+def _generate_ids(
+    graphdef, state, ids, pad, key, *, max_new_tokens, cache_len, temperature, top_p, eos_ids
+) -> jax.Array:
+    model = nnx.merge(graphdef, state)
+    batch, prompt_len = ids.shape
+    idx = jnp.arange(prompt_len, dtype=jnp.int32)[None]
+    seg = (idx >= pad[:, None]).astype(jnp.int32)  # left padding is segment 0: never attended by real tokens
+    pos = jnp.maximum(idx - pad[:, None], 0)
+    cache = KVCache.empty(model.config, batch, cache_len, model.dtype)
+    logits, cache = model.forward_with_cache(ids, pos, seg, cache, jnp.int32(0))
+    key, sub = jax.random.split(key)
+    first = _sample(logits[:, -1], sub, temperature, top_p)
+    eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
+
+    def cond(carry):
+        i, _, _, done, _, _ = carry
+        return (i < max_new_tokens) & ~jnp.all(done)
+
+    def body(carry):
+        i, out, tok, done, cache, key = carry
+        out = out.at[:, i].set(jnp.where(done, -1, tok))
+        done = done | jnp.isin(tok, eos)
+        step_pos = (prompt_len - pad + i)[:, None]
+        logits, cache = model.forward_with_cache(
+            tok[:, None], step_pos, jnp.ones((batch, 1), jnp.int32), cache, prompt_len + i
+        )
+        key, sub = jax.random.split(key)
+        return i + 1, out, _sample(logits[:, 0], sub, temperature, top_p), done, cache, key
+
+    out = jnp.full((batch, max_new_tokens), -1, jnp.int32)
+    init = (jnp.int32(0), out, first, jnp.zeros((batch,), bool), cache, key)
+    return jax.lax.while_loop(cond, body, init)[1]
+
+
+def generate_tokens(
+    model: CausalLM,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_ids: Sequence[int] = (),
+    pad_id: int = 0,
+) -> list[list[int]]:
+    """New token ids per prompt (EOS excluded), prompts of any lengths batched with left padding."""
+    if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("every prompt needs at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    prompt_len = _round_up(max(len(p) for p in prompt_ids), _BUCKET)
+    ids = np.full((len(prompt_ids), prompt_len), pad_id, np.int32)
+    pad = np.zeros(len(prompt_ids), np.int32)
+    for row, p in enumerate(prompt_ids):
+        ids[row, prompt_len - len(p):] = p
+        pad[row] = prompt_len - len(p)
+    graphdef, state = nnx.split(model)
+    out = _generate_ids(
+        graphdef, state, jnp.asarray(ids), jnp.asarray(pad), jax.random.key(seed),
+        max_new_tokens=max_new_tokens, cache_len=_round_up(prompt_len + max_new_tokens, _BUCKET),
+        temperature=float(temperature), top_p=float(top_p), eos_ids=tuple(int(e) for e in eos_ids),
+    )
+    results = []
+    for row in np.asarray(out):
+        tokens = []
+        for t in row.tolist():
+            if t < 0 or t in eos_ids:
+                break
+            tokens.append(t)
+        results.append(tokens)
+    return results
+
+
+def generate(
+    model: CausalLM,
+    tokenizer: Any,
+    prompts: Prompt | Sequence[Prompt],
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> list[str]:
+    """Completions for one or more prompts: strings, or chat message lists rendered with the chat template.
+
+    Greedy when temperature == 0, else nucleus sampling (top_p) from a fixed seed. Stops each row at EOS.
+    """
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
+        prompts = [prompts]  # a single prompt
+    prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    new = generate_tokens(
+        model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+        eos_ids=eos_token_ids(model, tokenizer), pad_id=pad_id,
+    )
+    return [tokenizer.decode(t, skip_special_tokens=True) for t in new]

@@ -1,0 +1,246 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) as Flax NNX modules.
+
+Parameter paths mirror Hugging Face names (`layers.self_attn.q_proj.weight`, ...) so checkpoint I/O is a
+rename. Decoder layers are stored stacked along a leading layer axis and run with `jax.lax.scan`: one
+compiled layer body, so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtune import ops
+from jaxtune.config import ModelConfig
+from jaxtune.rope import apply_rope, rope_tables
+
+_INIT_STD = 0.02
+
+
+class Linear(nnx.Module):
+    """Dense projection with an HF-layout weight [out, in]."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_INIT_STD * jax.random.normal(rngs.params(), (out_features, in_features), dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return ops.linear(x, self.weight[...], None if self.bias is None else self.bias[...])
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * normed.astype(x.dtype)
+
+
+class Embed(nnx.Module):
+    def __init__(self, vocab: int, dim: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_INIT_STD * jax.random.normal(rngs.params(), (vocab, dim), dtype))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], ids, axis=0)
+
+
+class LayerCache(NamedTuple):
+    """One layer's slice of the KV cache: k, v [B, S, Hkv, D]."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+class KVCache(NamedTuple):
+    """Stacked KV cache for all layers: k, v [L, B, S, Hkv, D]; segment_ids [B, S] (0 = empty/padding)."""
+
+    k: jax.Array
+    v: jax.Array
+    segment_ids: jax.Array
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, length: int, dtype: jnp.dtype) -> "KVCache":
+        shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, length), jnp.int32))
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.sliding_window = cfg.sliding_window
+
+    def __call__(
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        segment_ids: jax.Array | None,
+        cache: LayerCache | None = None,
+        cache_segment_ids: jax.Array | None = None,
+        cache_index: jax.Array | None = None,
+    ) -> tuple[jax.Array, LayerCache | None]:
+        b, t, _ = x.shape
+        q = apply_rope(self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if cache is None:
+            out = ops.attention(q, k, v, q_segment_ids=segment_ids, sliding_window=self.sliding_window)
+        else:
+            start = (0, cache_index, 0, 0)
+            cache = LayerCache(
+                jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), start),
+                jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), start),
+            )
+            out = ops.attention(
+                q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), q_segment_ids=segment_ids,
+                kv_segment_ids=cache_segment_ids, q_offset=cache_index, sliding_window=self.sliding_window,
+            )
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(h, i, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(h, i, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(i, h, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, segment_ids, cache=None, cache_segment_ids=None, cache_index=None):
+        attn, cache = self.self_attn(
+            self.input_layernorm(x), cos, sin, segment_ids, cache, cache_segment_ids, cache_index
+        )
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+def _stacked_layers(cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> DecoderLayer:
+    """num_layers DecoderLayers as one module whose arrays carry a leading layer axis."""
+    keys = jax.random.split(rngs.params(), cfg.num_layers)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: DecoderLayer(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+    state = jax.vmap(lambda key: nnx.state(DecoderLayer(cfg, dtype=dtype, rngs=nnx.Rngs(key))))(keys)
+    return nnx.merge(graphdef, state)
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """Positions that restart at 0 at every segment boundary (packed samples), [B, T] int32."""
+    t = segment_ids.shape[1]
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+    )
+    return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+
+
+class CausalLM(nnx.Module):
+    """Decoder-only LM: `model(input_ids, positions=None, segment_ids=None) -> logits [B, T, V]` (float32).
+
+    With segment ids, each token attends causally within its own segment only (sample packing) and
+    positions restart per segment unless given.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype = jnp.bfloat16, rngs: nnx.Rngs):
+        self.config = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = _stacked_layers(cfg, dtype, rngs)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings
+            else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+        )
+        self.remat_policy: str = "none"
+
+    def __call__(
+        self, input_ids: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
+        return self.logits(self.hidden_states(input_ids, positions, segment_ids))
+
+    def hidden_states(
+        self, input_ids: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
+        """Final-norm hidden states [B, T, H], for losses that apply the lm_head in chunks."""
+        if positions is None:
+            if segment_ids is None:
+                positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
+            else:
+                positions = segment_positions(segment_ids)
+        h, _ = self._decode(input_ids, positions, segment_ids, None, None)
+        return h
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """lm_head (or the tied embedding) applied to hidden states, float32 logits."""
+        weight = self.embed_tokens.weight[...] if self.lm_head is None else self.lm_head.weight[...]
+        return ops.linear(hidden, weight, out_dtype=jnp.float32)
+
+    def forward_with_cache(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        cache: KVCache,
+        cache_index: jax.Array,
+    ) -> tuple[jax.Array, KVCache]:
+        """Runs new tokens [B, T] written at cache slots [cache_index, cache_index + T); returns logits and cache."""
+        seg = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids.astype(jnp.int32), (0, cache_index))
+        h, (k, v) = self._decode(input_ids, positions, segment_ids, LayerCache(cache.k, cache.v), (seg, cache_index))
+        return self.logits(h), KVCache(k, v, seg)
+
+    def _decode(self, input_ids, positions, segment_ids, cache, cache_args):
+        cos, sin = rope_tables(self.config, positions)
+        h = self.embed_tokens(input_ids).astype(self.dtype)
+        graphdef, layer_state = nnx.split(self.layers)
+        cache_seg, cache_index = cache_args if cache_args is not None else (None, None)
+
+        def body(h, xs):
+            state, layer_cache = xs
+            layer = nnx.merge(graphdef, state)
+            return layer(h, cos, sin, segment_ids, layer_cache, cache_seg, cache_index)
+
+        if self.remat_policy != "none":
+            body = jax.checkpoint(body, policy=remat_policy(self.remat_policy), prevent_cse=False)
+        h, new_cache = jax.lax.scan(body, h, (layer_state, cache))
+        return self.norm(h), new_cache
+
+
+def remat_policy(name: str):
+    """Named rematerialization policies for the per-layer scan body."""
+    policies = {
+        "full": jax.checkpoint_policies.nothing_saveable,
+        "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+    }
+    if name not in policies:
+        raise ValueError(f"unknown remat policy {name!r}; choose one of: none, {', '.join(policies)}")
+    return policies[name]
+
+
+def init_model(cfg: ModelConfig, *, dtype: str | jnp.dtype = "bfloat16", seed: int = 0) -> CausalLM:
+    """A randomly initialized model (benchmarks, tests); use `jaxtune.from_pretrained` for checkpoints."""
+    return CausalLM(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed))
+
+
+def abstract_model(cfg: ModelConfig, *, dtype: str | jnp.dtype = "bfloat16") -> CausalLM:
+    """Shapes and dtypes only (no memory, no compute): the skeleton that loaders fill."""
+    return nnx.eval_shape(lambda: CausalLM(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
