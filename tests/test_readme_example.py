@@ -1,0 +1,23 @@
+"""The README's Python example runs as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_starts_with_the_two_commands():
+    text = README.read_text()
+    first_block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    commands = [line.split("#")[0].strip() for line in first_block.strip().splitlines()]
+    assert commands == ["make demo", "make test"]
+
+
+def test_readme_python_example_runs(smollm2_path):
+    code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    logits = namespace["logits"]
+    assert logits.shape[0] == 1 and logits.shape[-1] == 49152
