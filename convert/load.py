@@ -19,7 +19,9 @@ from convert.safetensors_source import SafetensorsSource
 from jaxtune.bundled import resolve_model_path
 from jaxtune.config import ModelConfig, load_hf_config
 from jaxtune.errors import CheckpointError
-from jaxtune.model import CausalLM, abstract_model
+from jaxtune import nf4
+from jaxtune.model import CausalLM
+from jaxtune.qlora import quantize_layers
 
 _IGNORED_TENSORS = re.compile(r"rotary_emb\.inv_freq$")
 Path = tuple[str, ...]
@@ -60,7 +62,22 @@ def _set_layer(buf: jax.Array, index: jax.Array, value: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_index_in_dim(buf, value, index, 0)
 
 
-def _plan(source, cfg: ModelConfig, expected: dict[Path, jax.ShapeDtypeStruct]) -> dict[str, tuple[Path, int | None]]:
+_NF4_ARRAYS = ("codes", "absmax_codes", "nested_absmax", "offset", "nested_map")
+
+
+def _slots(expected: dict[Path, jax.ShapeDtypeStruct]) -> dict[Path, tuple[tuple[int, ...], bool]]:
+    """Checkpoint-visible slots: path -> (shape incl. layer axis, is a weight to quantize to NF4)."""
+    slots: dict[Path, tuple[tuple[int, ...], bool]] = {}
+    for path, sds in expected.items():
+        if path[-1] == "codes":
+            *lead, out, half = sds.shape
+            slots[path[:-1] + ("weight",)] = ((*lead, out, half * 2), True)
+        elif path[-1] not in _NF4_ARRAYS:
+            slots[path] = (tuple(sds.shape), False)
+    return slots
+
+
+def _plan(source, cfg: ModelConfig, slots: dict[Path, tuple[tuple[int, ...], bool]]) -> dict[str, tuple[Path, int | None]]:
     """Matches every checkpoint tensor to a model slot, checking names, shapes and completeness first."""
     plan: dict[str, tuple[Path, int | None]] = {}
     filled: set[tuple[Path, int | None]] = set()
@@ -68,21 +85,22 @@ def _plan(source, cfg: ModelConfig, expected: dict[Path, jax.ShapeDtypeStruct]) 
         if _IGNORED_TENSORS.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         target = hf_name_to_path(name)
-        if target is None or target[0] not in expected:
+        if target is None or target[0] not in slots:
             raise CheckpointError(
                 f"checkpoint tensor {name!r} has no place in a {cfg.model_type} model with this config; "
                 "the weights and config.json do not match"
             )
         path, layer = target
-        want = expected[path].shape[1:] if layer is not None else expected[path].shape
         if layer is not None and layer >= cfg.num_layers:
             raise CheckpointError(f"checkpoint has layer {layer} but config.json says num_hidden_layers={cfg.num_layers}")
+        shape = slots[path][0]
+        want = shape[1:] if layer is not None else shape
         got = source.shape(name)
         if tuple(got) != tuple(want):
             raise CheckpointError(f"tensor {name} has shape {tuple(got)} but config.json implies {tuple(want)}")
         plan[name] = target
         filled.add(target)
-    for path in expected:
+    for path in slots:
         layers = range(cfg.num_layers) if path[0] == "layers" else [None]
         for layer in layers:
             if (path, layer) not in filled:
@@ -92,23 +110,41 @@ def _plan(source, cfg: ModelConfig, expected: dict[Path, jax.ShapeDtypeStruct]) 
     return plan
 
 
-def load_model(source, cfg: ModelConfig, dtype: str | jnp.dtype = "bfloat16", *, desc: str = "loading") -> CausalLM:
-    """Fills an abstract model from a tensor source; host memory holds one tensor at a time."""
+def load_model(
+    source, cfg: ModelConfig, dtype: str | jnp.dtype = "bfloat16", *, load_in_4bit: bool = False, desc: str = "loading"
+) -> CausalLM:
+    """Fills an abstract model from a tensor source; host memory holds one tensor at a time.
+
+    With load_in_4bit the decoder projections are quantized to NF4 on the device as they arrive.
+    """
     dtype = jnp.dtype(dtype)
-    graphdef, state = nnx.split(abstract_model(cfg, dtype=dtype))
+
+    def build() -> CausalLM:
+        model = CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+        return quantize_layers(model) if load_in_4bit else model
+
+    graphdef, state = nnx.split(nnx.eval_shape(build))
     pure = nnx.to_pure_dict(state)
     expected = _flatten(pure)
-    plan = _plan(source, cfg, expected)
+    slots = _slots(expected)
+    plan = _plan(source, cfg, slots)
     values: dict[Path, jax.Array] = {}
-    for name, (path, layer) in tqdm(plan.items(), desc=desc, unit="tensor", leave=False):
-        host = np.asarray(source.get(name)).astype(expected[path].dtype, copy=False)
+
+    def put(path: Path, layer: int | None, value: jax.Array) -> None:
         if layer is None:
-            values[path] = jnp.asarray(host)
+            values[path] = value
+            return
+        if path not in values:
+            values[path] = jnp.zeros(expected[path].shape, expected[path].dtype)
+        values[path] = _set_layer(values[path], jnp.int32(layer), value)
+
+    for name, (path, layer) in tqdm(plan.items(), desc=desc, unit="tensor", leave=False):
+        if slots[path][1]:
+            q = nf4.quantize(np.asarray(source.get(name), np.float32))
+            for field in _NF4_ARRAYS:
+                put(path[:-1] + (field,), layer, getattr(q, field))
         else:
-            if path not in values:
-                values[path] = jnp.zeros(expected[path].shape, expected[path].dtype)
-            values[path] = _set_layer(values[path], jnp.int32(layer), jnp.asarray(host))
-        del host
+            put(path, layer, jnp.asarray(np.asarray(source.get(name)).astype(expected[path].dtype, copy=False)))
     _unflatten_into(pure, values)
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
@@ -144,12 +180,13 @@ def from_pretrained(path: str | os.PathLike, *, dtype: str = "bfloat16", load_in
     """Loads (model, tokenizer) from an HF directory (single or sharded safetensors) or a .gguf file.
 
     `path` may also be a bundled model name (`smollm2`). Weights are read tensor by tensor with a progress
-    bar and cast to `dtype`; the tokenizer comes from the same directory (or the GGUF's embedded one).
+    bar and cast to `dtype`; with `load_in_4bit=True` the decoder projections are quantized to NF4 (bitsandbytes
+    layout) as they load, while embeddings, norms and lm_head keep `dtype`. The tokenizer comes from the same
+    directory (or the GGUF's embedded one).
     """
-    if load_in_4bit:
-        raise NotImplementedError("load_in_4bit is not available yet; load in bfloat16")
     cfg, source, gguf_path = open_checkpoint(path)
     with source:
-        model = load_model(source, cfg, dtype, desc=f"loading {os.path.basename(os.fspath(path).rstrip('/'))}")
+        name = os.path.basename(os.fspath(path).rstrip("/"))
+        model = load_model(source, cfg, dtype, load_in_4bit=load_in_4bit, desc=f"loading {name}")
     tokenizer = _load_tokenizer(os.fspath(path), gguf_path)
     return model, tokenizer

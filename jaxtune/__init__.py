@@ -7,7 +7,9 @@ from typing import Any
 from jaxtune.config import ModelConfig
 from jaxtune.errors import CheckpointError, JaxtuneError, UnsupportedModelError
 from jaxtune.generate import generate
+from jaxtune import nf4
 from jaxtune.model import CausalLM, init_model
+from jaxtune.qlora import get_peft_model, quantize_layers
 
 __version__ = "0.1.0"
 
@@ -31,5 +33,8 @@ __all__ = [
     "UnsupportedModelError",
     "from_pretrained",
     "generate",
+    "get_peft_model",
     "init_model",
+    "nf4",
+    "quantize_layers",
 ]

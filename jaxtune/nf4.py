@@ -101,8 +101,17 @@ def _quantize_absmax(absmax: jax.Array, offset: jax.Array, code: jax.Array) -> t
     return q, nested
 
 
+def quantize_traced(w: jax.Array, offset: jax.Array | None = None, nested_map: jax.Array | None = None) -> NF4Weight:
+    """Traceable NF4 quantization (inside jit/vmap); without `offset` the mean is a float32 reduction."""
+    absmax, packed = _absmax_and_codes(w)
+    offset = jnp.mean(absmax) if offset is None else jnp.asarray(offset, jnp.float32)
+    code = jnp.asarray(dynamic_map() if nested_map is None else nested_map, jnp.float32)
+    q, nested = _quantize_absmax(absmax, offset, code)
+    return NF4Weight(packed, q, nested, offset, code)
+
+
 _nf4_codes = jax.jit(_absmax_and_codes)
-_double_quant = jax.jit(_quantize_absmax)
+_quantize_with_offset = jax.jit(quantize_traced)
 
 
 def quantize(
@@ -114,13 +123,11 @@ def quantize(
     bit depends on the implementation (to reproduce a given bnb state bit for bit).
     """
     _check_shape(tuple(w.shape))
-    absmax, packed = _nf4_codes(jnp.asarray(w))
+    w = jnp.asarray(w)
     if offset is None:
+        absmax, _ = _nf4_codes(w)
         offset = np.asarray(absmax, np.float64).mean()  # float64 accumulation, correctly rounded to float32
-    offset = jnp.float32(offset)
-    code = jnp.asarray(dynamic_map() if nested_map is None else nested_map, jnp.float32)
-    q, nested = _double_quant(absmax, offset, code)
-    return NF4Weight(packed, q, nested, offset, code)
+    return _quantize_with_offset(w, jnp.float32(offset), None if nested_map is None else jnp.asarray(nested_map))
 
 
 def dequantize_absmax(q: NF4Weight) -> jax.Array:

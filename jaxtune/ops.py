@@ -74,3 +74,10 @@ def attention(
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def nf4_linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array:
+    """y = x @ dequant(W).T (+ bias) for an NF4 weight [out, in]; XLA reference: dequantize, then dot."""
+    from jaxtune.nf4 import dequantize
+
+    return linear(x, dequantize(weight, x.dtype), bias)

@@ -1,0 +1,124 @@
+"""QLoRA building blocks: frozen NF4 projections, LoRA adapters around any projection, and the model surgery.
+
+Only `nnx.LoRAParam` variables are trainable; the NF4 arrays are `QuantizedWeight` variables, which
+optimizers and `nnx.grad(..., wrt=nnx.LoRAParam)` never see.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtune import nf4, ops
+from jaxtune.model import CausalLM, Linear
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+class QuantizedWeight(nnx.Variable):
+    """A frozen array of a 4-bit weight (codes or scales): never trained, never differentiated."""
+
+
+class NF4Linear(nnx.Module):
+    """Frozen 4-bit projection y = x @ dequant(W).T (+ bias); arrays may carry a leading layer axis."""
+
+    def __init__(self, q: nf4.NF4Weight, bias: jax.Array | None = None):
+        self.codes = QuantizedWeight(q.codes)
+        self.absmax_codes = QuantizedWeight(q.absmax_codes)
+        self.nested_absmax = QuantizedWeight(q.nested_absmax)
+        self.offset = QuantizedWeight(q.offset)
+        self.nested_map = QuantizedWeight(q.nested_map)
+        self.bias = None if bias is None else nnx.Param(bias)
+
+    @property
+    def weight_nf4(self) -> nf4.NF4Weight:
+        return nf4.NF4Weight(self.codes[...], self.absmax_codes[...], self.nested_absmax[...], self.offset[...],
+                             self.nested_map[...])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return ops.nf4_linear(x, self.weight_nf4, None if self.bias is None else self.bias[...])
+
+
+class LoRALinear(nnx.Module):
+    """base(x) + scale * (x @ A.T) @ B.T with A [r, in] (kaiming-uniform, as PEFT), B [out, r] (zeros)."""
+
+    def __init__(self, base: nnx.Module, in_features: int, out_features: int, *, r: int, alpha: float,
+                 use_rslora: bool, key: jax.Array, leading: tuple[int, ...] = (), dtype=jnp.float32):
+        self.base = base
+        bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) on [r, in]
+        self.lora_a = nnx.LoRAParam(jax.random.uniform(key, (*leading, r, in_features), dtype, -bound, bound))
+        self.lora_b = nnx.LoRAParam(jnp.zeros((*leading, out_features, r), dtype))
+        self.r, self.alpha, self.use_rslora = r, float(alpha), use_rslora
+        self.scale = float(alpha) / (math.sqrt(r) if use_rslora else r)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = self.base(x)
+        a = self.lora_a[...].astype(x.dtype)
+        b = self.lora_b[...].astype(x.dtype)
+        return y + (ops.linear(ops.linear(x, a), b) * jnp.asarray(self.scale, x.dtype)).astype(y.dtype)
+
+
+def _projections(model: CausalLM):
+    """(name, parent module, projection) for the 7 projections of the stacked decoder layers."""
+    for name in LORA_TARGETS:
+        parent = getattr(model.layers, _PARENT[name])
+        yield name, parent, getattr(parent, name)
+
+
+def quantize_layers(model: CausalLM) -> CausalLM:
+    """Replaces every dense projection of the decoder layers by a frozen NF4 one (in place; returns model).
+
+    Embeddings, norms and lm_head stay in the model dtype. Works on abstract models too (eval_shape).
+    """
+    for name, parent, proj in _projections(model):
+        if not isinstance(proj, Linear):
+            continue
+        w = proj.weight[...]
+        q = jax.vmap(nf4.quantize_traced)(w)
+        setattr(parent, name, NF4Linear(q, None if proj.bias is None else proj.bias[...]))
+    return model
+
+
+def get_peft_model(
+    model: CausalLM,
+    *,
+    r: int = 16,
+    lora_alpha: float = 16,
+    lora_dropout: float = 0.0,
+    target_modules: Sequence[str] = LORA_TARGETS,
+    use_rslora: bool = False,
+    seed: int = 0,
+) -> CausalLM:
+    """Wraps the target projections with LoRA adapters (in place; returns model). Only LoRA params train."""
+    unknown = sorted(set(target_modules) - set(LORA_TARGETS))
+    if unknown:
+        raise ValueError(f"unknown target module(s) {', '.join(unknown)}; valid: {', '.join(LORA_TARGETS)}")
+    if r < 1:
+        raise ValueError(f"LoRA rank r must be >= 1, got {r}")
+    if lora_dropout:
+        raise NotImplementedError("lora_dropout > 0 is not supported yet; use lora_dropout=0.0")
+    cfg = model.config
+    keys = jax.random.split(jax.random.key(seed), len(LORA_TARGETS))
+    for key, (name, parent, proj) in zip(keys, _projections(model)):
+        if name not in target_modules:
+            continue
+        if isinstance(proj, LoRALinear):
+            raise ValueError(f"{name} already has a LoRA adapter; call get_peft_model once per model")
+        out_f, in_f = _features(cfg, name)
+        setattr(parent, name, LoRALinear(proj, in_f, out_f, r=r, alpha=lora_alpha, use_rslora=use_rslora,
+                                         key=key, leading=(cfg.num_layers,)))
+    return model
+
+
+def _features(cfg, name: str) -> tuple[int, int]:
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    return {
+        "q_proj": (cfg.num_heads * d, h), "k_proj": (cfg.num_kv_heads * d, h), "v_proj": (cfg.num_kv_heads * d, h),
+        "o_proj": (h, cfg.num_heads * d), "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i),
+    }[name]

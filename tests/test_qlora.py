@@ -1,0 +1,91 @@
+"""QLoRA model: NF4 projections + LoRA adapters match HF + PEFT on the same dequantized base."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import LlamaConfig, Qwen2Config
+
+import jaxtune
+from conftest import build_hf_model
+from jaxtune import nf4
+from jaxtune.qlora import LORA_TARGETS, LoRALinear, NF4Linear, get_peft_model
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2)
+
+
+def _set_random_lora(model, seed: int):
+    rng = np.random.default_rng(seed)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
+        var.set_value(np.asarray(rng.standard_normal(var.get_value().shape) * 0.1, np.float32))
+    return model
+
+
+def _peft_reference(hf_model, model, *, r, alpha, rslora, targets):
+    """HF model with jaxtune's dequantized NF4 base weights and jaxtune's LoRA A/B, wrapped by PEFT."""
+    from peft import LoraConfig, get_peft_model as peft_get
+
+    layers = hf_model.model.layers
+    for name in LORA_TARGETS:
+        parent = "self_attn" if name[0] in "qkvo" else "mlp"
+        proj = getattr(getattr(model.layers, parent), name)
+        base = proj.base if isinstance(proj, LoRALinear) else proj
+        assert isinstance(base, NF4Linear)
+        w = np.asarray(nf4.dequantize(base.weight_nf4))  # [L, out, in]
+        for i, layer in enumerate(layers):
+            getattr(getattr(layer, parent), name).weight.data = torch.from_numpy(w[i].copy())
+    peft_model = peft_get(hf_model, LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, target_modules=list(targets),
+                                               lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
+    for name in targets:
+        parent = "self_attn" if name[0] in "qkvo" else "mlp"
+        proj = getattr(getattr(model.layers, parent), name)
+        a, b = np.asarray(proj.lora_a[...]), np.asarray(proj.lora_b[...])
+        for i, layer in enumerate(peft_model.base_model.model.model.layers):
+            mod = getattr(getattr(layer, parent), name)
+            mod.lora_A["default"].weight.data = torch.from_numpy(a[i].copy())
+            mod.lora_B["default"].weight.data = torch.from_numpy(b[i].copy())
+    return peft_model.eval()
+
+
+@pytest.mark.parametrize("hf_config, r, alpha, rslora, targets", [
+    (LlamaConfig(**COMMON), 8, 16, False, LORA_TARGETS),
+    (LlamaConfig(**COMMON, tie_word_embeddings=True), 4, 32, True, ("q_proj", "v_proj")),
+    (Qwen2Config(**COMMON), 16, 8, False, ("k_proj", "o_proj", "down_proj")),
+])
+def test_qlora_logits_equal_peft(tmp_path, hf_config, r, alpha, rslora, targets):
+    hf_model = build_hf_model(hf_config, tmp_path)
+    model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32", load_in_4bit=True)
+    get_peft_model(model, r=r, lora_alpha=alpha, use_rslora=rslora, target_modules=targets, seed=1)
+    _set_random_lora(model, seed=2)  # non-zero B, so the adapters change the output
+    ref_model = _peft_reference(hf_model, model, r=r, alpha=alpha, rslora=rslora, targets=targets)
+    ids = np.random.default_rng(3).integers(0, 128, size=(2, 12))
+    with torch.no_grad():
+        ref = ref_model(torch.as_tensor(ids)).logits.numpy()
+    ours = np.asarray(model(ids))
+    np.testing.assert_array_less(np.abs(ours - ref).max(), 1e-4)
+
+
+def test_load_in_4bit_keeps_embeddings_bf16_and_only_lora_trains(tmp_path):
+    build_hf_model(LlamaConfig(**COMMON), tmp_path)
+    model, _ = jaxtune.from_pretrained(tmp_path, load_in_4bit=True)
+    assert model.embed_tokens.weight[...].dtype == np.dtype("bfloat16")
+    assert model.layers.mlp.up_proj.codes[...].dtype == np.uint8
+    assert model.layers.mlp.up_proj.codes[...].shape == (2, 128, 32)
+    get_peft_model(model, r=4)
+    lora = nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))
+    assert len(lora) == 2 * len(LORA_TARGETS)
+    assert all(path[-1] in ("lora_a", "lora_b") for path, _ in lora)
+    a = model.layers.self_attn.q_proj.lora_a[...]
+    assert a.shape == (2, 4, 64) and np.abs(np.asarray(a)).max() <= 1 / np.sqrt(64)  # kaiming-uniform bound
+    assert not np.asarray(model.layers.self_attn.q_proj.lora_b[...]).any()
+
+
+def test_unknown_target_module_lists_valid_ones(tmp_path):
+    build_hf_model(LlamaConfig(**COMMON), tmp_path)
+    model, _ = jaxtune.from_pretrained(tmp_path, load_in_4bit=True)
+    with pytest.raises(ValueError) as e:
+        get_peft_model(model, target_modules=("q_proj", "qkv"))
+    assert "qkv" in str(e.value) and "gate_proj" in str(e.value) and "\n" not in str(e.value)
