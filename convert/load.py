@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import warnings
@@ -15,7 +16,9 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from convert.gguf_source import GGUFSource
+from convert.jaxtune_format import is_jaxtune_checkpoint, read_checkpoint
 from convert.safetensors_source import SafetensorsSource
+from convert.state_tree import Path, expected_arrays, merge_filled
 from jaxtune.bundled import resolve_model_path
 from jaxtune.config import ModelConfig, load_hf_config
 from jaxtune.errors import CheckpointError
@@ -24,7 +27,7 @@ from jaxtune.model import CausalLM
 from jaxtune.qlora import quantize_layers
 
 _IGNORED_TENSORS = re.compile(r"rotary_emb\.inv_freq$")
-Path = tuple[str, ...]
+_BNB_COMPANION = re.compile(r"\.weight\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\.bitsandbytes__nf4)$")
 
 
 def hf_name_to_path(name: str) -> tuple[Path, int | None] | None:
@@ -37,24 +40,6 @@ def hf_name_to_path(name: str) -> tuple[Path, int | None] | None:
     if name == "lm_head.weight":
         return ("lm_head", "weight"), None
     return None
-
-
-def _flatten(tree: dict, prefix: Path = ()) -> dict[Path, Any]:
-    out: dict[Path, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, prefix + (str(k),)))
-        else:
-            out[prefix + (str(k),)] = v
-    return out
-
-
-def _unflatten_into(tree: dict, flat: dict[Path, Any]) -> None:
-    for path, value in flat.items():
-        node = tree
-        for k in path[:-1]:
-            node = node[k]
-        node[path[-1]] = value
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -81,8 +66,13 @@ def _plan(source, cfg: ModelConfig, slots: dict[Path, tuple[tuple[int, ...], boo
     """Matches every checkpoint tensor to a model slot, checking names, shapes and completeness first."""
     plan: dict[str, tuple[Path, int | None]] = {}
     filled: set[tuple[Path, int | None]] = set()
-    for name in source.names():
+    names = set(source.names())
+    for name in names:
         if _IGNORED_TENSORS.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        if _BNB_COMPANION.search(name):
+            if name.split(".weight.")[0] + ".weight" not in names:
+                raise CheckpointError(f"bnb tensor {name} has no packed weight beside it; the checkpoint is incomplete")
             continue
         target = hf_name_to_path(name)
         if target is None or target[0] not in slots:
@@ -96,7 +86,9 @@ def _plan(source, cfg: ModelConfig, slots: dict[Path, tuple[tuple[int, ...], boo
         shape = slots[path][0]
         want = shape[1:] if layer is not None else shape
         got = source.shape(name)
-        if tuple(got) != tuple(want):
+        if slots[path][1] and f"{name}.absmax" in names:
+            pass  # a bnb-4bit packed weight: its quant_state shape is checked when it is read
+        elif tuple(got) != tuple(want):
             raise CheckpointError(f"tensor {name} has shape {tuple(got)} but config.json implies {tuple(want)}")
         plan[name] = target
         filled.add(target)
@@ -124,8 +116,7 @@ def load_model(
         return quantize_layers(model) if load_in_4bit else model
 
     graphdef, state = nnx.split(nnx.eval_shape(build))
-    pure = nnx.to_pure_dict(state)
-    expected = _flatten(pure)
+    pure, expected = expected_arrays(state)
     slots = _slots(expected)
     plan = _plan(source, cfg, slots)
     values: dict[Path, jax.Array] = {}
@@ -138,16 +129,21 @@ def load_model(
             values[path] = jnp.zeros(expected[path].shape, expected[path].dtype)
         values[path] = _set_layer(values[path], jnp.int32(layer), value)
 
+    names = set(source.names())
     for name, (path, layer) in tqdm(plan.items(), desc=desc, unit="tensor", leave=False):
-        if slots[path][1]:
+        if slots[path][1] and f"{name}.absmax" in names:  # pre-quantized by bitsandbytes: no requantization
+            shape = slots[path][0][-2:]
+            bnb = {suffix: source.get(f"{name}.{suffix}") for suffix in nf4.BNB_TENSOR_NAMES if suffix != "weight"}
+            q = nf4.from_bnb_tensors({"weight": source.get(name), **bnb}, shape, where=name)
+            for field in _NF4_ARRAYS:
+                put(path[:-1] + (field,), layer, jnp.asarray(getattr(q, field)))
+        elif slots[path][1]:
             q = nf4.quantize(np.asarray(source.get(name), np.float32))
             for field in _NF4_ARRAYS:
                 put(path[:-1] + (field,), layer, getattr(q, field))
         else:
             put(path, layer, jnp.asarray(np.asarray(source.get(name)).astype(expected[path].dtype, copy=False)))
-    _unflatten_into(pure, values)
-    nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state)
+    return merge_filled(graphdef, state, pure, values)
 
 
 def _load_tokenizer(path: str, gguf_file: str | None = None):
@@ -176,6 +172,23 @@ def open_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, Any, str | No
     return cfg, SafetensorsSource(path), None
 
 
+def bnb_quantization(model_dir: str) -> bool:
+    """True for a bitsandbytes 4-bit (NF4, double-quant) HF checkpoint; a clear error for other quantizations."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        qc = json.load(f).get("quantization_config")
+    if not qc:
+        return False
+    method = qc.get("quant_method")
+    if method != "bitsandbytes" or not qc.get("load_in_4bit"):
+        raise CheckpointError(
+            f"{model_dir} is quantized with {method!r}{'' if qc.get('load_in_4bit') else ' (not 4-bit)'}; "
+            "jaxtune loads bf16/fp16/fp32 or bitsandbytes 4-bit NF4 checkpoints"
+        )
+    if qc.get("bnb_4bit_quant_type", "nf4") != "nf4":
+        raise CheckpointError(f"{model_dir} uses bnb_4bit_quant_type={qc.get('bnb_4bit_quant_type')!r}; only nf4 is supported")
+    return True
+
+
 def from_pretrained(path: str | os.PathLike, *, dtype: str = "bfloat16", load_in_4bit: bool = False):
     """Loads (model, tokenizer) from an HF directory (single or sharded safetensors) or a .gguf file.
 
@@ -184,9 +197,17 @@ def from_pretrained(path: str | os.PathLike, *, dtype: str = "bfloat16", load_in
     layout) as they load, while embeddings, norms and lm_head keep `dtype`. The tokenizer comes from the same
     directory (or the GGUF's embedded one).
     """
-    cfg, source, gguf_path = open_checkpoint(path)
+    resolved = resolve_model_path(os.fspath(path))
+    if os.path.isdir(resolved) and is_jaxtune_checkpoint(resolved):
+        model = read_checkpoint(resolved, dtype=dtype)
+        if load_in_4bit:
+            quantize_layers(model)  # no-op when already NF4
+        return model, _load_tokenizer(resolved)
+    cfg, source, gguf_path = open_checkpoint(resolved)
+    if gguf_path is None and bnb_quantization(resolved):
+        load_in_4bit = True
     with source:
         name = os.path.basename(os.fspath(path).rstrip("/"))
         model = load_model(source, cfg, dtype, load_in_4bit=load_in_4bit, desc=f"loading {name}")
-    tokenizer = _load_tokenizer(os.fspath(path), gguf_path)
+    tokenizer = _load_tokenizer(resolved, gguf_path)
     return model, tokenizer

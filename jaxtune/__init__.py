@@ -14,7 +14,7 @@ from jaxtune.qlora import get_peft_model, quantize_layers
 __version__ = "0.1.0"
 
 # Checkpoint I/O lives in the `convert` package (which imports jaxtune); re-exported lazily to avoid a cycle.
-_FROM_CONVERT = {"from_pretrained": "convert.load"}
+_FROM_CONVERT = {"from_pretrained": "convert.load", "convert": "convert.convert"}
 
 
 def __getattr__(name: str) -> Any:
@@ -31,6 +31,7 @@ __all__ = [
     "JaxtuneError",
     "ModelConfig",
     "UnsupportedModelError",
+    "convert",
     "from_pretrained",
     "generate",
     "get_peft_model",

@@ -24,6 +24,13 @@ def _generate(args: argparse.Namespace) -> None:
         print(out)
 
 
+def _convert(args: argparse.Namespace) -> None:
+    from convert.convert import convert
+
+    seconds = convert(args.src, args.dst, quantize=args.quantize, dtype=args.dtype)
+    print(f"wrote {args.dst} ({args.quantize}) in {seconds:.1f} s")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxtune", description="QLoRA fine-tuning of Llama-family models in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -38,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     gen.add_argument("--raw", action="store_true", help="do not wrap prompts in the chat template")
     gen.set_defaults(func=_generate)
+
+    conv = sub.add_parser("convert", help="write a jaxtune checkpoint (pre-quantized NF4 by default) that loads fast")
+    conv.add_argument("src", help="HF model directory (bf16/fp16/fp32 or bnb-4bit), .gguf file, or smollm2")
+    conv.add_argument("dst", help="output directory (must not exist; written atomically)")
+    conv.add_argument("--quantize", default="nf4", help="nf4 (default) or none")
+    conv.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                      help="dtype of embeddings, norms and lm_head (and of all weights with --quantize none)")
+    conv.set_defaults(func=_convert)
     return parser
 
 

@@ -1,0 +1,133 @@
+"""jaxtune's own checkpoint: the model state as stacked safetensors, loaded with no conversion work.
+
+Layout of a directory:
+    jaxtune.json              {"format_version": 1, "quantization": "nf4" | "none", "dtype": "bfloat16"}
+    config.json               the HF config of the architecture
+    model-0000i-of-0000n.safetensors + model.safetensors.index.json
+                              one tensor per state array, named by its path ("layers.mlp.up_proj.codes"),
+                              decoder layers stacked on a leading axis
+    tokenizer files           as written by the tokenizer's save_pretrained
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
+from tqdm.auto import tqdm
+
+from convert.safetensors_source import SafetensorsSource
+from convert.state_tree import expected_arrays, merge_filled
+from jaxtune.config import ModelConfig, load_hf_config
+from jaxtune.errors import CheckpointError
+from jaxtune.model import CausalLM
+from jaxtune.qlora import quantize_layers
+
+FORMAT_FILE = "jaxtune.json"
+FORMAT_VERSION = 1
+QUANTIZATIONS = ("nf4", "none")
+SHARD_BYTES = 2 * 2**30
+
+
+def is_jaxtune_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, FORMAT_FILE))
+
+
+def check_quantization(name: str) -> str:
+    if name not in QUANTIZATIONS:
+        raise CheckpointError(f"unknown quantization {name!r}; supported: {', '.join(QUANTIZATIONS)}")
+    return name
+
+
+def abstract_for(cfg: ModelConfig, dtype: jnp.dtype, quantization: str) -> CausalLM:
+    """The abstract (shape-only) model of a config, dtype and quantization."""
+
+    def build() -> CausalLM:
+        model = CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+        return quantize_layers(model) if quantization == "nf4" else model
+
+    return nnx.eval_shape(build)
+
+
+def _flat_arrays(model: CausalLM) -> dict[str, jax.Array]:
+    _, arrays = expected_arrays(nnx.state(model))
+    return {".".join(path): value for path, value in arrays.items()}
+
+
+def write_checkpoint(model: CausalLM, tokenizer: Any, out_dir: str | os.PathLike, *, quantization: str) -> None:
+    """Writes model (+ tokenizer) to out_dir atomically: a temp dir beside it, renamed when complete."""
+    out_dir = os.fspath(out_dir).rstrip("/")
+    if os.path.exists(out_dir):
+        raise CheckpointError(f"{out_dir} already exists; choose a new output directory or delete it first")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.partial-", dir=parent)
+    try:
+        arrays = _flat_arrays(model)
+        shards: list[dict[str, np.ndarray]] = [{}]
+        size = 0
+        for name, value in arrays.items():
+            nbytes = value.size * value.dtype.itemsize
+            if shards[-1] and size + nbytes > SHARD_BYTES:
+                shards.append({})
+                size = 0
+            shards[-1][name] = value
+            size += nbytes
+        weight_map: dict[str, str] = {}
+        for i, shard in enumerate(tqdm(shards, desc="writing", unit="shard", leave=False)):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file({k: np.asarray(v) for k, v in shard.items()}, os.path.join(tmp, fname))
+            weight_map.update({k: fname for k in shard})
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"format": "jaxtune"}, "weight_map": weight_map}, f, indent=1)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(model.config.to_hf(), f, indent=2)
+        meta = {"format_version": FORMAT_VERSION, "quantization": quantization, "dtype": str(model.dtype)}
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, FORMAT_FILE), "w") as f:  # written last: marks the directory complete
+            json.dump(meta, f, indent=2)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_checkpoint(path: str, *, dtype: str | None = None) -> CausalLM:
+    """Loads a jaxtune checkpoint: each stored array goes straight to the device (no quantization work)."""
+    try:
+        with open(os.path.join(path, FORMAT_FILE)) as f:
+            meta = json.load(f)
+    except json.JSONDecodeError:
+        raise CheckpointError(f"{path}/{FORMAT_FILE} is not valid JSON; re-run jaxtune convert") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has jaxtune format version {meta.get('format_version')}; this jaxtune reads version "
+            f"{FORMAT_VERSION}: re-run jaxtune convert"
+        )
+    quantization = check_quantization(meta.get("quantization", "none"))
+    cfg = load_hf_config(path)
+    stored_dtype = jnp.dtype(meta.get("dtype", "bfloat16"))
+    target_dtype = jnp.dtype(dtype) if dtype is not None else stored_dtype
+    graphdef, state = nnx.split(abstract_for(cfg, target_dtype, quantization))
+    pure, expected = expected_arrays(state)
+    values = {}
+    with SafetensorsSource(path) as source:
+        names = set(source.names())
+        for path_tuple, want in tqdm(expected.items(), desc=f"loading {os.path.basename(path.rstrip('/'))}",
+                                     unit="tensor", leave=False):
+            name = ".".join(path_tuple)
+            if name not in names:
+                raise CheckpointError(f"{path} lacks tensor {name}; the checkpoint is incomplete, re-run jaxtune convert")
+            if tuple(source.shape(name)) != tuple(want.shape):
+                raise CheckpointError(f"tensor {name} has shape {tuple(source.shape(name))}, expected {tuple(want.shape)}")
+            values[path_tuple] = jnp.asarray(np.asarray(source.get(name)).astype(want.dtype, copy=False))
+    return merge_filled(graphdef, state, pure, values)
