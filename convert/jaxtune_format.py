@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -119,15 +120,23 @@ def read_checkpoint(path: str, *, dtype: str | None = None) -> CausalLM:
     target_dtype = jnp.dtype(dtype) if dtype is not None else stored_dtype
     graphdef, state = nnx.split(abstract_for(cfg, target_dtype, quantization))
     pure, expected = expected_arrays(state)
-    values = {}
     with SafetensorsSource(path) as source:
         names = set(source.names())
-        for path_tuple, want in tqdm(expected.items(), desc=f"loading {os.path.basename(path.rstrip('/'))}",
-                                     unit="tensor", leave=False):
+        for path_tuple, want in expected.items():
             name = ".".join(path_tuple)
             if name not in names:
                 raise CheckpointError(f"{path} lacks tensor {name}; the checkpoint is incomplete, re-run jaxtune convert")
             if tuple(source.shape(name)) != tuple(want.shape):
                 raise CheckpointError(f"tensor {name} has shape {tuple(source.shape(name))}, expected {tuple(want.shape)}")
-            values[path_tuple] = jnp.asarray(np.asarray(source.get(name)).astype(want.dtype, copy=False))
+
+        def put(item):
+            path_tuple, want = item
+            host = source.get(".".join(path_tuple))
+            return path_tuple, jax.device_put(host if host.dtype == want.dtype else host.astype(want.dtype))
+
+        # threads overlap page-cache reads with host-to-device copies (both release the GIL)
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            desc = f"loading {os.path.basename(path.rstrip('/'))}"
+            values = dict(tqdm(pool.map(put, expected.items()), total=len(expected), desc=desc, unit="tensor", leave=False))
+        jax.block_until_ready(list(values.values()))
     return merge_filled(graphdef, state, pure, values)

@@ -147,16 +147,15 @@ def load_model(
 
 
 def _load_tokenizer(path: str, gguf_file: str | None = None):
-    from transformers import AutoTokenizer
+    if gguf_file is None and not any(
+        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    ):
+        warnings.warn(f"{path} has no tokenizer files; returning tokenizer=None", stacklevel=3)
+        return None
+    from transformers import AutoTokenizer  # slow import: only when a tokenizer is needed
 
     if gguf_file is not None:
         return AutoTokenizer.from_pretrained(os.path.dirname(gguf_file) or ".", gguf_file=os.path.basename(gguf_file))
-    has_tokenizer = any(
-        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-    )
-    if not has_tokenizer:
-        warnings.warn(f"{path} has no tokenizer files; returning tokenizer=None", stacklevel=3)
-        return None
     return AutoTokenizer.from_pretrained(path)
 
 

@@ -7,12 +7,32 @@ import os
 from collections.abc import Iterator
 from contextlib import ExitStack
 
+import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from jaxtune.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
+_DTYPES = {
+    "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64, "U8": np.uint8,
+    "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "BOOL": np.bool_,
+}
+
+
+def _memmap_views(path: str) -> dict[str, np.ndarray]:
+    """Zero-copy numpy views of every tensor of a safetensors file (header already validated by safe_open)."""
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    views = {}
+    for name, info in header.items():
+        if name == "__metadata__" or info["dtype"] not in _DTYPES:
+            continue
+        start, end = info["data_offsets"]
+        views[name] = data[start:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+    return views
 SINGLE_FILE = "model.safetensors"
 
 
@@ -64,6 +84,7 @@ class SafetensorsSource:
         for fname, handle in self._handles.items():
             for key in handle.keys():
                 self._where[key] = fname
+        self._views = {f: _memmap_views(os.path.join(self.model_dir, f)) for f in files}
 
     def __enter__(self) -> "SafetensorsSource":
         return self
@@ -72,6 +93,7 @@ class SafetensorsSource:
         self.close()
 
     def close(self) -> None:
+        self._views = {}
         self._stack.close()
 
     def names(self) -> list[str]:
@@ -81,10 +103,15 @@ class SafetensorsSource:
         return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
 
     def get(self, name: str) -> np.ndarray:
-        try:
-            return self._handles[self._where[name]].get_tensor(name)
+        """The tensor as a read-only memory-mapped view (pages are read when the data is first touched)."""
+        fname = self._where[name]
+        view = self._views[fname].get(name)
+        if view is not None:
+            return view
+        try:  # dtypes numpy cannot view directly
+            return self._handles[fname].get_tensor(name)
         except SafetensorError as e:
-            raise CheckpointError(f"cannot read tensor {name} from {self._where[name]} ({e}); the file is corrupt") from None
+            raise CheckpointError(f"cannot read tensor {name} from {fname} ({e}); the file is corrupt") from None
 
     def items(self) -> Iterator[tuple[str, np.ndarray]]:
         for name in self._where:
