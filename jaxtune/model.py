@@ -27,7 +27,7 @@ class Linear(nnx.Module):
         self.weight = nnx.Param(_INIT_STD * jax.random.normal(rngs.params(), (out_features, in_features), dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
         return ops.linear(x, self.weight[...], None if self.bias is None else self.bias[...])
 
 
@@ -89,11 +89,12 @@ class Attention(nnx.Module):
         cache: LayerCache | None = None,
         cache_segment_ids: jax.Array | None = None,
         cache_index: jax.Array | None = None,
+        rng: jax.Array | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
         b, t, _ = x.shape
-        q = apply_rope(self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q = apply_rope(self.q_proj(x, fold_rng(rng, 0)).reshape(b, t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x, fold_rng(rng, 1)).reshape(b, t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x, fold_rng(rng, 2)).reshape(b, t, self.num_kv_heads, self.head_dim)
         if cache is None:
             out = ops.attention(q, k, v, q_segment_ids=segment_ids, sliding_window=self.sliding_window)
         else:
@@ -106,7 +107,7 @@ class Attention(nnx.Module):
                 q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), q_segment_ids=segment_ids,
                 kv_segment_ids=cache_segment_ids, q_offset=cache_index, sliding_window=self.sliding_window,
             )
-        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), cache
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim), fold_rng(rng, 3)), cache
 
 
 class MLP(nnx.Module):
@@ -116,8 +117,9 @@ class MLP(nnx.Module):
         self.up_proj = Linear(h, i, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(i, h, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+        h = jax.nn.silu(self.gate_proj(x, fold_rng(rng, 4))) * self.up_proj(x, fold_rng(rng, 5))
+        return self.down_proj(h, fold_rng(rng, 6))
 
 
 class DecoderLayer(nnx.Module):
@@ -127,12 +129,17 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, segment_ids, cache=None, cache_segment_ids=None, cache_index=None):
+    def __call__(self, x, cos, sin, segment_ids, cache=None, cache_segment_ids=None, cache_index=None, rng=None):
         attn, cache = self.self_attn(
-            self.input_layernorm(x), cos, sin, segment_ids, cache, cache_segment_ids, cache_index
+            self.input_layernorm(x), cos, sin, segment_ids, cache, cache_segment_ids, cache_index, rng
         )
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        return x + self.mlp(self.post_attention_layernorm(x), rng), cache
+
+
+def fold_rng(rng: jax.Array | None, index: int) -> jax.Array | None:
+    """A distinct key per projection (None stays None: dropout off)."""
+    return None if rng is None else jax.random.fold_in(rng, index)
 
 
 def _stacked_layers(cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> DecoderLayer:
@@ -173,20 +180,33 @@ class CausalLM(nnx.Module):
         self.remat_policy: str = "none"
 
     def __call__(
-        self, input_ids: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        *,
+        dropout_rng: jax.Array | None = None,
     ) -> jax.Array:
-        return self.logits(self.hidden_states(input_ids, positions, segment_ids))
+        return self.logits(self.hidden_states(input_ids, positions, segment_ids, dropout_rng=dropout_rng))
 
     def hidden_states(
-        self, input_ids: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        *,
+        dropout_rng: jax.Array | None = None,
     ) -> jax.Array:
-        """Final-norm hidden states [B, T, H], for losses that apply the lm_head in chunks."""
+        """Final-norm hidden states [B, T, H], for losses that apply the lm_head in chunks.
+
+        `dropout_rng` switches LoRA dropout on (training); without it the model is deterministic.
+        """
         if positions is None:
             if segment_ids is None:
                 positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
             else:
                 positions = segment_positions(segment_ids)
-        h, _ = self._decode(input_ids, positions, segment_ids, None, None)
+        h, _ = self._decode(input_ids, positions, segment_ids, None, None, dropout_rng)
         return h
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -207,20 +227,22 @@ class CausalLM(nnx.Module):
         h, (k, v) = self._decode(input_ids, positions, segment_ids, LayerCache(cache.k, cache.v), (seg, cache_index))
         return self.logits(h), KVCache(k, v, seg)
 
-    def _decode(self, input_ids, positions, segment_ids, cache, cache_args):
+    def _decode(self, input_ids, positions, segment_ids, cache, cache_args, dropout_rng=None):
         cos, sin = rope_tables(self.config, positions)
         h = self.embed_tokens(input_ids).astype(self.dtype)
         graphdef, layer_state = nnx.split(self.layers)
         cache_seg, cache_index = cache_args if cache_args is not None else (None, None)
 
+        layer_rngs = None if dropout_rng is None else jax.random.split(dropout_rng, self.config.num_layers)
+
         def body(h, xs):
-            state, layer_cache = xs
+            state, layer_cache, rng = xs
             layer = nnx.merge(graphdef, state)
-            return layer(h, cos, sin, segment_ids, layer_cache, cache_seg, cache_index)
+            return layer(h, cos, sin, segment_ids, layer_cache, cache_seg, cache_index, rng)
 
         if self.remat_policy != "none":
             body = jax.checkpoint(body, policy=remat_policy(self.remat_policy), prevent_cse=False)
-        h, new_cache = jax.lax.scan(body, h, (layer_state, cache))
+        h, new_cache = jax.lax.scan(body, h, (layer_state, cache, layer_rngs))
         return self.norm(h), new_cache
 
 

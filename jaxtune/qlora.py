@@ -41,24 +41,32 @@ class NF4Linear(nnx.Module):
         return nf4.NF4Weight(self.codes[...], self.absmax_codes[...], self.nested_absmax[...], self.offset[...],
                              self.nested_map[...])
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
         return ops.nf4_linear(x, self.weight_nf4, None if self.bias is None else self.bias[...])
 
 
 class LoRALinear(nnx.Module):
-    """base(x) + scale * (x @ A.T) @ B.T with A [r, in] (kaiming-uniform, as PEFT), B [out, r] (zeros)."""
+    """base(x) + scale * (dropout(x) @ A.T) @ B.T with A [r, in] (kaiming-uniform, as PEFT), B [out, r] (zeros).
+
+    Dropout applies only when the caller passes an rng (training); LoRA params are kept in float32.
+    """
 
     def __init__(self, base: nnx.Module, in_features: int, out_features: int, *, r: int, alpha: float,
-                 use_rslora: bool, key: jax.Array, leading: tuple[int, ...] = (), dtype=jnp.float32):
+                 use_rslora: bool, key: jax.Array, leading: tuple[int, ...] = (), dropout: float = 0.0,
+                 dtype=jnp.float32):
         self.base = base
         bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) on [r, in]
         self.lora_a = nnx.LoRAParam(jax.random.uniform(key, (*leading, r, in_features), dtype, -bound, bound))
         self.lora_b = nnx.LoRAParam(jnp.zeros((*leading, out_features, r), dtype))
         self.r, self.alpha, self.use_rslora = r, float(alpha), use_rslora
         self.scale = float(alpha) / (math.sqrt(r) if use_rslora else r)
+        self.dropout = float(dropout)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
         y = self.base(x)
+        if rng is not None and self.dropout > 0.0:
+            keep = jax.random.bernoulli(rng, 1.0 - self.dropout, x.shape)
+            x = jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
         a = self.lora_a[...].astype(x.dtype)
         b = self.lora_b[...].astype(x.dtype)
         return y + (ops.linear(ops.linear(x, a), b) * jnp.asarray(self.scale, x.dtype)).astype(y.dtype)
@@ -101,8 +109,8 @@ def get_peft_model(
         raise ValueError(f"unknown target module(s) {', '.join(unknown)}; valid: {', '.join(LORA_TARGETS)}")
     if r < 1:
         raise ValueError(f"LoRA rank r must be >= 1, got {r}")
-    if lora_dropout:
-        raise NotImplementedError("lora_dropout > 0 is not supported yet; use lora_dropout=0.0")
+    if not 0.0 <= lora_dropout < 1.0:
+        raise ValueError(f"lora_dropout must be in [0, 1), got {lora_dropout}")
     cfg = model.config
     keys = jax.random.split(jax.random.key(seed), len(LORA_TARGETS))
     for key, (name, parent, proj) in zip(keys, _projections(model)):
@@ -112,7 +120,7 @@ def get_peft_model(
             raise ValueError(f"{name} already has a LoRA adapter; call get_peft_model once per model")
         out_f, in_f = _features(cfg, name)
         setattr(parent, name, LoRALinear(proj, in_f, out_f, r=r, alpha=lora_alpha, use_rslora=use_rslora,
-                                         key=key, leading=(cfg.num_layers,)))
+                                         key=key, leading=(cfg.num_layers,), dropout=lora_dropout))
     return model
 
 

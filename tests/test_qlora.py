@@ -89,3 +89,32 @@ def test_unknown_target_module_lists_valid_ones(tmp_path):
     with pytest.raises(ValueError) as e:
         get_peft_model(model, target_modules=("q_proj", "qkv"))
     assert "qkv" in str(e.value) and "gate_proj" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_lora_dropout_applies_only_with_an_rng(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    build_hf_model(LlamaConfig(**COMMON), tmp_path)
+    model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32", load_in_4bit=True)
+    get_peft_model(model, r=4, lora_dropout=0.5)
+    _set_random_lora(model, seed=5)
+    ids = np.random.default_rng(6).integers(0, 128, size=(1, 8))
+    no_dropout = np.asarray(model(ids))
+    key = jax.random.key(0)
+    a = np.asarray(model(ids, dropout_rng=key))
+    b = np.asarray(model(ids, dropout_rng=key))
+    c = np.asarray(model(ids, dropout_rng=jax.random.key(1)))
+    np.testing.assert_array_equal(a, b)  # same key, same mask
+    assert np.abs(a - no_dropout).max() > 1e-3 and np.abs(a - c).max() > 1e-3
+    # one adapter checked against the formula: base(x) + s * B A (x * mask / (1 - p))
+    proj = model.layers.self_attn.q_proj
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((2, 3, 64)), jnp.float32)
+    rng = jax.random.key(3)
+    keep = np.asarray(jax.random.bernoulli(rng, 0.5, x.shape))
+    a0, b0 = np.asarray(proj.lora_a[...])[0], np.asarray(proj.lora_b[...])[0]
+    w0 = np.asarray(nf4.dequantize(proj.base.weight_nf4))[0]
+    want = np.asarray(x) @ w0.T + proj.scale * ((np.asarray(x) * keep / 0.5) @ a0.T) @ b0.T
+    graphdef, state = nnx.split(proj)
+    one = nnx.merge(graphdef, jax.tree.map(lambda v: v[0], state))
+    np.testing.assert_allclose(np.asarray(one(x, rng)), want, rtol=1e-5, atol=1e-5)
