@@ -10,6 +10,7 @@ from jaxtune.generate import generate
 from jaxtune import nf4
 from jaxtune.model import CausalLM, init_model
 from jaxtune.qlora import get_peft_model, quantize_layers
+from jaxtune.train import TrainConfig, TrainResult, train
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,8 @@ __all__ = [
     "CheckpointError",
     "JaxtuneError",
     "ModelConfig",
+    "TrainConfig",
+    "TrainResult",
     "UnsupportedModelError",
     "convert",
     "from_pretrained",
@@ -38,4 +41,5 @@ __all__ = [
     "init_model",
     "nf4",
     "quantize_layers",
+    "train",
 ]

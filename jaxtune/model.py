@@ -209,10 +209,13 @@ class CausalLM(nnx.Module):
         h, _ = self._decode(input_ids, positions, segment_ids, None, None, dropout_rng)
         return h
 
+    def head_weight(self) -> jax.Array:
+        """The output projection [V, H]: lm_head, or the embedding when tied."""
+        return self.embed_tokens.weight[...] if self.lm_head is None else self.lm_head.weight[...]
+
     def logits(self, hidden: jax.Array) -> jax.Array:
         """lm_head (or the tied embedding) applied to hidden states, float32 logits."""
-        weight = self.embed_tokens.weight[...] if self.lm_head is None else self.lm_head.weight[...]
-        return ops.linear(hidden, weight, out_dtype=jnp.float32)
+        return ops.linear(hidden, self.head_weight(), out_dtype=jnp.float32)
 
     def forward_with_cache(
         self,

@@ -58,3 +58,44 @@ def smollm2_path():
         return bundled_path("smollm2")
     except Exception as e:  # the package is installed by `make test`
         pytest.skip(f"bundled SmolLM2 unavailable: {e}")
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory):
+    """A small byte-level BPE tokenizer with ChatML special tokens and chat template, trained offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["The quick brown fox jumps over the lazy dog. " * 3, "Paris is the capital of France.",
+              '{"name": "Ana", "age": 31, "city": "Lisbon"}', "user assistant system hello world 0123456789"]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    path = tmp_path_factory.mktemp("tok")
+    fast.save_pretrained(path)
+    return PreTrainedTokenizerFast.from_pretrained(path)
+
+
+@pytest.fixture
+def tiny_qlora_model(tiny_tokenizer):
+    """A random 2-layer Llama in float32 with NF4 projections, vocab sized to the tiny tokenizer."""
+    from jaxtune.config import ModelConfig
+    from jaxtune.model import init_model
+    from jaxtune.qlora import quantize_layers
+
+    cfg = ModelConfig(model_type="llama", vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                      eos_token_id=tiny_tokenizer.eos_token_id)
+    return quantize_layers(init_model(cfg, dtype="float32", seed=0))

@@ -1,0 +1,41 @@
+"""Automatic micro-batch size from the compiled step's memory analysis (no trial runs)."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from jaxtune.train.config import TrainConfig
+
+CANDIDATES = (64, 32, 16, 8, 4, 2, 1)
+CPU_DEFAULT = 4
+MARGIN = 0.9  # use at most this fraction of device memory
+
+
+def step_bytes(step_fn, lora, opt_state, frozen, micro: int, cfg: TrainConfig) -> int:
+    """Device bytes the compiled step needs at this micro-batch (arguments + outputs + temporaries)."""
+    shape = (cfg.grad_accum, micro, cfg.seq_len)
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("input_ids", "labels", "segment_ids", "positions")}
+    compiled = step_fn.lower(lora, opt_state, frozen, batch, jnp.int32(0)).compile()
+    mem = compiled.memory_analysis()
+    return int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+               - mem.alias_size_in_bytes)
+
+
+def choose_micro_batch(cfg: TrainConfig, step_fn, lora, opt_state, frozen) -> int:
+    """The largest candidate micro-batch whose compiled step fits device memory with a margin."""
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        warnings.warn(f"device memory size unknown (CPU); micro_batch_size='auto' uses {CPU_DEFAULT}", stacklevel=3)
+        return CPU_DEFAULT
+    budget = stats["bytes_limit"] * MARGIN
+    for micro in CANDIDATES:
+        try:
+            if step_bytes(step_fn, lora, opt_state, frozen, micro, cfg) <= budget:
+                return micro
+        except Exception as e:  # compilation itself may run out of memory at large sizes
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+    return 1

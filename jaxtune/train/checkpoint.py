@@ -1,0 +1,52 @@
+"""Run checkpoints with orbax: LoRA params, optimizer state, step and data position; resumable exactly.
+
+orbax writes each checkpoint to a temporary directory and renames it when complete, so a process killed
+mid-save leaves the previous checkpoint loadable.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+
+class RunCheckpoints:
+    def __init__(self, run_dir: str, *, max_to_keep: int = 2):
+        self.directory = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False),
+        )
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, lora: Any, opt_state: Any, meta: dict[str, Any]) -> None:
+        """Saves (overwriting nothing: a step already saved is skipped)."""
+        if step in self.manager.all_steps():
+            return
+        tree = {"lora": jax.tree.leaves(lora), "opt": jax.tree.leaves(opt_state)}
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
+        self.manager.wait_until_finished()
+
+    def restore(self, lora: Any, opt_state: Any, step: int | None = None) -> tuple[Any, Any, dict[str, Any]]:
+        """(lora, opt_state, meta) of a saved step, shaped like the given (abstract or concrete) trees."""
+        step = self.latest_step() if step is None else step
+        abstract = {
+            "lora": [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in jax.tree.leaves(lora)],
+            "opt": [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in jax.tree.leaves(opt_state)],
+        }
+        out = self.manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+        )
+        state = out["state"]
+        lora = jax.tree.unflatten(jax.tree.structure(lora), state["lora"])
+        opt_state = jax.tree.unflatten(jax.tree.structure(opt_state), state["opt"])
+        return lora, opt_state, dict(out["meta"])
+
+    def close(self) -> None:
+        self.manager.close()

@@ -1,0 +1,258 @@
+"""`jaxtune.train`: data -> packed batches -> jitted steps, with progress, metrics, eval and checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jaxtune.data import BatchStream, PackedRows, encode_rows, pack_examples, read_rows
+from jaxtune.data.sources import DataError, Row
+from jaxtune.errors import JaxtuneError
+from jaxtune.model import CausalLM
+from jaxtune.qlora import get_peft_model
+from jaxtune.train.autobatch import choose_micro_batch
+from jaxtune.train.checkpoint import RunCheckpoints
+from jaxtune.train.config import TrainConfig
+from jaxtune.train.step import (REMAT_POLICIES, make_eval_step, make_optimizer, make_train_step, split_model,
+                                to_device_batch)
+
+PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16 datasheet peak, as published MFU figures use
+
+
+class TrainingDiverged(JaxtuneError, RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradient."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    steps: int
+    losses: list[float]
+    eval_losses: list[tuple[int, float]]
+    packing_efficiency: float
+    tokens_per_second: float
+    skipped_steps: int
+    interrupted: bool
+    run_dir: str | None
+
+
+def _rows_from(data: str | os.PathLike | Sequence[dict[str, Any]]) -> list[Row]:
+    if isinstance(data, (str, os.PathLike)):
+        return read_rows(data)
+    rows = [Row(r, f"data[{i}]") for i, r in enumerate(data)]
+    if not rows:
+        raise DataError("the dataset is empty; it needs at least one row")
+    return rows
+
+
+def prepare_data(data, tokenizer, cfg: TrainConfig) -> tuple[PackedRows, PackedRows | None]:
+    """(train rows, held-out rows or None), packed; the held-out split is drawn from cfg.seed."""
+    rows = _rows_from(data)
+    eval_rows: list[Row] = []
+    if cfg.eval_fraction > 0:
+        order = np.random.default_rng(cfg.seed).permutation(len(rows))
+        n_eval = max(1, int(len(rows) * cfg.eval_fraction))
+        eval_rows = [rows[i] for i in sorted(order[:n_eval])]
+        rows = [rows[i] for i in sorted(order[n_eval:])]
+    train = pack_examples(encode_rows(rows, cfg.format, tokenizer, train_on_all=cfg.train_on_all), cfg.seq_len,
+                          packing=cfg.packing)
+    held = None
+    if eval_rows:
+        held = pack_examples(encode_rows(eval_rows, cfg.format, tokenizer, train_on_all=cfg.train_on_all), cfg.seq_len,
+                             packing=cfg.packing)
+    return train, held
+
+
+def flops_per_token(model: CausalLM, seq_len: int) -> float:
+    """LoRA training FLOPs per token: forward + input gradient of every matmul (no weight gradient for frozen
+    weights) and causal attention forward + backward."""
+    c = model.config
+    per_layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
+    per_layer += 3 * c.hidden_size * c.intermediate_size
+    matmul = c.num_layers * per_layer + c.hidden_size * c.vocab_size
+    return 4.0 * matmul + 6.0 * seq_len * c.head_dim * c.num_heads * c.num_layers
+
+
+def _peak_memory_gib() -> float | None:
+    stats = jax.devices()[0].memory_stats()
+    return None if not stats else stats.get("peak_bytes_in_use", 0) / 2**30
+
+
+class _StopSignal:
+    """Turns SIGINT/SIGTERM into a flag the loop checks after each step (then it saves and returns)."""
+
+    def __init__(self):
+        self.hit = False
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, *_):
+        self.hit = True
+
+    def __exit__(self, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+def _plot_losses(path: str, losses: list[float], eval_losses: list[tuple[int, float]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(range(1, len(losses) + 1), losses, label="train")
+    if eval_losses:
+        ax.plot([s for s, _ in eval_losses], [v for _, v in eval_losses], "o-", label="eval")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def train(
+    model: CausalLM,
+    tokenizer: Any,
+    data: str | os.PathLike | Sequence[dict[str, Any]],
+    config: TrainConfig | None = None,
+    *,
+    out_dir: str | os.PathLike | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    callback: Callable[[dict[str, Any]], None] | None = None,
+) -> TrainResult:
+    """Fine-tunes the LoRA adapters of `model` in place (adding them from `config` if it has none).
+
+    With `out_dir`, writes metrics.jsonl, checkpoints (every `save_steps`, at the end, and on SIGINT/SIGTERM),
+    config.json and loss.png there; `resume=True` continues from its latest checkpoint exactly.
+    `callback(record)` sees each step's metrics record.
+    """
+    cfg = config or TrainConfig()
+    run_dir = None if out_dir is None else os.fspath(out_dir)
+    if not jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
+        get_peft_model(model, r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                       target_modules=cfg.target_modules, use_rslora=cfg.use_rslora, seed=cfg.seed)
+    model.remat_policy = REMAT_POLICIES[cfg.remat]
+    train_rows, eval_rows = prepare_data(data, tokenizer, cfg)
+
+    graphdef, lora, frozen = split_model(model)
+    optimizer, schedule = make_optimizer(cfg)
+    opt_state = optimizer.init(lora)
+    step_fn = make_train_step(graphdef, optimizer, schedule, cfg)
+    micro = choose_micro_batch(cfg, step_fn, lora, opt_state, frozen) if cfg.micro_batch_size == "auto" \
+        else cfg.micro_batch_size
+    stream = BatchStream(train_rows, micro_batch=micro, accum=cfg.grad_accum, seed=cfg.seed)
+    eval_fn = make_eval_step(graphdef, cfg) if eval_rows is not None and len(eval_rows) else None
+
+    ckpt, start_step, skipped_total, losses, eval_losses = None, 0, 0, [], []
+    if run_dir is not None:
+        os.makedirs(run_dir, exist_ok=True)
+        ckpt = RunCheckpoints(run_dir)
+        latest = ckpt.latest_step()
+        if latest is not None and not resume:
+            raise JaxtuneError(f"{run_dir} already holds checkpoints (step {latest}); pass resume=True (--resume) "
+                               "to continue, or choose a new output directory")
+        if latest is not None:
+            lora, opt_state, meta = ckpt.restore(lora, opt_state)
+            stream.restore(meta["data"])
+            start_step, skipped_total = int(meta["step"]), int(meta["skipped"])
+            losses, eval_losses = list(meta["losses"]), [tuple(e) for e in meta["eval_losses"]]
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump({"train": cfg.to_dict(), "model": model.config.to_hf(), "micro_batch_size": micro}, f, indent=2)
+        _truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), start_step)
+
+    def save(step: int) -> None:
+        if ckpt is not None:
+            meta = {"step": step, "skipped": skipped_total, "data": stream.state(), "losses": losses,
+                    "eval_losses": [list(e) for e in eval_losses]}
+            ckpt.save(step, lora, opt_state, meta)
+
+    fpt = flops_per_token(model, cfg.seq_len)
+    on_gpu = jax.devices()[0].platform == "gpu"
+    step, bad_in_row, interrupted, tokens_per_s = start_step, 0, False, 0.0
+    bar = tqdm(total=cfg.max_steps, initial=start_step, desc="training", unit="step", disable=not progress)
+    with _StopSignal() as stop:
+        while step < cfg.max_steps:
+            t0 = time.perf_counter()
+            batch = to_device_batch(stream.next())
+            lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, np.int32(step))
+            m = {k: float(v) for k, v in jax.device_get(m).items()}
+            dt = time.perf_counter() - t0
+            step += 1
+            tokens_per_s = float((batch["segment_ids"] > 0).sum()) / dt
+            bad_in_row = bad_in_row + 1 if m["skipped"] else 0
+            skipped_total += int(m["skipped"])
+            losses.append(m["loss"])
+            record = {"step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
+                      "tokens_per_s": round(tokens_per_s, 1), "skipped": int(m["skipped"])}
+            if on_gpu:
+                record["mfu"] = round(tokens_per_s * fpt / PEAK_BF16_FLOPS, 4)
+                record["peak_memory_gib"] = _peak_memory_gib()
+            if eval_fn is not None and cfg.eval_steps and (step % cfg.eval_steps == 0 or step == cfg.max_steps):
+                record["eval_loss"] = _evaluate(eval_fn, lora, frozen, eval_rows, micro)
+                eval_losses.append((step, record["eval_loss"]))
+            if run_dir is not None:
+                with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            if callback is not None:
+                callback(record)
+            bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+            bar.update(1)
+            if bad_in_row >= cfg.max_bad_steps:
+                bar.close()
+                raise TrainingDiverged(
+                    f"{bad_in_row} steps in a row had a non-finite loss or gradient (step {step}); stopped with the "
+                    "last good checkpoint intact: lower learning_rate or check the data"
+                )
+            if cfg.save_steps and step % cfg.save_steps == 0:
+                save(step)
+            if stop.hit:
+                interrupted = True
+                break
+    bar.close()
+    save(step)
+    if ckpt is not None:
+        ckpt.close()
+    nnx.update(model, lora)
+    if run_dir is not None and losses:
+        _plot_losses(os.path.join(run_dir, "loss.png"), losses, eval_losses)
+    return TrainResult(step, losses, eval_losses, train_rows.efficiency, tokens_per_s, skipped_total, interrupted,
+                       run_dir)
+
+
+def _evaluate(eval_fn, lora, frozen, rows: PackedRows, micro: int) -> float:
+    total, count = 0.0, 0
+    for start in range(0, len(rows), micro):
+        idx = np.arange(start, min(start + micro, len(rows)))
+        batch = {k: getattr(rows, k)[idx][None] for k in ("input_ids", "labels", "segment_ids", "positions")}
+        s, n = eval_fn(lora, frozen, to_device_batch(batch))
+        total, count = total + float(s), count + int(n)
+    return total / max(count, 1)
+
+
+def _truncate_metrics(path: str, last_step: int) -> None:
+    """On resume, drop metric lines of steps after the restored checkpoint (they will be redone)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
+    with open(path, "w") as f:
+        f.writelines(kept)

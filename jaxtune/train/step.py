@@ -1,0 +1,108 @@
+"""The jit-compiled training step: a pure function of (LoRA params, optimizer state, frozen weights, batch)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxtune.data.packing import IGNORE
+from jaxtune.model import CausalLM
+from jaxtune.train.config import TrainConfig
+from jaxtune.train.loss import chunked_cross_entropy
+
+REMAT_POLICIES = {"none": "none", "per-layer": "full", "offload": "offload"}
+
+
+def make_schedule(cfg: TrainConfig) -> optax.Schedule:
+    peak, warm, total = cfg.learning_rate, cfg.warmup_steps, cfg.max_steps
+    if cfg.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, peak, warm, max(total, warm + 1), end_value=0.0)
+    after = optax.constant_schedule(peak) if cfg.schedule == "constant" else optax.linear_schedule(
+        peak, 0.0, max(total - warm, 1)
+    )
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), after], [warm]) if warm else after
+
+
+def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    schedule = make_schedule(cfg)
+    opt = optax.chain(
+        optax.clip_by_global_norm(cfg.max_grad_norm),
+        optax.adamw(schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, weight_decay=cfg.weight_decay),
+    )
+    return opt, schedule
+
+
+def split_model(model: CausalLM) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """(graphdef, trainable LoRA state, everything else): only the LoRA state is differentiated and donated."""
+    graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    if not jax.tree.leaves(lora):
+        raise ValueError("the model has no LoRA parameters to train; call jaxtune.get_peft_model(model) first")
+    return graphdef, lora, frozen
+
+
+def _micro_loss(graphdef, lora, frozen, micro: dict[str, jax.Array], rng, chunk_size: int):
+    model = nnx.merge(graphdef, lora, frozen)
+    hidden = model.hidden_states(micro["input_ids"], micro["positions"], micro["segment_ids"], dropout_rng=rng)
+    loss_sum, _ = chunked_cross_entropy(hidden, model.head_weight(), micro["labels"], chunk_size=chunk_size)
+    return loss_sum
+
+
+def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
+                    cfg: TrainConfig) -> Callable:
+    """step(lora, opt_state, frozen, batch [accum, B, T], step) -> (lora, opt_state, metrics).
+
+    Gradients are accumulated over the micro-batches inside the jit and normalized by the number of label
+    tokens of the whole accumulated batch, so 4 micro-batches of 1 equal 1 batch of 4. A step whose loss or
+    gradients are not finite leaves parameters and optimizer state unchanged (metrics["skipped"] = 1).
+    """
+    grad_fn = jax.value_and_grad(_micro_loss, argnums=1)
+    base_key = jax.random.key(cfg.seed)
+
+    def step(lora, opt_state, frozen, batch, step_index):
+        total_tokens = jnp.maximum(jnp.sum(batch["labels"] != IGNORE), 1).astype(jnp.float32)
+        key = jax.random.fold_in(base_key, step_index) if cfg.lora_dropout > 0 else None
+
+        def accumulate(carry, xs):
+            loss_acc, grad_acc = carry
+            micro, i = xs
+            rng = None if key is None else jax.random.fold_in(key, i)
+            loss, grads = grad_fn(graphdef, lora, frozen, micro, rng, cfg.ce_chunk_size)
+            grad_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32) / total_tokens, grad_acc, grads)
+            return (loss_acc + loss, grad_acc), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), lora)
+        accum = batch["input_ids"].shape[0]
+        (loss_sum, grads), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros), (batch, jnp.arange(accum)))
+        loss = loss_sum / total_tokens
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, new_opt_state = optimizer.update(grads, opt_state, lora)
+        new_lora = optax.apply_updates(lora, updates)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(step_index),
+                   "tokens": total_tokens, "skipped": (~finite).astype(jnp.int32)}
+        return keep(new_lora, lora), keep(new_opt_state, opt_state), metrics
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_eval_step(graphdef: nnx.GraphDef, cfg: TrainConfig) -> Callable:
+    """eval(lora, frozen, batch [accum, B, T]) -> (sum of token losses, number of label tokens)."""
+
+    def evaluate(lora, frozen, batch):
+        def body(carry, micro):
+            return carry + _micro_loss(graphdef, lora, frozen, micro, None, cfg.ce_chunk_size), None
+
+        total, _ = jax.lax.scan(body, jnp.float32(0), batch)
+        return total, jnp.sum(batch["labels"] != IGNORE)
+
+    return jax.jit(evaluate)
+
+
+def to_device_batch(batch: dict[str, Any]) -> dict[str, jax.Array]:
+    return {k: jnp.asarray(v) for k, v in batch.items()}
