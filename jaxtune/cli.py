@@ -31,6 +31,34 @@ def _convert(args: argparse.Namespace) -> None:
     print(f"wrote {args.dst} ({args.quantize}) in {seconds:.1f} s")
 
 
+_TRAIN_OVERRIDES = {  # CLI flag -> TrainConfig field
+    "format": "format", "max_steps": "max_steps", "seq_len": "seq_len", "batch_size": "micro_batch_size",
+    "grad_accum": "grad_accum", "lr": "learning_rate", "schedule": "schedule", "warmup_steps": "warmup_steps",
+    "lora_r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout", "remat": "remat",
+    "eval_fraction": "eval_fraction", "eval_steps": "eval_steps", "save_steps": "save_steps", "seed": "seed",
+}
+
+
+def _train(args: argparse.Namespace) -> None:
+    import jaxtune
+
+    overrides = {field: getattr(args, flag) for flag, field in _TRAIN_OVERRIDES.items() if getattr(args, flag) is not None}
+    if overrides.get("micro_batch_size") not in (None, "auto"):
+        overrides["micro_batch_size"] = int(overrides["micro_batch_size"])
+    if args.no_packing:
+        overrides["packing"] = False
+    cfg = (jaxtune.TrainConfig.from_yaml(args.config, **overrides) if args.config
+           else jaxtune.TrainConfig.from_dict(overrides, where="command line"))
+    model, tokenizer = jaxtune.from_pretrained(args.model, dtype=args.dtype, load_in_4bit=True)
+    if tokenizer is None:
+        raise jaxtune.CheckpointError(f"{args.model} has no tokenizer files; add tokenizer.json to the model directory")
+    result = jaxtune.train(model, tokenizer, args.data, cfg, out_dir=args.out, resume=args.resume,
+                           base_model=args.model)
+    state = "interrupted at" if result.interrupted else "finished"
+    print(f"{state} step {result.steps}: loss {result.losses[-1]:.4f}, packing efficiency "
+          f"{result.packing_efficiency:.1%}, {result.tokens_per_second:,.0f} tokens/s; run in {args.out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxtune", description="QLoRA fine-tuning of Llama-family models in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,6 +81,33 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                       help="dtype of embeddings, norms and lm_head (and of all weights with --quantize none)")
     conv.set_defaults(func=_convert)
+
+    tr = sub.add_parser("train", help="QLoRA fine-tune a model on a local dataset")
+    tr.add_argument("--model", required=True, help="HF directory, jaxtune checkpoint, .gguf file, or smollm2")
+    tr.add_argument("--data", required=True, help=".jsonl, .json, .csv, .parquet, or a saved datasets directory")
+    tr.add_argument("--out", required=True, help="run directory: checkpoints, metrics.jsonl, loss.png")
+    tr.add_argument("--format", choices=["chat", "alpaca", "completion", "text"], help="row format (default chat)")
+    tr.add_argument("--config", help="YAML file of TrainConfig options (command-line flags override it)")
+    tr.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    tr.add_argument("--max-steps", type=int)
+    tr.add_argument("--seq-len", type=int)
+    tr.add_argument("--batch-size", help="micro-batch size, or 'auto'")
+    tr.add_argument("--grad-accum", type=int)
+    tr.add_argument("--lr", type=float)
+    tr.add_argument("--schedule", choices=["constant", "linear", "cosine"])
+    tr.add_argument("--warmup-steps", type=int)
+    tr.add_argument("--lora-r", type=int)
+    tr.add_argument("--lora-alpha", type=float)
+    tr.add_argument("--lora-dropout", type=float)
+    tr.add_argument("--remat", choices=["none", "per-layer", "offload"])
+    tr.add_argument("--eval-fraction", type=float)
+    tr.add_argument("--eval-steps", type=int)
+    tr.add_argument("--save-steps", type=int)
+    tr.add_argument("--seed", type=int)
+    tr.add_argument("--no-packing", action="store_true", help="pad each example to --seq-len instead of packing")
+    tr.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                    help="compute dtype (float32 is faster on most CPUs)")
+    tr.set_defaults(func=_train)
     return parser
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -138,12 +139,14 @@ def train(
     resume: bool = False,
     progress: bool = True,
     callback: Callable[[dict[str, Any]], None] | None = None,
+    base_model: str | None = None,
 ) -> TrainResult:
     """Fine-tunes the LoRA adapters of `model` in place (adding them from `config` if it has none).
 
     With `out_dir`, writes metrics.jsonl, checkpoints (every `save_steps`, at the end, and on SIGINT/SIGTERM),
     config.json and loss.png there; `resume=True` continues from its latest checkpoint exactly.
-    `callback(record)` sees each step's metrics record.
+    `callback(record)` sees each step's metrics record; `base_model` (the checkpoint path) is recorded in
+    out_dir/config.json so the run can be exported later.
     """
     cfg = config or TrainConfig()
     run_dir = None if out_dir is None else os.fspath(out_dir)
@@ -176,7 +179,8 @@ def train(
             start_step, skipped_total = int(meta["step"]), int(meta["skipped"])
             losses, eval_losses = list(meta["losses"]), [tuple(e) for e in meta["eval_losses"]]
         with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump({"train": cfg.to_dict(), "model": model.config.to_hf(), "micro_batch_size": micro}, f, indent=2)
+            json.dump({"train": cfg.to_dict(), "model": model.config.to_hf(), "micro_batch_size": micro,
+                       "base_model": base_model}, f, indent=2)
         _truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), start_step)
 
     def save(step: int) -> None:
@@ -189,53 +193,72 @@ def train(
     on_gpu = jax.devices()[0].platform == "gpu"
     step, bad_in_row, interrupted, tokens_per_s = start_step, 0, False, 0.0
     bar = tqdm(total=cfg.max_steps, initial=start_step, desc="training", unit="step", disable=not progress)
-    with _StopSignal() as stop:
-        while step < cfg.max_steps:
-            t0 = time.perf_counter()
-            batch = to_device_batch(stream.next())
-            lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, np.int32(step))
-            m = {k: float(v) for k, v in jax.device_get(m).items()}
-            dt = time.perf_counter() - t0
-            step += 1
-            tokens_per_s = float((batch["segment_ids"] > 0).sum()) / dt
-            bad_in_row = bad_in_row + 1 if m["skipped"] else 0
-            skipped_total += int(m["skipped"])
-            losses.append(m["loss"])
-            record = {"step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
-                      "tokens_per_s": round(tokens_per_s, 1), "skipped": int(m["skipped"])}
-            if on_gpu:
-                record["mfu"] = round(tokens_per_s * fpt / PEAK_BF16_FLOPS, 4)
-                record["peak_memory_gib"] = _peak_memory_gib()
-            if eval_fn is not None and cfg.eval_steps and (step % cfg.eval_steps == 0 or step == cfg.max_steps):
-                record["eval_loss"] = _evaluate(eval_fn, lora, frozen, eval_rows, micro)
-                eval_losses.append((step, record["eval_loss"]))
-            if run_dir is not None:
-                with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-                    f.write(json.dumps(record) + "\n")
-            if callback is not None:
-                callback(record)
-            bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}")
-            bar.update(1)
-            if bad_in_row >= cfg.max_bad_steps:
-                bar.close()
-                raise TrainingDiverged(
-                    f"{bad_in_row} steps in a row had a non-finite loss or gradient (step {step}); stopped with the "
-                    "last good checkpoint intact: lower learning_rate or check the data"
-                )
-            if cfg.save_steps and step % cfg.save_steps == 0:
-                save(step)
-            if stop.hit:
-                interrupted = True
-                break
+    try:
+        with _StopSignal() as stop:
+            while step < cfg.max_steps:
+                t0 = time.perf_counter()
+                host_batch = stream.next()
+                while True:
+                    batch = to_device_batch({k: v.reshape(stream.accum, stream.micro_batch, -1)
+                                             for k, v in host_batch.items()})
+                    try:
+                        lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, np.int32(step))
+                        break
+                    except Exception as e:  # noqa: BLE001 (only out-of-memory is handled)
+                        if not _can_step_down(e, stream, lora):
+                            raise
+                        stream.micro_batch, stream.accum = stream.micro_batch // 2, stream.accum * 2
+                        warnings.warn(f"out of device memory: micro-batch lowered to {stream.micro_batch} "
+                                      f"(gradient accumulation {stream.accum}, same tokens per step)", stacklevel=2)
+                m = {k: float(v) for k, v in jax.device_get(m).items()}
+                dt = time.perf_counter() - t0
+                step += 1
+                tokens_per_s = float((batch["segment_ids"] > 0).sum()) / dt
+                bad_in_row = bad_in_row + 1 if m["skipped"] else 0
+                skipped_total += int(m["skipped"])
+                losses.append(m["loss"])
+                record = {"step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
+                          "tokens_per_s": round(tokens_per_s, 1), "skipped": int(m["skipped"])}
+                if on_gpu:
+                    record["mfu"] = round(tokens_per_s * fpt / PEAK_BF16_FLOPS, 4)
+                    record["peak_memory_gib"] = _peak_memory_gib()
+                if eval_fn is not None and cfg.eval_steps and (step % cfg.eval_steps == 0 or step == cfg.max_steps):
+                    record["eval_loss"] = _evaluate(eval_fn, lora, frozen, eval_rows, micro)
+                    eval_losses.append((step, record["eval_loss"]))
+                if run_dir is not None:
+                    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+                        f.write(json.dumps(record) + "\n")
+                if callback is not None:
+                    callback(record)
+                bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+                bar.update(1)
+                if bad_in_row >= cfg.max_bad_steps:
+                    bar.close()
+                    raise TrainingDiverged(
+                        f"{bad_in_row} steps in a row had a non-finite loss or gradient (step {step}); stopped with the "
+                        "last good checkpoint intact: lower learning_rate or check the data"
+                    )
+                if cfg.save_steps and step % cfg.save_steps == 0:
+                    save(step)
+                if stop.hit:
+                    interrupted = True
+                    break
+    finally:
+        nnx.update(model, lora)  # the donated originals are gone: the model always holds the live params
     bar.close()
     save(step)
     if ckpt is not None:
         ckpt.close()
-    nnx.update(model, lora)
     if run_dir is not None and losses:
         _plot_losses(os.path.join(run_dir, "loss.png"), losses, eval_losses)
     return TrainResult(step, losses, eval_losses, train_rows.efficiency, tokens_per_s, skipped_total, interrupted,
                        run_dir)
+
+
+def _can_step_down(error: Exception, stream: BatchStream, lora) -> bool:
+    """An out-of-memory failure that left the (donated) params intact, at a micro-batch that can halve."""
+    return ("RESOURCE_EXHAUSTED" in str(error) and stream.micro_batch > 1 and stream.micro_batch % 2 == 0
+            and not any(x.is_deleted() for x in jax.tree.leaves(lora)))
 
 
 def _evaluate(eval_fn, lora, frozen, rows: PackedRows, micro: int) -> float:

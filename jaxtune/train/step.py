@@ -52,40 +52,48 @@ def _micro_loss(graphdef, lora, frozen, micro: dict[str, jax.Array], rng, chunk_
     return loss_sum
 
 
+def loss_and_grads(graphdef, lora, frozen, batch: dict[str, jax.Array], key: jax.Array | None, chunk_size: int):
+    """(mean loss, float32 grads) over all micro-batches of batch [accum, B, T].
+
+    Each micro-batch's summed token loss is divided by the label count of the WHOLE batch, so the result is
+    the same however the batch is split into micro-batches.
+    """
+    grad_fn = jax.value_and_grad(_micro_loss, argnums=1)
+    total_tokens = jnp.maximum(jnp.sum(batch["labels"] != IGNORE), 1).astype(jnp.float32)
+
+    def accumulate(carry, xs):
+        loss_acc, grad_acc = carry
+        micro, i = xs
+        rng = None if key is None else jax.random.fold_in(key, i)
+        loss, grads = grad_fn(graphdef, lora, frozen, micro, rng, chunk_size)
+        grad_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32) / total_tokens, grad_acc, grads)
+        return (loss_acc + loss, grad_acc), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), lora)
+    accum = batch["input_ids"].shape[0]
+    (loss_sum, grads), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros), (batch, jnp.arange(accum)))
+    return loss_sum / total_tokens, grads
+
+
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
                     cfg: TrainConfig) -> Callable:
     """step(lora, opt_state, frozen, batch [accum, B, T], step) -> (lora, opt_state, metrics).
 
-    Gradients are accumulated over the micro-batches inside the jit and normalized by the number of label
-    tokens of the whole accumulated batch, so 4 micro-batches of 1 equal 1 batch of 4. A step whose loss or
-    gradients are not finite leaves parameters and optimizer state unchanged (metrics["skipped"] = 1).
+    Gradient accumulation runs inside the jit (see `loss_and_grads`). A step whose loss or gradients are not
+    finite leaves parameters and optimizer state unchanged (metrics["skipped"] = 1).
     """
-    grad_fn = jax.value_and_grad(_micro_loss, argnums=1)
     base_key = jax.random.key(cfg.seed)
 
     def step(lora, opt_state, frozen, batch, step_index):
-        total_tokens = jnp.maximum(jnp.sum(batch["labels"] != IGNORE), 1).astype(jnp.float32)
         key = jax.random.fold_in(base_key, step_index) if cfg.lora_dropout > 0 else None
-
-        def accumulate(carry, xs):
-            loss_acc, grad_acc = carry
-            micro, i = xs
-            rng = None if key is None else jax.random.fold_in(key, i)
-            loss, grads = grad_fn(graphdef, lora, frozen, micro, rng, cfg.ce_chunk_size)
-            grad_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32) / total_tokens, grad_acc, grads)
-            return (loss_acc + loss, grad_acc), None
-
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), lora)
-        accum = batch["input_ids"].shape[0]
-        (loss_sum, grads), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros), (batch, jnp.arange(accum)))
-        loss = loss_sum / total_tokens
+        loss, grads = loss_and_grads(graphdef, lora, frozen, batch, key, cfg.ce_chunk_size)
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt_state = optimizer.update(grads, opt_state, lora)
         new_lora = optax.apply_updates(lora, updates)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(step_index),
-                   "tokens": total_tokens, "skipped": (~finite).astype(jnp.int32)}
+                   "tokens": jnp.sum(batch["labels"] != IGNORE), "skipped": (~finite).astype(jnp.int32)}
         return keep(new_lora, lora), keep(new_opt_state, opt_state), metrics
 
     return jax.jit(step, donate_argnums=(0, 1))

@@ -1,0 +1,164 @@
+"""Training: chunked loss, accumulation, convergence, exact resume, NaN guard, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxtune
+from jaxtune.config import ModelConfig
+from jaxtune.data.packing import IGNORE
+from jaxtune.model import init_model
+from jaxtune.qlora import get_peft_model, quantize_layers
+from jaxtune.train.loss import chunked_cross_entropy
+from jaxtune.train.step import loss_and_grads, split_model
+
+ROWS = [{"messages": [{"role": "user", "content": f"hello {i}"},
+                      {"role": "assistant", "content": f"world {i % 5} fox"}]} for i in range(48)]
+
+
+def _model(tokenizer, seed=0):
+    cfg = ModelConfig(model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, eos_token_id=tokenizer.eos_token_id)
+    return quantize_layers(init_model(cfg, dtype="float32", seed=seed))
+
+
+@pytest.mark.parametrize("chunk", [3, 5, 1024])
+def test_chunked_cross_entropy_equals_dense(chunk):
+    rng = np.random.default_rng(0)
+    hidden = jnp.asarray(rng.standard_normal((2, 7, 16)), jnp.float32)
+    head = jnp.asarray(rng.standard_normal((50, 16)), jnp.float32)
+    labels = jnp.asarray(np.where(rng.random((2, 7)) < 0.3, IGNORE, rng.integers(0, 50, (2, 7))), jnp.int32)
+
+    def dense(h, w):
+        logits = jnp.einsum("bth,vh->btv", h, w)
+        valid = labels != IGNORE
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(valid, labels, 0))
+        return jnp.sum(jnp.where(valid, losses, 0.0))
+
+    def chunked(h, w):
+        return chunked_cross_entropy(h, w, labels, chunk_size=chunk)[0]
+
+    np.testing.assert_allclose(chunked(hidden, head), dense(hidden, head), rtol=1e-5)
+    for g_c, g_d in zip(jax.grad(chunked, (0, 1))(hidden, head), jax.grad(dense, (0, 1))(hidden, head)):
+        np.testing.assert_allclose(g_c, g_d, rtol=1e-4, atol=1e-6)
+    assert int(chunked_cross_entropy(hidden, head, labels, chunk_size=chunk)[1]) == int((labels != IGNORE).sum())
+
+
+def test_accumulation_equals_one_big_batch(tiny_tokenizer):
+    from jaxtune.train.loop import prepare_data
+
+    model = get_peft_model(_model(tiny_tokenizer), r=4)
+    for _, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):  # non-zero B: all grads are non-trivial
+        var.set_value(var.get_value() + 0.05)
+    graphdef, lora, frozen = split_model(model)
+    rows, _ = prepare_data(ROWS[:16], tiny_tokenizer, jaxtune.TrainConfig(seq_len=32, format="chat"))
+    take = {k: getattr(rows, k)[:4] for k in ("input_ids", "labels", "segment_ids", "positions")}
+    fn = jax.jit(lambda b: loss_and_grads(graphdef, lora, frozen, b, None, 64))
+    loss_a, grads_a = fn({k: v.reshape(4, 1, -1) for k, v in take.items()})  # 4 micro-batches of 1
+    loss_b, grads_b = fn({k: v.reshape(1, 4, -1) for k, v in take.items()})  # 1 batch of 4
+    np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6)
+    for ga, gb in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
+        np.testing.assert_allclose(ga, gb, rtol=1e-5, atol=1e-8)
+
+
+def test_loss_decreases(tiny_tokenizer):
+    model = _model(tiny_tokenizer)
+    cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=40, learning_rate=3e-3, schedule="constant",
+                              lora_r=8)
+    result = jaxtune.train(model, tiny_tokenizer, ROWS, cfg, progress=False)
+    assert result.steps == 40 and result.skipped_steps == 0
+    assert np.mean(result.losses[-5:]) < np.mean(result.losses[:5]) - 0.5  # nats
+    assert 0.5 < result.packing_efficiency <= 1.0
+
+
+def test_resume_continues_exactly(tiny_tokenizer, tmp_path):
+    cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, grad_accum=2, max_steps=20, learning_rate=2e-3,
+                              save_steps=5, lora_r=4, lora_dropout=0.1, eval_fraction=0.1, eval_steps=10)
+    full = jaxtune.train(_model(tiny_tokenizer), tiny_tokenizer, ROWS, cfg, out_dir=tmp_path / "a", progress=False)
+
+    def interrupt_at_10(record):
+        if record["step"] == 10:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    first = jaxtune.train(_model(tiny_tokenizer), tiny_tokenizer, ROWS, cfg, out_dir=tmp_path / "b", progress=False,
+                          callback=interrupt_at_10)
+    assert first.interrupted and first.steps == 10
+    with pytest.raises(jaxtune.JaxtuneError, match="resume"):
+        jaxtune.train(_model(tiny_tokenizer), tiny_tokenizer, ROWS, cfg, out_dir=tmp_path / "b", progress=False)
+    rest = jaxtune.train(_model(tiny_tokenizer), tiny_tokenizer, ROWS, cfg, out_dir=tmp_path / "b", resume=True,
+                         progress=False)
+    assert rest.steps == 20
+    np.testing.assert_allclose(rest.losses, full.losses, rtol=1e-6)
+    metrics = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 21))
+    assert (tmp_path / "b" / "loss.png").stat().st_size > 1000
+
+
+def test_nan_guard_stops_with_a_clear_message(tiny_tokenizer, tmp_path):
+    model = _model(tiny_tokenizer)
+    model.norm.weight.set_value(jnp.full_like(model.norm.weight[...], jnp.nan))
+    cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=10, max_bad_steps=3)
+    with pytest.raises(jaxtune.TrainingDiverged) as e:
+        jaxtune.train(model, tiny_tokenizer, ROWS, cfg, out_dir=tmp_path / "run", progress=False)
+    assert "3 steps in a row" in str(e.value) and "\n" not in str(e.value)
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["skipped"] for m in metrics] == [1, 1, 1]
+    lora_b = np.asarray(model.layers.mlp.up_proj.lora_b[...])
+    assert not lora_b.any()  # parameters never took a non-finite update
+
+
+def test_cli_train_smoke(tiny_tokenizer, tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    from conftest import build_hf_model
+    from jaxtune.cli import main
+
+    build_hf_model(LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2), tmp_path / "m")
+    tiny_tokenizer.save_pretrained(tmp_path / "m")
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    (tmp_path / "cfg.yaml").write_text("seq_len: 64\nlora_r: 4\nschedule: linear\n")
+    code = main(["train", "--model", str(tmp_path / "m"), "--data", str(data), "--out", str(tmp_path / "run"),
+                 "--max-steps", "3", "--batch-size", "2", "--dtype", "float32", "--config", str(tmp_path / "cfg.yaml")])
+    assert code == 0
+    assert "finished step 3" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["train"]["seq_len"] == 64 and saved["train"]["schedule"] == "linear"
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3
+    code = main(["train", "--model", str(tmp_path / "m"), "--data", str(tmp_path / "nope.jsonl"), "--out",
+                 str(tmp_path / "run2")])
+    assert code == 1 and "does not exist" in capsys.readouterr().err
+
+
+def test_out_of_memory_steps_the_micro_batch_down(tiny_tokenizer, monkeypatch):
+    import jaxtune.train.loop as loop
+
+    real = loop.make_train_step
+    seen_shapes = []
+
+    def flaky(*args):
+        step = real(*args)
+
+        def run(lora, opt_state, frozen, batch, i):
+            seen_shapes.append(batch["input_ids"].shape)
+            if batch["input_ids"].shape[1] == 4:  # pretend micro-batch 4 does not fit
+                raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while allocating")
+            return step(lora, opt_state, frozen, batch, i)
+
+        return run
+
+    monkeypatch.setattr(loop, "make_train_step", flaky)
+    cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size=4, max_steps=3)
+    with pytest.warns(UserWarning, match="micro-batch lowered to 2"):
+        result = jaxtune.train(_model(tiny_tokenizer), tiny_tokenizer, ROWS, cfg, progress=False)
+    assert result.steps == 3 and seen_shapes[:2] == [(1, 4, 64), (2, 2, 64)] and seen_shapes[-1] == (2, 2, 64)
