@@ -10,7 +10,7 @@ from jaxtune.generate import generate
 from jaxtune import nf4
 from jaxtune.model import CausalLM, init_model
 from jaxtune.qlora import get_peft_model, quantize_layers
-from jaxtune.train import TrainConfig, TrainingDiverged, TrainResult, train
+from jaxtune.training import TrainConfig, TrainingDiverged, TrainResult, train
 
 __version__ = "0.1.0"
 

@@ -18,8 +18,8 @@ from jaxtune.config import ModelConfig
 from jaxtune.data.packing import IGNORE
 from jaxtune.model import init_model
 from jaxtune.qlora import get_peft_model, quantize_layers
-from jaxtune.train.loss import chunked_cross_entropy
-from jaxtune.train.step import loss_and_grads, split_model
+from jaxtune.training.loss import chunked_cross_entropy
+from jaxtune.training.step import loss_and_grads, split_model
 
 ROWS = [{"messages": [{"role": "user", "content": f"hello {i}"},
                       {"role": "assistant", "content": f"world {i % 5} fox"}]} for i in range(48)]
@@ -54,7 +54,7 @@ def test_chunked_cross_entropy_equals_dense(chunk):
 
 
 def test_accumulation_equals_one_big_batch(tiny_tokenizer):
-    from jaxtune.train.loop import prepare_data
+    from jaxtune.training.loop import prepare_data
 
     model = get_peft_model(_model(tiny_tokenizer), r=4)
     for _, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):  # non-zero B: all grads are non-trivial
@@ -141,7 +141,7 @@ def test_cli_train_smoke(tiny_tokenizer, tmp_path, capsys):
 
 
 def test_out_of_memory_steps_the_micro_batch_down(tiny_tokenizer, monkeypatch):
-    import jaxtune.train.loop as loop
+    import jaxtune.training.loop as loop
 
     real = loop.make_train_step
     seen_shapes = []

@@ -1,6 +1,6 @@
 """Training: config, the pure jitted step, chunked loss, checkpoints and the loop."""
 
-from jaxtune.train.config import TrainConfig
-from jaxtune.train.loop import TrainingDiverged, TrainResult, train
+from jaxtune.training.config import TrainConfig
+from jaxtune.training.loop import TrainingDiverged, TrainResult, train
 
 __all__ = ["TrainConfig", "TrainResult", "TrainingDiverged", "train"]

@@ -21,10 +21,10 @@ from jaxtune.data.sources import DataError, Row
 from jaxtune.errors import JaxtuneError
 from jaxtune.model import CausalLM
 from jaxtune.qlora import get_peft_model
-from jaxtune.train.autobatch import choose_micro_batch
-from jaxtune.train.checkpoint import RunCheckpoints
-from jaxtune.train.config import TrainConfig
-from jaxtune.train.step import (REMAT_POLICIES, make_eval_step, make_optimizer, make_train_step, split_model,
+from jaxtune.training.autobatch import choose_micro_batch
+from jaxtune.training.checkpoint import RunCheckpoints
+from jaxtune.training.config import TrainConfig
+from jaxtune.training.step import (REMAT_POLICIES, make_eval_step, make_optimizer, make_train_step, split_model,
                                 to_device_batch)
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16 datasheet peak, as published MFU figures use

@@ -12,8 +12,8 @@ from flax import nnx
 
 from jaxtune.data.packing import IGNORE
 from jaxtune.model import CausalLM
-from jaxtune.train.config import TrainConfig
-from jaxtune.train.loss import chunked_cross_entropy
+from jaxtune.training.config import TrainConfig
+from jaxtune.training.loss import chunked_cross_entropy
 
 REMAT_POLICIES = {"none": "none", "per-layer": "full", "offload": "offload"}
 

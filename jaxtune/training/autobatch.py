@@ -7,7 +7,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from jaxtune.train.config import TrainConfig
+from jaxtune.training.config import TrainConfig
 
 CANDIDATES = (64, 32, 16, 8, 4, 2, 1)
 CPU_DEFAULT = 4
