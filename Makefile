@@ -26,9 +26,7 @@ test: $(VENV)/.test-installed
 	$(PY) -m pytest -q
 
 demo: $(VENV)/.base-installed
-	$(VENV)/bin/jaxtune generate smollm2 --max-new-tokens 96 \
-		--prompt "What is the capital of France? Answer in one sentence." \
-		--prompt "Give me three tips for writing clear code."
+	$(PY) examples/demo.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
