@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -76,8 +77,40 @@ def attention(
     return out.reshape(b, t, hq, d).astype(q.dtype)
 
 
-def nf4_linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array:
-    """y = x @ dequant(W).T (+ bias) for an NF4 weight [out, in]; XLA reference: dequantize, then dot."""
+def _zero_cotangent(a: jax.Array) -> jax.Array:
+    if jnp.issubdtype(a.dtype, jnp.integer):
+        return np.zeros(a.shape, dtype=jax.dtypes.float0)
+    return jnp.zeros_like(a)
+
+
+@jax.custom_vjp
+def _nf4_matmul(x: jax.Array, weight) -> jax.Array:
     from jaxtune.nf4 import dequantize
 
-    return linear(x, dequantize(weight, x.dtype), bias)
+    return linear(x, dequantize(weight, x.dtype))
+
+
+def _nf4_matmul_fwd(x, weight):
+    # keep only the 4-bit arrays for the backward pass, never the dequantized bf16 copy of W
+    return _nf4_matmul(x, weight), weight
+
+
+def _nf4_matmul_bwd(weight, dy):
+    from jaxtune.nf4 import dequantize
+
+    w = dequantize(weight, dy.dtype)  # [out, in]
+    dx = jax.lax.dot_general(dy, w, (((dy.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return dx.astype(dy.dtype), jax.tree.map(_zero_cotangent, weight)
+
+
+_nf4_matmul.defvjp(_nf4_matmul_fwd, _nf4_matmul_bwd)
+
+
+def nf4_linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array:
+    """y = x @ dequant(W).T (+ bias) for a frozen NF4 weight [out, in].
+
+    XLA reference: dequantize then dot; its VJP gives dx = dy @ dequant(W) only (W is frozen) and saves
+    just the 4-bit arrays for the backward pass, re-dequantizing there.
+    """
+    y = _nf4_matmul(x, weight)
+    return y if bias is None else (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)

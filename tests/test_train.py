@@ -19,7 +19,7 @@ from jaxtune.data.packing import IGNORE
 from jaxtune.model import init_model
 from jaxtune.qlora import get_peft_model, quantize_layers
 from jaxtune.training.loss import chunked_cross_entropy
-from jaxtune.training.step import loss_and_grads, split_model
+from jaxtune.training.step import loss_and_grads, make_optimizer, split_model
 
 ROWS = [{"messages": [{"role": "user", "content": f"hello {i}"},
                       {"role": "assistant", "content": f"world {i % 5} fox"}]} for i in range(48)]
@@ -162,3 +162,47 @@ def test_out_of_memory_steps_the_micro_batch_down(tiny_tokenizer, monkeypatch):
     with pytest.warns(UserWarning, match="micro-batch lowered to 2"):
         result = jaxtune.train(_model(tiny_tokenizer), tiny_tokenizer, ROWS, cfg, progress=False)
     assert result.steps == 3 and seen_shapes[:2] == [(1, 4, 64), (2, 2, 64)] and seen_shapes[-1] == (2, 2, 64)
+
+
+def test_kill_9_during_checkpointing_leaves_a_loadable_checkpoint(tiny_tokenizer, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from transformers import LlamaConfig
+
+    from conftest import build_hf_model
+    from jaxtune.training.checkpoint import RunCheckpoints
+
+    build_hf_model(LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2), tmp_path / "m")
+    tiny_tokenizer.save_pretrained(tmp_path / "m")
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "jaxtune.cli", "train", "--model", str(tmp_path / "m"), "--data", str(data),
+           "--out", str(run), "--max-steps", "100000", "--save-steps", "1", "--seq-len", "64", "--batch-size", "2",
+           "--lora-r", "4", "--dtype", "float32"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        deadline = time.time() + 120
+        def saved_steps():
+            return [int(p.name) for p in (run / "checkpoints").glob("[0-9]*") if p.name.isdigit()]
+
+        while time.time() < deadline and max(saved_steps(), default=0) < 3:
+            time.sleep(0.05)
+        time.sleep(0.37)  # land somewhere inside the next saves
+    finally:
+        proc.kill()  # SIGKILL: no handler runs
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    ckpts = RunCheckpoints(str(run))
+    latest = ckpts.latest_step()
+    assert latest is not None and latest >= 3
+    model = get_peft_model(_model(tiny_tokenizer), r=4)
+    graphdef, lora, frozen = split_model(model)
+    opt_state = make_optimizer(jaxtune.TrainConfig(lora_r=4))[0].init(lora)
+    restored, _, meta = ckpts.restore(lora, opt_state)
+    assert meta["step"] == latest and all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored))
+    ckpts.close()

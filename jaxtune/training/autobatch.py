@@ -25,17 +25,29 @@ def step_bytes(step_fn, lora, opt_state, frozen, micro: int, cfg: TrainConfig) -
 
 
 def choose_micro_batch(cfg: TrainConfig, step_fn, lora, opt_state, frozen) -> int:
-    """The largest candidate micro-batch whose compiled step fits device memory with a margin."""
+    """The largest candidate micro-batch whose compiled step fits device memory with a margin.
+
+    Memory is linear in the micro-batch: two compilations (micro 1 and 2) give the line, the largest
+    candidate under the budget is then compiled once to confirm (stepping down while it does not fit).
+    """
     stats = jax.devices()[0].memory_stats()
     if not stats or "bytes_limit" not in stats:
         warnings.warn(f"device memory size unknown (CPU); micro_batch_size='auto' uses {CPU_DEFAULT}", stacklevel=3)
         return CPU_DEFAULT
     budget = stats["bytes_limit"] * MARGIN
+    one = step_bytes(step_fn, lora, opt_state, frozen, 1, cfg)
+    if one > budget:
+        return 1
+    per_row = max(step_bytes(step_fn, lora, opt_state, frozen, 2, cfg) - one, 1)
     for micro in CANDIDATES:
+        if one + (micro - 1) * per_row > budget:
+            continue
+        if micro <= 2:  # measured exactly above
+            return micro
         try:
             if step_bytes(step_fn, lora, opt_state, frozen, micro, cfg) <= budget:
                 return micro
-        except Exception as e:  # compilation itself may run out of memory at large sizes
+        except Exception as e:  # noqa: BLE001 (compilation itself may run out of memory)
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
     return 1
