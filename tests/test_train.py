@@ -206,3 +206,20 @@ def test_kill_9_during_checkpointing_leaves_a_loadable_checkpoint(tiny_tokenizer
     restored, _, meta = ckpts.restore(lora, opt_state)
     assert meta["step"] == latest and all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored))
     ckpts.close()
+
+
+def test_auto_batch_picks_the_largest_micro_batch_that_fits(tiny_tokenizer):
+    from jaxtune.training.autobatch import MARGIN, choose_micro_batch, step_bytes
+    from jaxtune.training.step import make_train_step
+
+    cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size="auto")
+    model = get_peft_model(_model(tiny_tokenizer), r=4)
+    graphdef, lora, frozen = split_model(model)
+    optimizer, schedule = make_optimizer(cfg)
+    opt_state = optimizer.init(lora)
+    step_fn = make_train_step(graphdef, optimizer, schedule, cfg)
+    need = {m: step_bytes(step_fn, lora, opt_state, frozen, m, cfg) for m in (1, 2, 4, 8)}
+    assert need[1] < need[2] < need[4] < need[8]  # compiled memory grows with the micro-batch
+    for fits in (1, 2, 4, 8):
+        limit = int((need[fits] + 1) / MARGIN) + 1
+        assert choose_micro_batch(cfg, step_fn, lora, opt_state, frozen, bytes_limit=limit) == fits

@@ -24,17 +24,19 @@ def step_bytes(step_fn, lora, opt_state, frozen, micro: int, cfg: TrainConfig) -
                - mem.alias_size_in_bytes)
 
 
-def choose_micro_batch(cfg: TrainConfig, step_fn, lora, opt_state, frozen) -> int:
+def choose_micro_batch(cfg: TrainConfig, step_fn, lora, opt_state, frozen, *, bytes_limit: int | None = None) -> int:
     """The largest candidate micro-batch whose compiled step fits device memory with a margin.
 
     Memory is linear in the micro-batch: two compilations (micro 1 and 2) give the line, the largest
     candidate under the budget is then compiled once to confirm (stepping down while it does not fit).
     """
-    stats = jax.devices()[0].memory_stats()
-    if not stats or "bytes_limit" not in stats:
-        warnings.warn(f"device memory size unknown (CPU); micro_batch_size='auto' uses {CPU_DEFAULT}", stacklevel=3)
-        return CPU_DEFAULT
-    budget = stats["bytes_limit"] * MARGIN
+    if bytes_limit is None:
+        stats = jax.devices()[0].memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            warnings.warn(f"device memory size unknown (CPU); micro_batch_size='auto' uses {CPU_DEFAULT}", stacklevel=3)
+            return CPU_DEFAULT
+        bytes_limit = stats["bytes_limit"]
+    budget = bytes_limit * MARGIN
     one = step_bytes(step_fn, lora, opt_state, frozen, 1, cfg)
     if one > budget:
         return 1
