@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -25,6 +23,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
+from convert.atomic import atomic_directory
 from convert.safetensors_source import SafetensorsSource
 from convert.state_tree import expected_arrays, merge_filled
 from jaxtune.config import ModelConfig, load_hf_config
@@ -65,13 +64,7 @@ def _flat_arrays(model: CausalLM) -> dict[str, jax.Array]:
 
 def write_checkpoint(model: CausalLM, tokenizer: Any, out_dir: str | os.PathLike, *, quantization: str) -> None:
     """Writes model (+ tokenizer) to out_dir atomically: a temp dir beside it, renamed when complete."""
-    out_dir = os.fspath(out_dir).rstrip("/")
-    if os.path.exists(out_dir):
-        raise CheckpointError(f"{out_dir} already exists; choose a new output directory or delete it first")
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.partial-", dir=parent)
-    try:
+    with atomic_directory(out_dir) as tmp:
         arrays = _flat_arrays(model)
         shards: list[dict[str, np.ndarray]] = [{}]
         size = 0
@@ -82,13 +75,7 @@ def write_checkpoint(model: CausalLM, tokenizer: Any, out_dir: str | os.PathLike
                 size = 0
             shards[-1][name] = value
             size += nbytes
-        weight_map: dict[str, str] = {}
-        for i, shard in enumerate(tqdm(shards, desc="writing", unit="shard", leave=False)):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file({k: np.asarray(v) for k, v in shard.items()}, os.path.join(tmp, fname))
-            weight_map.update({k: fname for k in shard})
-        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"format": "jaxtune"}, "weight_map": weight_map}, f, indent=1)
+        write_shards(tmp, shards, metadata={"format": "jaxtune"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(model.config.to_hf(), f, indent=2)
         meta = {"format_version": FORMAT_VERSION, "quantization": quantization, "dtype": str(model.dtype)}
@@ -96,10 +83,17 @@ def write_checkpoint(model: CausalLM, tokenizer: Any, out_dir: str | os.PathLike
             tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, FORMAT_FILE), "w") as f:  # written last: marks the directory complete
             json.dump(meta, f, indent=2)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+
+def write_shards(directory: str, shards: list[dict], *, metadata: dict[str, str]) -> None:
+    """Writes model-0000i-of-0000n.safetensors files and their index (HF's sharded layout)."""
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(tqdm(shards, desc="writing", unit="shard", leave=False)):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({k: np.asarray(v) for k, v in shard.items()}, os.path.join(directory, fname), metadata=metadata)
+        weight_map.update({k: fname for k in shard})
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": metadata, "weight_map": weight_map}, f, indent=1)
 
 
 def read_checkpoint(path: str, *, dtype: str | None = None) -> CausalLM:

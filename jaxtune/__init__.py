@@ -15,7 +15,13 @@ from jaxtune.training import TrainConfig, TrainingDiverged, TrainResult, train
 __version__ = "0.1.0"
 
 # Checkpoint I/O lives in the `convert` package (which imports jaxtune); re-exported lazily to avoid a cycle.
-_FROM_CONVERT = {"from_pretrained": "convert.load", "convert": "convert.convert"}
+_FROM_CONVERT = {
+    "from_pretrained": "convert.load",
+    "convert": "convert.convert",
+    "save_peft": "convert.peft_io",
+    "load_peft": "convert.peft_io",
+    "save_merged": "convert.merged",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -40,7 +46,10 @@ __all__ = [
     "generate",
     "get_peft_model",
     "init_model",
+    "load_peft",
     "nf4",
     "quantize_layers",
+    "save_merged",
+    "save_peft",
     "train",
 ]

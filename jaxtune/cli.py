@@ -31,6 +31,24 @@ def _convert(args: argparse.Namespace) -> None:
     print(f"wrote {args.dst} ({args.quantize}) in {seconds:.1f} s")
 
 
+def _export(args: argparse.Namespace) -> None:
+    from convert.export import load_run, original_weights_dir
+    from convert.merged import save_merged
+    from convert.peft_io import save_peft
+    from jaxtune.errors import CheckpointError
+
+    if not args.peft and not args.merged:
+        raise CheckpointError("nothing to export: pass --peft DIR and/or --merged DIR")
+    model, tokenizer, base_model = load_run(args.run)
+    if args.peft:
+        save_peft(model, args.peft, base_model_name_or_path=base_model)
+        print(f"wrote PEFT adapter {args.peft}")
+    if args.merged:
+        base = args.base or original_weights_dir(base_model)
+        save_merged(model, args.merged, base=base, tokenizer=tokenizer, dtype=args.dtype)
+        print(f"wrote merged checkpoint {args.merged} ({'onto ' + base if base else 'onto dequantized NF4 weights'})")
+
+
 _TRAIN_OVERRIDES = {  # CLI flag -> TrainConfig field
     "format": "format", "max_steps": "max_steps", "seq_len": "seq_len", "batch_size": "micro_batch_size",
     "grad_accum": "grad_accum", "lr": "learning_rate", "schedule": "schedule", "warmup_steps": "warmup_steps",
@@ -108,6 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                     help="compute dtype (float32 is faster on most CPUs)")
     tr.set_defaults(func=_train)
+
+    ex = sub.add_parser("export", help="export a training run as a PEFT adapter and/or a merged HF checkpoint")
+    ex.add_argument("run", help="the --out directory of jaxtune train")
+    ex.add_argument("--peft", help="output directory for the PEFT LoRA adapter")
+    ex.add_argument("--merged", help="output directory for the merged HF checkpoint")
+    ex.add_argument("--base", help="HF directory of the original weights to merge onto (default: the run's base "
+                                   "model when it is an unquantized HF directory)")
+    ex.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                    help="dtype of the merged weights")
+    ex.set_defaults(func=_export)
     return parser
 
 

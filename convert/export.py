@@ -1,0 +1,57 @@
+"""Exporting a training run (RUN directory): its base model with the LoRA adapters of the latest checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from jaxtune.errors import CheckpointError
+from jaxtune.model import CausalLM
+
+
+def load_run(run_dir: str | os.PathLike, *, dtype: str = "float32") -> tuple[CausalLM, Any, str]:
+    """(model with the run's trained adapters, tokenizer, base model path) from a `jaxtune train` RUN dir."""
+    from convert.load import from_pretrained
+    from jaxtune.qlora import get_peft_model
+    from jaxtune.training.checkpoint import RunCheckpoints
+    from jaxtune.training.config import TrainConfig
+    from jaxtune.training.step import make_optimizer, split_model
+
+    run_dir = os.fspath(run_dir)
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{run_dir} is not a training run directory (no config.json); pass the --out of jaxtune train")
+    with open(path) as f:
+        saved = json.load(f)
+    base_model = saved.get("base_model")
+    if not base_model:
+        raise CheckpointError(f"{path} does not record the base model; export with jaxtune.save_peft from Python")
+    cfg = TrainConfig.from_dict(saved["train"], where=path)
+    ckpts = RunCheckpoints(run_dir)
+    try:
+        if ckpts.latest_step() is None:
+            raise CheckpointError(f"{run_dir} has no checkpoint yet; train at least one step first")
+        model, tokenizer = from_pretrained(base_model, dtype=dtype, load_in_4bit=True)
+        get_peft_model(model, r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                       target_modules=cfg.target_modules, use_rslora=cfg.use_rslora, seed=cfg.seed)
+        from flax import nnx
+
+        _, lora, _ = split_model(model)
+        opt_state = make_optimizer(cfg)[0].init(lora)
+        lora, _, _ = ckpts.restore(lora, opt_state)
+        nnx.update(model, lora)
+    finally:
+        ckpts.close()
+    return model, tokenizer, base_model
+
+
+def original_weights_dir(base_model: str) -> str | None:
+    """The base model path when it holds original (unquantized) HF weights, else None."""
+    from convert.jaxtune_format import is_jaxtune_checkpoint
+    from convert.load import bnb_quantization
+
+    if os.path.isdir(base_model) and os.path.isfile(os.path.join(base_model, "config.json")):
+        if not is_jaxtune_checkpoint(base_model) and not bnb_quantization(base_model):
+            return base_model
+    return None

@@ -1,0 +1,122 @@
+"""A merged HF checkpoint: W + scale * B @ A for every adapted projection, loadable by transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from convert.atomic import atomic_directory
+from convert.jaxtune_format import SHARD_BYTES, write_shards
+from convert.peft_io import lora_modules
+from convert.safetensors_source import SafetensorsSource
+from jaxtune import nf4
+from jaxtune.errors import CheckpointError
+from jaxtune.model import CausalLM, Linear
+from jaxtune.qlora import _PARENT, LORA_TARGETS, LoRALinear, NF4Linear
+
+_DTYPES = {"bfloat16": jax.numpy.bfloat16, "float16": np.float16, "float32": np.float32}
+
+
+def _layer(array: Any, i: int) -> np.ndarray:
+    return np.asarray(array[i], np.float32)
+
+
+def _base_weight(proj, i: int) -> np.ndarray:
+    base = proj.base if isinstance(proj, LoRALinear) else proj
+    if isinstance(base, NF4Linear):
+        return np.asarray(nf4.dequantize(jax.tree.map(lambda a: a[i], base.weight_nf4)), np.float32)
+    if isinstance(base, Linear):
+        return _layer(base.weight[...], i)
+    raise TypeError(f"unexpected projection {type(base).__name__}")
+
+
+def _tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterator[tuple[str, np.ndarray]]:
+    """HF-named float32 tensors of the merged model, one at a time."""
+    cfg = model.config
+
+    def original(name: str, fallback) -> np.ndarray:
+        return np.asarray(source.get(name), np.float32) if source is not None else fallback()
+
+    yield "model.embed_tokens.weight", np.asarray(model.embed_tokens.weight[...], np.float32)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm.weight", _layer(model.layers.input_layernorm.weight[...], i)
+        yield f"{p}.post_attention_layernorm.weight", _layer(model.layers.post_attention_layernorm.weight[...], i)
+        for name in LORA_TARGETS:
+            proj = getattr(getattr(model.layers, _PARENT[name]), name)
+            key = f"{p}.{_PARENT[name]}.{name}"
+            w = original(f"{key}.weight", lambda: _base_weight(proj, i))
+            if isinstance(proj, LoRALinear):
+                a, b = _layer(proj.lora_a[...], i), _layer(proj.lora_b[...], i)
+                w = w + np.float32(proj.scale) * (b @ a)
+            yield f"{key}.weight", w
+            base = proj.base if isinstance(proj, LoRALinear) else proj
+            if base.bias is not None:
+                yield f"{key}.bias", _layer(base.bias[...], i)
+    yield "model.norm.weight", np.asarray(model.norm.weight[...], np.float32)
+    if model.lm_head is not None:
+        yield "lm_head.weight", np.asarray(model.lm_head.weight[...], np.float32)
+
+
+def save_merged(
+    model: CausalLM,
+    out_dir: str | os.PathLike,
+    *,
+    base: str | os.PathLike | None = None,
+    tokenizer: Any = None,
+    dtype: str = "bfloat16",
+) -> None:
+    """Writes a merged HF checkpoint (sharded safetensors, config.json, tokenizer) atomically.
+
+    With `base` (the HF directory of the ORIGINAL weights) the adapters are added onto those; without it, onto
+    the dequantized NF4 weights, which loses quality (a warning says so).
+    """
+    if dtype not in _DTYPES:
+        raise CheckpointError(f"unknown dtype {dtype!r}; choose one of: {', '.join(_DTYPES)}")
+    if not lora_modules(model):
+        raise CheckpointError("the model has no LoRA adapters to merge; call jaxtune.get_peft_model first")
+    source = None
+    if base is not None:
+        from convert.jaxtune_format import is_jaxtune_checkpoint
+        from convert.load import bnb_quantization, open_checkpoint
+
+        base = os.fspath(base)
+        if os.path.isdir(base) and (is_jaxtune_checkpoint(base) or bnb_quantization(base)):
+            raise CheckpointError(f"base {base} holds quantized weights; pass the HF directory of the original "
+                                  "bf16/fp16/fp32 weights, or omit it to merge onto the dequantized weights")
+        base_cfg, source, gguf = open_checkpoint(base)
+        if gguf is not None or base_cfg != model.config:
+            if source is not None:
+                source.close()
+            raise CheckpointError(f"base {base} is not the HF checkpoint of this model (its config differs); "
+                                  "pass the directory the model was converted from")
+    elif any(isinstance((p.base if isinstance(p, LoRALinear) else p), NF4Linear)
+             for p in (getattr(getattr(model.layers, _PARENT[n]), n) for n in LORA_TARGETS)):
+        warnings.warn("merging onto dequantized NF4 weights loses quality; pass base=<HF dir of the original "
+                      "weights> (--base) to merge onto them", stacklevel=2)
+    out_dtype = _DTYPES[dtype]
+    try:
+        with atomic_directory(out_dir) as tmp:
+            shards: list[dict[str, np.ndarray]] = [{}]
+            size = 0
+            for name, value in _tensors(model, source):
+                value = value.astype(out_dtype)
+                if shards[-1] and size + value.nbytes > SHARD_BYTES:
+                    shards.append({})
+                    size = 0
+                shards[-1][name] = value
+                size += value.nbytes
+            write_shards(tmp, shards, metadata={"format": "pt"})
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump({**model.config.to_hf(), "torch_dtype": dtype, "dtype": dtype}, f, indent=2)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+    finally:
+        if source is not None:
+            source.close()
