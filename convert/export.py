@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 from jaxtune.errors import CheckpointError
+from jaxtune.jsonfile import read_json_file
 from jaxtune.model import CausalLM
 
 
@@ -20,10 +20,8 @@ def load_run(run_dir: str | os.PathLike, *, dtype: str = "float32") -> tuple[Cau
 
     run_dir = os.fspath(run_dir)
     path = os.path.join(run_dir, "config.json")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{run_dir} is not a training run directory (no config.json); pass the --out of jaxtune train")
-    with open(path) as f:
-        saved = json.load(f)
+    saved = read_json_file(path, missing=f"{run_dir} is not a training run directory (no config.json); "
+                                         "pass the --out of jaxtune train")
     base_model = saved.get("base_model")
     if not base_model:
         raise CheckpointError(f"{path} does not record the base model; export with jaxtune.save_peft from Python")

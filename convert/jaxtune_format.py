@@ -28,6 +28,7 @@ from convert.safetensors_source import SafetensorsSource
 from convert.state_tree import expected_arrays, merge_filled
 from jaxtune.config import ModelConfig, load_hf_config
 from jaxtune.errors import CheckpointError
+from jaxtune.jsonfile import read_json_file
 from jaxtune.model import CausalLM
 from jaxtune.qlora import quantize_layers
 
@@ -98,11 +99,7 @@ def write_shards(directory: str, shards: list[dict], *, metadata: dict[str, str]
 
 def read_checkpoint(path: str, *, dtype: str | None = None) -> CausalLM:
     """Loads a jaxtune checkpoint: each stored array goes straight to the device (no quantization work)."""
-    try:
-        with open(os.path.join(path, FORMAT_FILE)) as f:
-            meta = json.load(f)
-    except json.JSONDecodeError:
-        raise CheckpointError(f"{path}/{FORMAT_FILE} is not valid JSON; re-run jaxtune convert") from None
+    meta = read_json_file(os.path.join(path, FORMAT_FILE), missing=f"{path} is not a jaxtune checkpoint (no {FORMAT_FILE})")
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{path} has jaxtune format version {meta.get('format_version')}; this jaxtune reads version "

@@ -14,6 +14,7 @@ from safetensors.numpy import save_file
 from convert.atomic import atomic_directory
 from convert.safetensors_source import SafetensorsSource
 from jaxtune.errors import CheckpointError
+from jaxtune.jsonfile import read_json_file
 from jaxtune.model import CausalLM
 from jaxtune.qlora import _PARENT, LORA_TARGETS, LoRALinear, get_peft_model
 
@@ -61,14 +62,8 @@ def save_peft(model: CausalLM, out_dir: str | os.PathLike, *, base_model_name_or
 
 
 def _read_adapter_config(adapter_dir: str) -> dict[str, Any]:
-    path = os.path.join(adapter_dir, ADAPTER_CONFIG)
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{adapter_dir} has no {ADAPTER_CONFIG}; point to a PEFT adapter directory")
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e.msg}); restore the file") from None
+    cfg = read_json_file(os.path.join(adapter_dir, ADAPTER_CONFIG),
+                         missing=f"{adapter_dir} has no {ADAPTER_CONFIG}; point to a PEFT adapter directory")
     if cfg.get("peft_type") != "LORA":
         raise CheckpointError(f"unsupported adapter type peft_type={cfg.get('peft_type')!r}; jaxtune loads LORA adapters")
     if cfg.get("use_dora"):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
@@ -161,12 +160,10 @@ class ModelConfig:
 
 def load_hf_config(model_dir: str | os.PathLike) -> ModelConfig:
     """Reads `model_dir/config.json` into a ModelConfig with clear errors for missing or bad files."""
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{model_dir} has no config.json; point to a Hugging Face model directory or a .gguf file")
-    try:
-        with open(path) as f:
-            hf = json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); restore the file") from None
+    from jaxtune.jsonfile import read_json_file
+
+    hf = read_json_file(
+        os.path.join(model_dir, "config.json"),
+        missing=f"{model_dir} has no config.json; point to a Hugging Face model directory or a .gguf file",
+    )
     return ModelConfig.from_hf(hf)
