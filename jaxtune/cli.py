@@ -9,9 +9,11 @@ import sys
 def _generate(args: argparse.Namespace) -> None:
     import jaxtune
 
-    model, tokenizer = jaxtune.from_pretrained(args.model, dtype=args.dtype)
+    model, tokenizer = jaxtune.from_pretrained(args.model, dtype=args.dtype, load_in_4bit=args.load_in_4bit)
     if tokenizer is None:
         raise jaxtune.CheckpointError(f"{args.model} has no tokenizer files; add tokenizer.json to the model directory")
+    if args.adapter:
+        jaxtune.load_peft(model, args.adapter)
     chat = not args.raw and getattr(tokenizer, "chat_template", None)
     prompts = [[{"role": "user", "content": p}] if chat else p for p in args.prompt]
     outputs = jaxtune.generate(
@@ -90,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     gen.add_argument("--raw", action="store_true", help="do not wrap prompts in the chat template")
+    gen.add_argument("--adapter", help="a PEFT LoRA adapter directory to apply (e.g. from jaxtune export --peft)")
+    gen.add_argument("--load-in-4bit", action="store_true", help="quantize the model to NF4 while loading")
     gen.set_defaults(func=_generate)
 
     conv = sub.add_parser("convert", help="write a jaxtune checkpoint (pre-quantized NF4 by default) that loads fast")
