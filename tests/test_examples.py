@@ -52,3 +52,17 @@ def test_shipped_demo_data_is_what_the_generator_writes(tmp_path):
     subprocess.run([sys.executable, str(tmp_path / "examples" / "make_demo_data.py")], check=True, timeout=120)
     for name in ("people_train.jsonl", "people_eval.jsonl"):
         assert (tmp_path / "examples" / "data" / name).read_text() == (ROOT / "examples" / "data" / name).read_text()
+
+
+def test_demo_runs_end_to_end(smollm2_path, tmp_path):
+    """`make demo` runs examples/demo.py; here with few steps (the README's numbers come from the full 30)."""
+    proc = subprocess.run([sys.executable, "examples/demo.py", "--steps", "3", "--out", str(tmp_path / "demo")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    results = json.loads((tmp_path / "demo" / "results.json").read_text())
+    assert results["steps"] == 3 and 0.0 <= results["exact_match_after"] <= 1.0
+    assert "exact match on held-out prompts" in proc.stdout
+    assert (tmp_path / "demo" / "run" / "loss.png").exists()
