@@ -18,7 +18,7 @@ from convert.safetensors_source import SafetensorsSource
 from jaxtune import nf4
 from jaxtune.errors import CheckpointError
 from jaxtune.model import CausalLM, Linear
-from jaxtune.qlora import _PARENT, LORA_TARGETS, LoRALinear, NF4Linear
+from jaxtune.qlora import LORA_TARGETS, PARENT_MODULE, LoRALinear, NF4Linear, projection
 
 _DTYPES = {"bfloat16": jax.numpy.bfloat16, "float16": np.float16, "float32": np.float32}
 
@@ -49,8 +49,8 @@ def _tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterator[tupl
         yield f"{p}.input_layernorm.weight", _layer(model.layers.input_layernorm.weight[...], i)
         yield f"{p}.post_attention_layernorm.weight", _layer(model.layers.post_attention_layernorm.weight[...], i)
         for name in LORA_TARGETS:
-            proj = getattr(getattr(model.layers, _PARENT[name]), name)
-            key = f"{p}.{_PARENT[name]}.{name}"
+            proj = projection(model, name)
+            key = f"{p}.{PARENT_MODULE[name]}.{name}"
             w = original(f"{key}.weight", lambda: _base_weight(proj, i))
             if isinstance(proj, LoRALinear):
                 a, b = _layer(proj.lora_a[...], i), _layer(proj.lora_b[...], i)
@@ -97,7 +97,7 @@ def save_merged(
             raise CheckpointError(f"base {base} is not the HF checkpoint of this model (its config differs); "
                                   "pass the directory the model was converted from")
     elif any(isinstance((p.base if isinstance(p, LoRALinear) else p), NF4Linear)
-             for p in (getattr(getattr(model.layers, _PARENT[n]), n) for n in LORA_TARGETS)):
+             for p in (projection(model, n) for n in LORA_TARGETS)):
         warnings.warn("merging onto dequantized NF4 weights loses quality; pass base=<HF dir of the original "
                       "weights> (--base) to merge onto them", stacklevel=2)
     out_dtype = _DTYPES[dtype]

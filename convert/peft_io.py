@@ -16,7 +16,7 @@ from convert.safetensors_source import SafetensorsSource
 from jaxtune.errors import CheckpointError
 from jaxtune.jsonfile import read_json_file
 from jaxtune.model import CausalLM
-from jaxtune.qlora import _PARENT, LORA_TARGETS, LoRALinear, get_peft_model
+from jaxtune.qlora import LORA_TARGETS, PARENT_MODULE, LoRALinear, get_peft_model, projection
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -27,12 +27,7 @@ _KEY = re.compile(
 
 def lora_modules(model: CausalLM) -> dict[str, LoRALinear]:
     """The projections of the model that carry LoRA adapters, by name (q_proj, ...)."""
-    out = {}
-    for name in LORA_TARGETS:
-        proj = getattr(getattr(model.layers, _PARENT[name]), name)
-        if isinstance(proj, LoRALinear):
-            out[name] = proj
-    return out
+    return {name: projection(model, name) for name in LORA_TARGETS if isinstance(projection(model, name), LoRALinear)}
 
 
 def save_peft(model: CausalLM, out_dir: str | os.PathLike, *, base_model_name_or_path: str | None = None) -> None:
@@ -46,7 +41,7 @@ def save_peft(model: CausalLM, out_dir: str | os.PathLike, *, base_model_name_or
         a = np.asarray(proj.lora_a[...], np.float32)
         b = np.asarray(proj.lora_b[...], np.float32)
         for i in range(a.shape[0]):
-            prefix = f"base_model.model.model.layers.{i}.{_PARENT[name]}.{name}"
+            prefix = f"base_model.model.model.layers.{i}.{PARENT_MODULE[name]}.{name}"
             tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[i])
             tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[i])
     config = {
@@ -116,7 +111,7 @@ def load_peft(model: CausalLM, adapter_dir: str | os.PathLike) -> CausalLM:
     missing = [(i, n, w) for n in modules for i in range(c.num_layers) for w in "AB" if (i, n, w) not in seen]
     if missing:
         i, n, w = missing[0]
-        raise CheckpointError(f"adapter lacks layers.{i}.{_PARENT[n]}.{n}.lora_{w}.weight; the adapter is incomplete")
+        raise CheckpointError(f"adapter lacks layers.{i}.{PARENT_MODULE[n]}.{n}.lora_{w}.weight; the adapter is incomplete")
     for name, proj in modules.items():
         proj.lora_a.set_value(jnp.asarray(a[name]))
         proj.lora_b.set_value(jnp.asarray(b[name]))

@@ -17,8 +17,8 @@ from jaxtune import nf4, ops
 from jaxtune.model import CausalLM, Linear
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+PARENT_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                 "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
 class QuantizedWeight(nnx.Variable):
@@ -72,10 +72,15 @@ class LoRALinear(nnx.Module):
         return y + (ops.linear(ops.linear(x, a), b) * jnp.asarray(self.scale, x.dtype)).astype(y.dtype)
 
 
+def projection(model: CausalLM, name: str) -> nnx.Module:
+    """The stacked projection `name` (q_proj, ..., down_proj) of the decoder layers."""
+    return getattr(getattr(model.layers, PARENT_MODULE[name]), name)
+
+
 def _projections(model: CausalLM):
     """(name, parent module, projection) for the 7 projections of the stacked decoder layers."""
     for name in LORA_TARGETS:
-        parent = getattr(model.layers, _PARENT[name])
+        parent = getattr(model.layers, PARENT_MODULE[name])
         yield name, parent, getattr(parent, name)
 
 
