@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -66,17 +67,7 @@ def _flat_arrays(model: CausalLM) -> dict[str, jax.Array]:
 def write_checkpoint(model: CausalLM, tokenizer: Any, out_dir: str | os.PathLike, *, quantization: str) -> None:
     """Writes model (+ tokenizer) to out_dir atomically: a temp dir beside it, renamed when complete."""
     with atomic_directory(out_dir) as tmp:
-        arrays = _flat_arrays(model)
-        shards: list[dict[str, np.ndarray]] = [{}]
-        size = 0
-        for name, value in arrays.items():
-            nbytes = value.size * value.dtype.itemsize
-            if shards[-1] and size + nbytes > SHARD_BYTES:
-                shards.append({})
-                size = 0
-            shards[-1][name] = value
-            size += nbytes
-        write_shards(tmp, shards, metadata={"format": "jaxtune"})
+        write_shards(tmp, _flat_arrays(model).items(), metadata={"format": "jaxtune"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(model.config.to_hf(), f, indent=2)
         meta = {"format_version": FORMAT_VERSION, "quantization": quantization, "dtype": str(model.dtype)}
@@ -86,8 +77,18 @@ def write_checkpoint(model: CausalLM, tokenizer: Any, out_dir: str | os.PathLike
             json.dump(meta, f, indent=2)
 
 
-def write_shards(directory: str, shards: list[dict], *, metadata: dict[str, str]) -> None:
-    """Writes model-0000i-of-0000n.safetensors files and their index (HF's sharded layout)."""
+def write_shards(directory: str, tensors: Iterable[tuple[str, Any]], *, metadata: dict[str, str]) -> None:
+    """Writes (name, array) pairs as model-0000i-of-0000n.safetensors files of at most SHARD_BYTES each, and
+    their index (HF's sharded layout)."""
+    shards: list[dict[str, Any]] = [{}]
+    size = 0
+    for name, value in tensors:
+        nbytes = value.size * value.dtype.itemsize
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += nbytes
     weight_map: dict[str, str] = {}
     for i, shard in enumerate(tqdm(shards, desc="writing", unit="shard", leave=False)):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from convert.atomic import atomic_directory
-from convert.jaxtune_format import SHARD_BYTES, write_shards
+from convert.jaxtune_format import write_shards
 from convert.peft_io import lora_modules
 from convert.safetensors_source import SafetensorsSource
 from jaxtune import nf4
@@ -103,16 +103,8 @@ def save_merged(
     out_dtype = _DTYPES[dtype]
     try:
         with atomic_directory(out_dir) as tmp:
-            shards: list[dict[str, np.ndarray]] = [{}]
-            size = 0
-            for name, value in _tensors(model, source):
-                value = value.astype(out_dtype)
-                if shards[-1] and size + value.nbytes > SHARD_BYTES:
-                    shards.append({})
-                    size = 0
-                shards[-1][name] = value
-                size += value.nbytes
-            write_shards(tmp, shards, metadata={"format": "pt"})
+            tensors = ((name, value.astype(out_dtype)) for name, value in _tensors(model, source))
+            write_shards(tmp, tensors, metadata={"format": "pt"})
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump({**model.config.to_hf(), "torch_dtype": dtype, "dtype": dtype}, f, indent=2)
             if tokenizer is not None:

@@ -101,17 +101,21 @@ def _quantize_absmax(absmax: jax.Array, offset: jax.Array, code: jax.Array) -> t
     return q, nested
 
 
-def quantize_traced(w: jax.Array, offset: jax.Array | None = None, nested_map: jax.Array | None = None) -> NF4Weight:
-    """Traceable NF4 quantization (inside jit/vmap); without `offset` the mean is a float32 reduction."""
-    absmax, packed = _absmax_and_codes(w)
-    offset = jnp.mean(absmax) if offset is None else jnp.asarray(offset, jnp.float32)
+def _double_quantized(packed, absmax, offset, nested_map) -> NF4Weight:
     code = jnp.asarray(dynamic_map() if nested_map is None else nested_map, jnp.float32)
     q, nested = _quantize_absmax(absmax, offset, code)
     return NF4Weight(packed, q, nested, offset, code)
 
 
+def quantize_traced(w: jax.Array, offset: jax.Array | None = None, nested_map: jax.Array | None = None) -> NF4Weight:
+    """Traceable NF4 quantization (inside jit/vmap); without `offset` the mean is a float32 reduction."""
+    absmax, packed = _absmax_and_codes(w)
+    offset = jnp.mean(absmax) if offset is None else jnp.asarray(offset, jnp.float32)
+    return _double_quantized(packed, absmax, offset, nested_map)
+
+
 _nf4_codes = jax.jit(_absmax_and_codes)
-_quantize_with_offset = jax.jit(quantize_traced)
+_double_quantized_jit = jax.jit(_double_quantized)
 
 
 def quantize(
@@ -123,11 +127,11 @@ def quantize(
     bit depends on the implementation (to reproduce a given bnb state bit for bit).
     """
     _check_shape(tuple(w.shape))
-    w = jnp.asarray(w)
+    absmax, packed = _nf4_codes(jnp.asarray(w))  # computed once; only the small absmax vector visits the host
     if offset is None:
-        absmax, _ = _nf4_codes(w)
         offset = np.asarray(absmax, np.float64).mean()  # float64 accumulation, correctly rounded to float32
-    return _quantize_with_offset(w, jnp.float32(offset), None if nested_map is None else jnp.asarray(nested_map))
+    return _double_quantized_jit(packed, absmax, jnp.float32(offset),
+                                 None if nested_map is None else jnp.asarray(nested_map))
 
 
 def dequantize_absmax(q: NF4Weight) -> jax.Array:
