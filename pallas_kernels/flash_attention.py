@@ -1,0 +1,510 @@
+"""Flash attention for GPU in Pallas (Triton): forward and backward, causal, GQA, packed segments.
+
+Layout is the model's own: q [B, T, Hq, D], k and v [B, T, Hkv, D] with Hq a multiple of Hkv. A query
+head reads its kv head through the BlockSpec index map (h // group), so K/V are never repeated in HBM.
+Segment ids [B, T] restrict attention to the same packed sample; each id must form one contiguous run
+(as sample packing produces). Per query tile the kernel starts its key loop at the first key of the
+tile's earliest segment, so fully masked tiles are never visited and no [T, T] mask exists anywhere.
+Any T works: the wrapper pads to the tile size and the padding is its own segment.
+
+Softmax runs in base 2 (exp2 with log2(e) folded into the scale); the saved residual is the per-row
+log-sum-exp in that base. The backward pass is two kernels (dq; dk+dv) so no atomics are needed. With
+GQA, dk/dv are produced per query head in f32 and summed over the group outside the kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+_LOG2E = math.log2(math.e)
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionTiles:
+    """Tile sizes and Triton launch parameters (powers of two), forward and the two backward kernels."""
+
+    block_q: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    bwd_block_q: int = 64
+    bwd_block_k: int = 64
+    bwd_num_warps: int = 4
+    bwd_num_stages: int = 2
+
+    def fitted(self, t: int) -> "AttentionTiles":
+        """Shrink tiles for short sequences (tensor-core dots need >= 16 rows)."""
+        cap = max(16, pl.next_power_of_2(t))
+        return dataclasses.replace(
+            self,
+            block_q=min(self.block_q, cap),
+            block_k=min(self.block_k, cap),
+            bwd_block_q=min(self.bwd_block_q, cap),
+            bwd_block_k=min(self.bwd_block_k, cap),
+        )
+
+
+DEFAULT_TILES = AttentionTiles()
+
+
+# --------------------------------------------------------------------------------------------- reference
+
+
+def attention_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
+    *,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    scale: float | None = None,
+) -> jax.Array:
+    """Pure-jnp attention with the kernel's semantics (builds the [T, T] mask; for tests and CPU)."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    mask = jnp.ones((1, t, t), bool)
+    idx = jnp.arange(t)
+    if causal:
+        mask = mask & (idx[None, :, None] >= idx[None, None, :])
+    if sliding_window is not None:
+        mask = mask & ((idx[None, :, None] - idx[None, None, :]) < sliding_window)
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    s = jnp.where(mask[:, None, None], s, _MASKED)
+    p = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype) if v.dtype != jnp.float64 else p, v,
+                     preferred_element_type=jnp.float32 if v.dtype != jnp.float64 else None)
+    return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+# ------------------------------------------------------------------------------------------ shared pieces
+
+
+def _segment_bounds(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """First and last index of each token's segment run, [B, T] int32 each (O(T), no [T, T])."""
+    b, t = segment_ids.shape
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    new_run = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    run_end = jnp.concatenate([segment_ids[:, 1:] != segment_ids[:, :-1], jnp.ones((b, 1), bool)], axis=1)
+    start = jax.lax.cummax(jnp.where(new_run, idx, 0), axis=1)
+    end = jax.lax.cummin(jnp.where(run_end, idx, t - 1), axis=1, reverse=True)
+    return start, end
+
+
+def _tile_mask(q_pos, k_pos, q_seg, k_seg, causal: bool, window: int | None):
+    """[len(q_pos), len(k_pos)] visibility of keys to queries inside one tile, or None if all visible."""
+    mask = None
+
+    def both(a, b):
+        return b if a is None else a & b
+
+    if causal:
+        mask = both(mask, q_pos[:, None] >= k_pos[None, :])
+    if window is not None:
+        mask = both(mask, (q_pos[:, None] - k_pos[None, :]) < window)
+    if q_seg is not None:
+        mask = both(mask, q_seg[:, None] == k_seg[None, :])
+    return mask
+
+
+def _key_tile_range(i, block_q, block_k, n_k, causal, window, q_start_min):
+    """Key tiles [lo, hi) that query tile i can see; tiles outside hold no visible key."""
+    hi = jnp.minimum(pl.cdiv((i + 1) * block_q, block_k), n_k) if causal else n_k
+    lo = 0
+    if q_start_min is not None:
+        lo = q_start_min // block_k
+    if window is not None:
+        lo = jnp.maximum(lo, jnp.maximum(i * block_q - window + 1, 0) // block_k)
+    return lo, hi
+
+
+def _query_tile_range(j, block_q, block_k, n_q, causal, window, k_end_max):
+    """Query tiles [lo, hi) that can see key tile j."""
+    lo = (j * block_k) // block_q if causal else 0
+    hi = n_q
+    if k_end_max is not None:
+        hi = jnp.minimum(hi, k_end_max // block_q + 1)
+    if window is not None:
+        hi = jnp.minimum(hi, (j * block_k + block_k - 1 + window - 1) // block_q + 1)
+    return lo, hi
+
+
+# ------------------------------------------------------------------------------------------------ forward
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qk_scale, causal, window, block_q, block_k, has_segments):
+    if has_segments:
+        q_seg_ref, q_start_ref, k_seg_ref, o_ref, lse_ref = refs
+    else:
+        o_ref, lse_ref = refs
+    i = pl.program_id(0)
+    n_k = k_ref.shape[0] // block_k
+    d = q_ref.shape[-1]
+    q = q_ref[...]
+    q_pos = i * block_q + jnp.arange(block_q)
+    q_seg = q_seg_ref[...] if has_segments else None
+    lo, hi = _key_tile_range(
+        i, block_q, block_k, n_k, causal, window, jnp.min(q_start_ref[...]) if has_segments else None
+    )
+
+    def step(j, carry, masked):
+        acc, m, l = carry
+        ks = pl.ds(j * block_k, block_k)
+        k = k_ref[ks, :]
+        s = pltriton.dot(q, k, trans_b=True) * qk_scale
+        if masked:
+            k_pos = j * block_k + jnp.arange(block_k)
+            mask = _tile_mask(q_pos, k_pos, q_seg, k_seg_ref[ks] if has_segments else None, causal, window)
+            s = jnp.where(mask, s, _MASKED)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        v = v_ref[ks, :]
+        acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v)
+        return acc, m_new, l
+
+    carry = (
+        jnp.zeros((block_q, d), jnp.float32),
+        jnp.full((block_q,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
+    if causal and not has_segments and window is None:
+        # tiles wholly below the diagonal need no mask; only the diagonal band does
+        mid = jnp.minimum((i * block_q + 1) // block_k, hi)
+        carry = jax.lax.fori_loop(lo, mid, functools.partial(step, masked=False), carry)
+        carry = jax.lax.fori_loop(mid, hi, functools.partial(step, masked=True), carry)
+    else:
+        masked = causal or has_segments or window is not None
+        carry = jax.lax.fori_loop(lo, hi, functools.partial(step, masked=masked), carry)
+    acc, m, l = carry
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log2(l)
+
+
+def _forward(q, k, v, segment_ids, *, scale, causal, window, tiles: AttentionTiles, interpret):
+    """Padded inputs -> (out [B, Tp, Hq, D], lse [B, Hq, Tp] in log2 units)."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    group = hq // hkv
+    bq, bk = tiles.block_q, tiles.block_k
+    has_segments = segment_ids is not None
+    kernel = functools.partial(
+        _fwd_kernel, qk_scale=scale * _LOG2E, causal=causal, window=window, block_q=bq, block_k=bk,
+        has_segments=has_segments,
+    )
+    in_specs = [
+        pl.BlockSpec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0)),
+        pl.BlockSpec((None, t, None, d), lambda i, bi, h: (bi, 0, h // group, 0)),
+        pl.BlockSpec((None, t, None, d), lambda i, bi, h: (bi, 0, h // group, 0)),
+    ]
+    args = [q, k, v]
+    if has_segments:
+        start, _ = _segment_bounds(segment_ids)
+        in_specs += [
+            pl.BlockSpec((None, bq), lambda i, bi, h: (bi, i)),
+            pl.BlockSpec((None, bq), lambda i, bi, h: (bi, i)),
+            pl.BlockSpec((None, t), lambda i, bi, h: (bi, 0)),
+        ]
+        args += [segment_ids, start, segment_ids]
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(t // bq, b, hq),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0)),
+            pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, i)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, t), jnp.float32)],
+        compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        interpret=interpret,
+        name="flash_attention_fwd",
+    )(*args)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------- backward
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, qk_scale, scale, causal, window,
+               block_q, block_k, has_segments):
+    if has_segments:
+        q_seg_ref, q_start_ref, k_seg_ref, dq_ref = refs
+    else:
+        (dq_ref,) = refs
+    i = pl.program_id(0)
+    n_k = k_ref.shape[0] // block_k
+    q = q_ref[...]
+    do = do_ref[...]
+    lse = lse_ref[...]
+    delta = delta_ref[...]
+    q_pos = i * block_q + jnp.arange(block_q)
+    q_seg = q_seg_ref[...] if has_segments else None
+    lo, hi = _key_tile_range(
+        i, block_q, block_k, n_k, causal, window, jnp.min(q_start_ref[...]) if has_segments else None
+    )
+
+    def step(j, dq, masked):
+        ks = pl.ds(j * block_k, block_k)
+        k = k_ref[ks, :]
+        v = v_ref[ks, :]
+        s = pltriton.dot(q, k, trans_b=True) * qk_scale
+        if masked:
+            k_pos = j * block_k + jnp.arange(block_k)
+            mask = _tile_mask(q_pos, k_pos, q_seg, k_seg_ref[ks] if has_segments else None, causal, window)
+            s = jnp.where(mask, s, _MASKED)
+        p = jnp.exp2(s - lse[:, None])
+        dp = pltriton.dot(do, v, trans_b=True)
+        ds = p * (dp - delta[:, None])
+        return dq + pltriton.dot(ds.astype(k.dtype), k)
+
+    dq = jnp.zeros(q.shape, jnp.float32)
+    if causal and not has_segments and window is None:
+        mid = jnp.minimum((i * block_q + 1) // block_k, hi)
+        dq = jax.lax.fori_loop(lo, mid, functools.partial(step, masked=False), dq)
+        dq = jax.lax.fori_loop(mid, hi, functools.partial(step, masked=True), dq)
+    else:
+        masked = causal or has_segments or window is not None
+        dq = jax.lax.fori_loop(lo, hi, functools.partial(step, masked=masked), dq)
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, qk_scale, scale, causal, window,
+                block_q, block_k, has_segments):
+    if has_segments:
+        q_seg_ref, k_seg_ref, k_end_ref, dk_ref, dv_ref = refs
+    else:
+        dk_ref, dv_ref = refs
+    j = pl.program_id(0)
+    n_q = q_ref.shape[0] // block_q
+    k = k_ref[...]
+    v = v_ref[...]
+    k_pos = j * block_k + jnp.arange(block_k)
+    k_seg = k_seg_ref[...] if has_segments else None
+    lo, hi = _query_tile_range(
+        j, block_q, block_k, n_q, causal, window, jnp.max(k_end_ref[...]) if has_segments else None
+    )
+
+    def step(i, carry, masked):
+        dk, dv = carry
+        qs = pl.ds(i * block_q, block_q)
+        q = q_ref[qs, :]
+        do = do_ref[qs, :]
+        lse = lse_ref[qs]
+        delta = delta_ref[qs]
+        st = pltriton.dot(k, q, trans_b=True) * qk_scale  # [bk, bq]
+        if masked:
+            q_pos = i * block_q + jnp.arange(block_q)
+            mask = _tile_mask(q_pos, k_pos, q_seg_ref[qs] if has_segments else None, k_seg, causal, window)
+            st = jnp.where(mask.T, st, _MASKED)
+        pt = jnp.exp2(st - lse[None, :])
+        dv = dv + pltriton.dot(pt.astype(do.dtype), do)
+        dpt = pltriton.dot(v, do, trans_b=True)
+        dst = pt * (dpt - delta[None, :])
+        dk = dk + pltriton.dot(dst.astype(q.dtype), q)
+        return dk, dv
+
+    carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    if causal and not has_segments and window is None:
+        # query tiles wholly below the diagonal see every key of this tile
+        mid = jnp.minimum(pl.cdiv(j * block_k + block_k - 1, block_q), hi)
+        mid = jnp.maximum(mid, lo)
+        carry = jax.lax.fori_loop(lo, mid, functools.partial(step, masked=True), carry)
+        carry = jax.lax.fori_loop(mid, hi, functools.partial(step, masked=False), carry)
+    else:
+        masked = causal or has_segments or window is not None
+        carry = jax.lax.fori_loop(lo, hi, functools.partial(step, masked=masked), carry)
+    dk, dv = carry
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _backward(q, k, v, segment_ids, out, lse, do, *, scale, causal, window, tiles: AttentionTiles,
+              interpret):
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    group = hq // hkv
+    bq, bk = tiles.bwd_block_q, tiles.bwd_block_k
+    has_segments = segment_ids is not None
+    delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
+    params = pltriton.CompilerParams(num_warps=tiles.bwd_num_warps, num_stages=tiles.bwd_num_stages)
+    static = dict(qk_scale=scale * _LOG2E, scale=scale, causal=causal, window=window, block_q=bq,
+                  block_k=bk, has_segments=has_segments)
+    if has_segments:
+        start, end = _segment_bounds(segment_ids)
+
+    # dq: one program per (query tile, batch, query head), looping over key tiles
+    in_specs = [
+        pl.BlockSpec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0)),
+        pl.BlockSpec((None, t, None, d), lambda i, bi, h: (bi, 0, h // group, 0)),
+        pl.BlockSpec((None, t, None, d), lambda i, bi, h: (bi, 0, h // group, 0)),
+        pl.BlockSpec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0)),
+        pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, i)),
+        pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, i)),
+    ]
+    args = [q, k, v, do, lse, delta]
+    if has_segments:
+        in_specs += [
+            pl.BlockSpec((None, bq), lambda i, bi, h: (bi, i)),
+            pl.BlockSpec((None, bq), lambda i, bi, h: (bi, i)),
+            pl.BlockSpec((None, t), lambda i, bi, h: (bi, 0)),
+        ]
+        args += [segment_ids, start, segment_ids]
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, **static),
+        grid=(t // bq, b, hq),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0)),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        name="flash_attention_dq",
+    )(*args)
+
+    # dk, dv: one program per (key tile, batch, query head), looping over query tiles
+    in_specs = [
+        pl.BlockSpec((None, t, None, d), lambda j, bi, h: (bi, 0, h, 0)),
+        pl.BlockSpec((None, bk, None, d), lambda j, bi, h: (bi, j, h // group, 0)),
+        pl.BlockSpec((None, bk, None, d), lambda j, bi, h: (bi, j, h // group, 0)),
+        pl.BlockSpec((None, t, None, d), lambda j, bi, h: (bi, 0, h, 0)),
+        pl.BlockSpec((None, None, t), lambda j, bi, h: (bi, h, 0)),
+        pl.BlockSpec((None, None, t), lambda j, bi, h: (bi, h, 0)),
+    ]
+    args = [q, k, v, do, lse, delta]
+    if has_segments:
+        in_specs += [
+            pl.BlockSpec((None, t), lambda j, bi, h: (bi, 0)),
+            pl.BlockSpec((None, bk), lambda j, bi, h: (bi, j)),
+            pl.BlockSpec((None, bk), lambda j, bi, h: (bi, j)),
+        ]
+        args += [segment_ids, segment_ids, end]
+    kv_dtype = k.dtype if group == 1 else jnp.float32
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, **static),
+        grid=(t // bk, b, hq),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((None, bk, None, d), lambda j, bi, h: (bi, j, h, 0)),
+            pl.BlockSpec((None, bk, None, d), lambda j, bi, h: (bi, j, h, 0)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((b, t, hq, d), kv_dtype)] * 2,
+        compiler_params=params,
+        interpret=interpret,
+        name="flash_attention_dkv",
+    )(*args)
+    if group > 1:
+        dk = dk.reshape(b, t, hkv, group, d).sum(axis=3)
+        dv = dv.reshape(b, t, hkv, group, d).sum(axis=3)
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+# ------------------------------------------------------------------------------------------ public entry
+
+
+def _check(q, k, v, segment_ids):
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
+        raise ValueError(f"flash_attention wants q [B,T,Hq,D], k=v [B,T,Hkv,D]; got {q.shape}, {k.shape}, {v.shape}")
+    b, t, hq, d = q.shape
+    if k.shape[0] != b or k.shape[1] != t or k.shape[3] != d:
+        raise ValueError(f"flash_attention: q {q.shape} and k/v {k.shape} differ in batch, length or head dim")
+    if hq % k.shape[2]:
+        raise ValueError(f"flash_attention: {hq} query heads is not a multiple of {k.shape[2]} kv heads")
+    if d not in (64, 128):
+        raise ValueError(f"flash_attention supports head_dim 64 and 128, got {d}; use the XLA reference")
+    if segment_ids is not None and segment_ids.shape != (b, t):
+        raise ValueError(f"flash_attention: segment_ids must be [B, T] = {(b, t)}, got {segment_ids.shape}")
+
+
+def _pad_to(x, t_pad, axis, value=0):
+    pad = t_pad - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _prepare(q, k, v, segment_ids, causal, tiles):
+    t = q.shape[1]
+    tiles = tiles.fitted(t)
+    step = max(tiles.block_q, tiles.block_k, tiles.bwd_block_q, tiles.bwd_block_k)
+    t_pad = pl.cdiv(t, step) * step
+    if t_pad != t:
+        if segment_ids is not None:
+            pad_id = jnp.min(segment_ids) - 1  # padding is a run of its own, distinct from its neighbour
+            segment_ids = jnp.concatenate(
+                [segment_ids, jnp.broadcast_to(pad_id, (segment_ids.shape[0], t_pad - t)).astype(segment_ids.dtype)],
+                axis=1,
+            )
+        elif not causal:
+            segment_ids = jnp.concatenate(
+                [jnp.zeros((q.shape[0], t), jnp.int32), jnp.ones((q.shape[0], t_pad - t), jnp.int32)], axis=1
+            )
+        q, k, v = (_pad_to(a, t_pad, 1) for a in (q, k, v))
+    if segment_ids is not None:
+        segment_ids = segment_ids.astype(jnp.int32)
+    return q, k, v, segment_ids, tiles
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _flash(q, k, v, segment_ids, scale, causal, window, tiles, interpret):
+    t = q.shape[1]
+    qp, kp, vp, seg, tl = _prepare(q, k, v, segment_ids, causal, tiles)
+    out, _ = _forward(qp, kp, vp, seg, scale=scale, causal=causal, window=window, tiles=tl, interpret=interpret)
+    return out[:, :t]
+
+
+def _flash_fwd(q, k, v, segment_ids, scale, causal, window, tiles, interpret):
+    t = q.shape[1]
+    qp, kp, vp, seg, tl = _prepare(q, k, v, segment_ids, causal, tiles)
+    out, lse = _forward(qp, kp, vp, seg, scale=scale, causal=causal, window=window, tiles=tl, interpret=interpret)
+    return out[:, :t], (q, k, v, segment_ids, out, lse)
+
+
+def _flash_bwd(scale, causal, window, tiles, interpret, residuals, do):
+    q, k, v, segment_ids, out_p, lse = residuals
+    t = q.shape[1]
+    qp, kp, vp, seg, tl = _prepare(q, k, v, segment_ids, causal, tiles)
+    dop = _pad_to(do, qp.shape[1], 1)
+    dq, dk, dv = _backward(
+        qp, kp, vp, seg, out_p, lse, dop, scale=scale, causal=causal, window=window, tiles=tl, interpret=interpret
+    )
+    return dq[:, :t], dk[:, :t], dv[:, :t], None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
+    *,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    scale: float | None = None,
+    tiles: AttentionTiles = DEFAULT_TILES,
+    interpret: bool = False,
+) -> jax.Array:
+    """softmax(q kᵀ·scale + mask) v over [B, T, H, D] tensors, differentiable in q, k and v.
+
+    `segment_ids` [B, T] (each id one contiguous run) keeps attention inside a packed sample;
+    `sliding_window` w lets a query see only the last w keys (Mistral). `interpret=True` runs the
+    kernels' logic on CPU.
+    """
+    _check(q, k, v, segment_ids)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _flash(q, k, v, segment_ids, scale, causal, sliding_window, tiles, interpret)
