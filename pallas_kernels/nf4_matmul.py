@@ -1,0 +1,331 @@
+"""Fused NF4 dequant-matmul for GPU in Pallas (Triton): y = x @ dequant(W)ᵀ and dx = dy @ dequant(W).
+
+The weight stays in bitsandbytes' byte layout: codes uint8 [N, K/2], byte i of row n holding W[n, 2i]
+in the high nibble and W[n, 2i+1] in the low one. Rather than interleaving nibbles on chip, the kernels
+split the contraction: x @ Wᵀ = x[:, 0::2] @ W_hiᵀ + x[:, 1::2] @ W_loᵀ, so the wrapper hands the
+kernel x with its even columns first, then its odd ones (one cheap pass over x), and each nibble
+plane feeds a tensor-core dot directly. A tile of 32 bytes covers exactly one 64-value absmax block, so
+one scale per row serves both planes. Dequantization (NF4 value by a select tree on the 4 bits, times
+the float32 absmax, rounded to bf16 — bitsandbytes' arithmetic) happens in registers per tile; no bf16
+copy of W ever reaches HBM. Small M splits the reduction across programs to fill the GPU.
+
+`absmax` here is the per-block float32 scale [N, K/64] (double quantization already undone; that is a
+vector 1/16 the size of W's codes). Also: a dequant-only kernel (NF4 -> bf16 W) for "dequant then
+cuBLAS", and the pure-jnp reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+NF4_VALUES = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0,
+)
+BLOCK = 64  # values per absmax
+_BYTES_PER_BLOCK = BLOCK // 2
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulTiles:
+    """Tile sizes (powers of two) and launch parameters of one kernel call.
+
+    block_m, block_n: output tile; block_bytes: bytes of a code row consumed per step (32 or 64, i.e. 64
+    or 128 values of K); split: programs sharing one reduction (partial sums added in f32 afterwards).
+    """
+
+    block_m: int = 64
+    block_n: int = 128
+    block_bytes: int = 32
+    split: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    lut: str = "gather"  # NF4 value lookup: "gather" (16-entry table load) or "select" (bit tree)
+
+
+# ------------------------------------------------------------------------------------------- reference
+
+
+def nf4_dequantize_reference(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
+    """W [N, K] = NF4[code] * absmax (float32), cast to dtype."""
+    n, half = codes.shape
+    idx = jnp.stack([codes >> 4, codes & 15], axis=-1).reshape(n, 2 * half).astype(jnp.int32)
+    w = jnp.asarray(NF4_VALUES, jnp.float32)[idx].reshape(n, -1, BLOCK) * absmax[:, :, None]
+    return w.reshape(n, 2 * half).astype(dtype)
+
+
+def nf4_matmul_reference(x: jax.Array, codes: jax.Array, absmax: jax.Array) -> jax.Array:
+    """x [..., K] @ dequant(W)ᵀ with f32 accumulation, x's dtype out."""
+    w = nf4_dequantize_reference(codes, absmax, x.dtype)
+    return jnp.einsum("...k,nk->...n", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------- tile helpers
+
+
+def _nf4_value(nibble: jax.Array) -> jax.Array:
+    """NF4 code value (float32) of 4-bit indices by a 4-level select tree: 15 selects, no memory."""
+    bits = [(nibble & (1 << b)) != 0 for b in range(4)]
+    level = [jnp.float32(v) for v in NF4_VALUES]
+    for bit in bits:
+        level = [jnp.where(bit, level[i + 1], level[i]) for i in range(0, len(level), 2)]
+    return level[0]
+
+
+def _planes(codes: jax.Array, scale: jax.Array, dtype, lut_ref) -> tuple[jax.Array, jax.Array]:
+    """Dequantized high- and low-nibble planes [rows, cols] of a code tile; scale broadcasts on rows.
+
+    With a table ref the NF4 value is one load from a 64-byte table (a single cache line, so a warp's
+    lookups cost one L1 wavefront); without, a select tree.
+    """
+    if lut_ref is None:
+        hi, lo = _nf4_value(codes >> 4), _nf4_value(codes & 15)
+    else:
+        hi, lo = lut_ref[(codes >> 4).astype(jnp.int32)], lut_ref[(codes & 15).astype(jnp.int32)]
+    return (hi * scale).astype(dtype), (lo * scale).astype(dtype)
+
+
+def _tile_scale(absmax_ref, byte0, rows: pl.Slice | slice, block_bytes: int) -> jax.Array:
+    """Per-(row, byte) float32 scale of the code tile starting at byte `byte0` (absmax_ref is [K/64, N])."""
+    first = absmax_ref[byte0 // _BYTES_PER_BLOCK, rows]
+    if block_bytes == _BYTES_PER_BLOCK:
+        return first[:, None]
+    second = absmax_ref[byte0 // _BYTES_PER_BLOCK + 1, rows]
+    col = jnp.arange(block_bytes)[None, :]
+    return jnp.where(col < _BYTES_PER_BLOCK, first[:, None], second[:, None])
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+
+def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, block_bytes, steps):
+    """y tile [bm, bn] (+= over this program's share of K) = x_even @ W_hiᵀ + x_odd @ W_loᵀ."""
+    lut_ref, y_ref = refs if len(refs) == 2 else (None, refs[0])
+    s = pl.program_id(2)
+    bm, bn = y_ref.shape
+    rows = slice(None)
+
+    def body(t, acc):
+        byte0 = (s * steps + t) * block_bytes
+        codes = codes_ref[:, pl.ds(byte0, block_bytes)]
+        w_hi, w_lo = _planes(codes, _tile_scale(absmax_ref, byte0, rows, block_bytes), x_ref.dtype, lut_ref)
+        x_even = x_ref[:, pl.ds(2 * byte0, block_bytes, stride=2)]
+        x_odd = x_ref[:, pl.ds(2 * byte0 + 1, block_bytes, stride=2)]
+        acc = acc + pltriton.dot(x_even, w_hi, trans_b=True)
+        return acc + pltriton.dot(x_odd, w_lo, trans_b=True)
+
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
+    y_ref[...] = acc.astype(y_ref.dtype)
+
+
+def _matmul_t_kernel(dy_ref, codes_ref, absmax_ref, *refs, block_n, block_bytes, steps):
+    """dx tiles [bm, block_bytes] of the even and odd columns: dy @ W_hi and dy @ W_lo over N."""
+    lut_ref, dx_ref = refs if len(refs) == 2 else (None, refs[0])
+    j = pl.program_id(1)
+    s = pl.program_id(2)
+    bm = dy_ref.shape[0]
+    byte0 = j * block_bytes
+
+    def body(t, carry):
+        acc_even, acc_odd = carry
+        n0 = (s * steps + t) * block_n
+        rows = pl.ds(n0, block_n)
+        codes = codes_ref[rows, :]
+        w_hi, w_lo = _planes(codes, _tile_scale(absmax_ref, byte0, rows, block_bytes), dy_ref.dtype, lut_ref)
+        dy = dy_ref[:, rows]
+        return acc_even + pltriton.dot(dy, w_hi), acc_odd + pltriton.dot(dy, w_lo)
+
+    zeros = jnp.zeros((bm, block_bytes), jnp.float32)
+    acc_even, acc_odd = jax.lax.fori_loop(0, steps, body, (zeros, zeros))
+    dx_ref[:, pl.ds(0, block_bytes, stride=2)] = acc_even.astype(dx_ref.dtype)
+    dx_ref[:, pl.ds(1, block_bytes, stride=2)] = acc_odd.astype(dx_ref.dtype)
+
+
+def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes):
+    """W tile [bn, 2 * block_bytes] in memory order: strided stores put the planes on even/odd columns."""
+    lut_ref, w_ref = refs if len(refs) == 2 else (None, refs[0])
+    j = pl.program_id(1)
+    w_hi, w_lo = _planes(codes_ref[...], _tile_scale(absmax_ref, j * block_bytes, slice(None), block_bytes),
+                         w_ref.dtype, lut_ref)
+    w_ref[:, pl.ds(0, block_bytes, stride=2)] = w_hi
+    w_ref[:, pl.ds(1, block_bytes, stride=2)] = w_lo
+
+
+# ---------------------------------------------------------------------------------------------- wrappers
+
+
+def _check(codes: jax.Array, absmax: jax.Array, k: int | None = None) -> tuple[int, int]:
+    if codes.ndim != 2 or codes.dtype != jnp.uint8:
+        raise ValueError(f"nf4 kernels want codes uint8 [N, K/2], got {codes.dtype} {codes.shape}")
+    n, half = codes.shape
+    if n % BLOCK or (2 * half) % BLOCK:
+        raise ValueError(f"nf4 kernels need N and K multiples of {BLOCK}; got N={n}, K={2 * half}")
+    if absmax.shape != (n, 2 * half // BLOCK):
+        raise ValueError(f"absmax must be float32 [N, K/{BLOCK}] = {(n, 2 * half // BLOCK)}, got {absmax.shape}")
+    if k is not None and k != 2 * half:
+        raise ValueError(f"x has K={k} but the NF4 weight has K={2 * half}")
+    return n, 2 * half
+
+
+def _fit(tiles: MatmulTiles, n: int, half: int, reduce_len: int, reduce_block: int) -> MatmulTiles:
+    block_bytes = tiles.block_bytes if half % tiles.block_bytes == 0 else _BYTES_PER_BLOCK
+    block_n = tiles.block_n
+    while n % block_n:
+        block_n //= 2
+    split = tiles.split
+    while split > 1 and (reduce_len // reduce_block) % split:
+        split //= 2
+    return dataclasses.replace(tiles, block_bytes=block_bytes, block_n=block_n, split=split)
+
+
+def _lut_args(lut: str, grid_rank: int) -> tuple[list, list]:
+    if lut == "select":
+        return [], []
+    if lut != "gather":
+        raise ValueError(f"unknown NF4 lookup {lut!r}; use 'gather' or 'select'")
+    spec = pl.BlockSpec((16,), (lambda i, j: (0,)) if grid_rank == 2 else (lambda i, j, s: (0,)))
+    return [spec], [jnp.asarray(NF4_VALUES, jnp.float32)]
+
+
+def _pad_rows(x: jax.Array, block: int) -> jax.Array:
+    m = x.shape[0]
+    mp = pl.cdiv(m, block) * block
+    return x if mp == m else jnp.pad(x, ((0, mp - m), (0, 0)))
+
+
+def nf4_matmul_forward(x: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: MatmulTiles = MatmulTiles(),
+                       interpret: bool = False) -> jax.Array:
+    """y [..., N] = x [..., K] @ dequant(W)ᵀ, fused (no gradient rule: see `nf4_matmul`)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    n, _ = _check(codes, absmax, k)
+    half = k // 2
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    tiles = _fit(tiles, n, half, half, tiles.block_bytes)
+    bm, bn, bb, split = tiles.block_m, tiles.block_n, tiles.block_bytes, tiles.split
+    steps = half // bb // split
+    xp = _pad_rows(x2, bm)
+    mp = xp.shape[0]
+    out_dtype = x.dtype if split == 1 else jnp.float32
+    lut_specs, lut_args = _lut_args(tiles.lut, 3)
+    y = pl.pallas_call(
+        functools.partial(_matmul_kernel, block_bytes=bb, steps=steps),
+        grid=(mp // bm, n // bn, split),
+        in_specs=[
+            pl.BlockSpec((bm, k), lambda i, j, s: (i, 0)),
+            pl.BlockSpec((bn, half), lambda i, j, s: (j, 0)),
+            pl.BlockSpec((k // BLOCK, bn), lambda i, j, s: (0, j)),
+            *lut_specs,
+        ],
+        out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j)),
+        out_shape=jax.ShapeDtypeStruct((split, mp, n), out_dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        interpret=interpret,
+        name="nf4_matmul",
+    )(xp, codes, absmax.T, *lut_args)
+    y = y[0] if split == 1 else y.sum(axis=0).astype(x.dtype)
+    return y[:m].reshape(*lead, n)
+
+
+def nf4_matmul_dx(dy: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: MatmulTiles = MatmulTiles(),
+                  interpret: bool = False) -> jax.Array:
+    """dx [..., K] = dy [..., N] @ dequant(W), fused."""
+    n, k = _check(codes, absmax)
+    if dy.shape[-1] != n:
+        raise ValueError(f"dy has N={dy.shape[-1]} but the NF4 weight has N={n}")
+    lead = dy.shape[:-1]
+    half = k // 2
+    dy2 = dy.reshape(-1, n)
+    m = dy2.shape[0]
+    tiles = _fit(tiles, n, half, n, tiles.block_n)
+    bm, bn, bb, split = tiles.block_m, tiles.block_n, tiles.block_bytes, tiles.split
+    steps = n // bn // split
+    dyp = _pad_rows(dy2, bm)
+    mp = dyp.shape[0]
+    out_dtype = dy.dtype if split == 1 else jnp.float32
+    lut_specs, lut_args = _lut_args(tiles.lut, 3)
+    dx = pl.pallas_call(
+        functools.partial(_matmul_t_kernel, block_n=bn, block_bytes=bb, steps=steps),
+        grid=(mp // bm, half // bb, split),
+        in_specs=[
+            pl.BlockSpec((bm, n), lambda i, j, s: (i, 0)),
+            pl.BlockSpec((n, bb), lambda i, j, s: (0, j)),
+            pl.BlockSpec((k // BLOCK, n), lambda i, j, s: (0, 0)),
+            *lut_specs,
+        ],
+        out_specs=pl.BlockSpec((None, bm, 2 * bb), lambda i, j, s: (s, i, j)),
+        out_shape=jax.ShapeDtypeStruct((split, mp, k), out_dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        interpret=interpret,
+        name="nf4_matmul_dx",
+    )(dyp, codes, absmax.T, *lut_args)
+    dx = dx[0] if split == 1 else dx.sum(axis=0).astype(dy.dtype)
+    return dx[:m].reshape(*lead, k)
+
+
+def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, block_n: int = 64,
+                   block_bytes: int = 64, num_warps: int = 4, lut: str = "gather",
+                   interpret: bool = False) -> jax.Array:
+    """W [N, K] in dtype from NF4 codes and float32 absmax (for "dequantize, then cuBLAS")."""
+    n, k = _check(codes, absmax)
+    half = k // 2
+    tiles = _fit(MatmulTiles(block_n=block_n, block_bytes=block_bytes), n, half, half, block_bytes)
+    bn, bb = tiles.block_n, tiles.block_bytes
+    lut_specs, lut_args = _lut_args(lut, 2)
+    return pl.pallas_call(
+        functools.partial(_dequant_kernel, block_bytes=bb),
+        grid=(n // bn, half // bb),
+        in_specs=[
+            pl.BlockSpec((bn, bb), lambda i, j: (i, j)),
+            pl.BlockSpec((k // BLOCK, bn), lambda i, j: (0, i)),
+            *lut_specs,
+        ],
+        out_specs=pl.BlockSpec((bn, 2 * bb), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((n, k), dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="nf4_dequantize",
+    )(codes, absmax.T, *lut_args)
+
+
+# ------------------------------------------------------------------------------------------ custom VJP
+
+
+def _zero_like(a):
+    if jnp.issubdtype(a.dtype, jnp.integer):
+        return np.zeros(a.shape, dtype=jax.dtypes.float0)
+    return jnp.zeros_like(a)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _nf4_matmul(x, codes, absmax, tiles, dx_tiles, interpret):
+    return nf4_matmul_forward(x, codes, absmax, tiles=tiles, interpret=interpret)
+
+
+def _nf4_matmul_fwd(x, codes, absmax, tiles, dx_tiles, interpret):
+    return _nf4_matmul(x, codes, absmax, tiles, dx_tiles, interpret), (codes, absmax)
+
+
+def _nf4_matmul_bwd(tiles, dx_tiles, interpret, res, dy):
+    codes, absmax = res
+    dx = nf4_matmul_dx(dy, codes, absmax, tiles=dx_tiles, interpret=interpret)
+    return dx, _zero_like(codes), _zero_like(absmax)
+
+
+_nf4_matmul.defvjp(_nf4_matmul_fwd, _nf4_matmul_bwd)
+
+
+def nf4_matmul(x: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: MatmulTiles = MatmulTiles(),
+               dx_tiles: MatmulTiles = MatmulTiles(block_m=64, block_n=64, block_bytes=32),
+               interpret: bool = False) -> jax.Array:
+    """x @ dequant(W)ᵀ with a fused backward dx = dy @ dequant(W); W is frozen (zero cotangents)."""
+    return _nf4_matmul(x, codes, absmax, tiles, dx_tiles, interpret)
