@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxtune.config import ModelConfig
+from jaxtune.dispatch import kernel_mode, set_kernels
 from jaxtune.errors import CheckpointError, JaxtuneError, UnsupportedModelError
 from jaxtune.generate import generate
 from jaxtune import nf4
@@ -46,10 +47,12 @@ __all__ = [
     "generate",
     "get_peft_model",
     "init_model",
+    "kernel_mode",
     "load_peft",
     "nf4",
     "quantize_layers",
     "save_merged",
     "save_peft",
+    "set_kernels",
     "train",
 ]

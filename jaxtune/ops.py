@@ -1,14 +1,19 @@
 """The one dispatch point for the model's heavy ops (projections and attention).
 
 Every matmul and attention call of the model goes through here, so faster backends (Pallas kernels)
-plug in without touching the model. The implementations below are the XLA reference.
+plug in without touching the model. The functions below are the XLA reference; `jaxtune.dispatch`
+(`JAXTUNE_KERNELS`) decides per call whether a Pallas kernel or cuDNN runs instead.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxtune import dispatch
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -60,8 +65,12 @@ def attention(
 
     q [B, T, Hq, D]; k, v [B, S, Hkv, D] with Hq a multiple of Hkv (kv heads are shared by index, never
     repeated in memory). Query i is at key index q_offset + i (q_offset > 0 when attending to a KV cache).
-    Segment ids [B, T] / [B, S] restrict attention to tokens of the same packed sample.
+    Segment ids [B, T] / [B, S] restrict attention to tokens of the same packed sample (each id one
+    contiguous run, as packing lays them out).
     """
+    fast = _fast_attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, sliding_window)
+    if fast is not None:
+        return fast
     b, t, hq, d = q.shape
     s, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -75,6 +84,21 @@ def attention(
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def _fast_attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, sliding_window) -> jax.Array | None:
+    """Flash attention (Pallas) or cuDNN for the full-sequence case, per `dispatch`; None: use the reference."""
+    full_sequence = isinstance(q_offset, int) and q_offset == 0 and kv_segment_ids is None and k.shape[1] == q.shape[1]
+    if not full_sequence or q.shape[-1] not in (64, 128):
+        return None
+    impl = dispatch.attention_impl()
+    if impl == "cudnn" and q_segment_ids is None and sliding_window is None and q.dtype in (jnp.bfloat16, jnp.float16):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    if impl in ("pallas", "cudnn"):
+        from pallas_kernels.flash_attention import flash_attention
+
+        return flash_attention(q, k, v, q_segment_ids, sliding_window=sliding_window, interpret=dispatch.interpret())
+    return None
 
 
 def _zero_cotangent(a: jax.Array) -> jax.Array:
@@ -106,11 +130,67 @@ def _nf4_matmul_bwd(weight, dy):
 _nf4_matmul.defvjp(_nf4_matmul_fwd, _nf4_matmul_bwd)
 
 
+def _kernel_tiles(m: int, direction: str):
+    from pallas_kernels.nf4_matmul import MatmulTiles
+
+    if m <= 16:
+        return MatmulTiles(16, 64, 32, 8, 4, 3)
+    if m <= 256:
+        return MatmulTiles(64, 64, 64, 2, 4, 3)
+    return MatmulTiles(256, 128, 64, 1, 8, 3) if direction == "fwd" else MatmulTiles(128, 128, 64, 1, 8, 3)
+
+
+def _kernel_operands(weight):
+    from jaxtune.nf4 import dequantize_absmax
+
+    n, k = weight.shape
+    return jnp.asarray(weight.codes), dequantize_absmax(weight).reshape(n, k // 64)
+
+
+def _rows(a: jax.Array) -> int:
+    return int(np.prod(a.shape[:-1]))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _nf4_kernel_matmul(x, weight, impl: str, interpret: bool):
+    from pallas_kernels import nf4_matmul as kernels
+
+    codes, absmax = _kernel_operands(weight)
+    if impl == "fused":
+        return kernels.nf4_matmul_forward(x, codes, absmax, tiles=_kernel_tiles(_rows(x), "fwd"), interpret=interpret)
+    return linear(x, kernels.nf4_dequantize(codes, absmax, x.dtype, interpret=interpret))
+
+
+def _nf4_kernel_matmul_fwd(x, weight, impl, interpret):
+    return _nf4_kernel_matmul(x, weight, impl, interpret), weight
+
+
+def _nf4_kernel_matmul_bwd(impl, interpret, weight, dy):
+    from pallas_kernels import nf4_matmul as kernels
+
+    codes, absmax = _kernel_operands(weight)
+    if impl == "fused":
+        dx = kernels.nf4_matmul_dx(dy, codes, absmax, tiles=_kernel_tiles(_rows(dy), "dx"), interpret=interpret)
+    else:
+        w = kernels.nf4_dequantize(codes, absmax, dy.dtype, interpret=interpret)
+        dx = jax.lax.dot_general(dy, w, (((dy.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return dx.astype(dy.dtype), jax.tree.map(_zero_cotangent, weight)
+
+
+_nf4_kernel_matmul.defvjp(_nf4_kernel_matmul_fwd, _nf4_kernel_matmul_bwd)
+
+
 def nf4_linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array:
     """y = x @ dequant(W).T (+ bias) for a frozen NF4 weight [out, in].
 
-    XLA reference: dequantize then dot; its VJP gives dx = dy @ dequant(W) only (W is frozen) and saves
-    just the 4-bit arrays for the backward pass, re-dequantizing there.
+    XLA reference: dequantize then dot. On GPU (per `dispatch`) the fused Pallas kernel or the Pallas
+    dequant kernel + cuBLAS. Either way the VJP gives dx only (W is frozen) and saves just the 4-bit
+    arrays for the backward pass, re-dequantizing there.
     """
-    y = _nf4_matmul(x, weight)
+    impl = dispatch.nf4_impl(_rows(x))
+    n, k = weight.shape
+    if impl != "xla" and jnp.asarray(weight.codes).ndim == 2 and n % 64 == 0 and k % 64 == 0:
+        y = _nf4_kernel_matmul(x, weight, impl, dispatch.interpret())
+    else:
+        y = _nf4_matmul(x, weight)
     return y if bias is None else (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)

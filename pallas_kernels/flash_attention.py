@@ -32,9 +32,9 @@ class AttentionTiles:
     """Tile sizes and Triton launch parameters (powers of two), forward and the two backward kernels."""
 
     block_q: int = 128
-    block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
+    block_k: int = 128
+    num_warps: int = 8
+    num_stages: int = 2
     bwd_block_q: int = 64
     bwd_block_k: int = 64
     bwd_num_warps: int = 4

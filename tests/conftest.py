@@ -99,3 +99,23 @@ def tiny_qlora_model(tiny_tokenizer):
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                       eos_token_id=tiny_tokenizer.eos_token_id)
     return quantize_layers(init_model(cfg, dtype="float32", seed=0))
+
+
+@pytest.fixture(scope="session")
+def cuda_export():
+    """Lowers a function for CUDA on this CPU machine (H100 as the target), so Pallas-Triton constraints
+    that interpret mode does not check (power-of-two shapes, supported ops) fail here, not on the GPU."""
+    from jax.experimental.pallas import triton as pltriton
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    def export(fn, *args):
+        mesh = AbstractMesh((), (), abstract_device=AbstractDevice(
+            device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
+        with jax.sharding.use_abstract_mesh(mesh):
+            exported = jax.export.export(
+                jax.jit(fn), platforms=["cuda"],
+                disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(pltriton.CUSTOM_CALL_TARGET_NAME)],
+            )(*args)
+        return exported.mlir_module()
+
+    return export

@@ -1,0 +1,79 @@
+"""Which implementation runs the heavy ops: `JAXTUNE_KERNELS=auto|xla|pallas|pallas-interpret|cudnn`.
+
+- `auto` (default): on GPU, per call shape, the implementation measured fastest (table below, from
+  benchmarks/results/2026-11-22-nf4-matmul-h100.md) and the Pallas flash attention; on CPU the XLA reference.
+- `xla`: the pure XLA reference everywhere.
+- `pallas`: the Pallas kernels wherever they apply (fused NF4 matmul for every M, flash attention).
+- `pallas-interpret`: the same kernels run by the Pallas interpreter (CPU; for tests).
+- `cudnn`: attention through cuDNN (`jax.nn.dot_product_attention`) where it supports the case, NF4 as `auto`.
+
+The choice is made when a function is traced: set it before the first jit of the model
+(`jaxtune.set_kernels("xla")` or the environment variable).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from jaxtune.errors import JaxtuneError
+
+KERNEL_MODES = ("auto", "xla", "pallas", "pallas-interpret", "cudnn")
+ENV_VAR = "JAXTUNE_KERNELS"
+
+# NF4 projection, measured on H100 (jax 0.11.2) over the Llama-3-8B shapes, forward and dx alike:
+# (largest M, implementation). The fused kernel wins while the weight read dominates; past that,
+# dequantizing to bf16 with the Pallas kernel and calling cuBLAS wins (XLA's own dequant is slower).
+NF4_TABLE: tuple[tuple[float, str], ...] = ((16, "fused"), (float("inf"), "dequant+dot"))
+
+_mode: str | None = None
+
+
+def set_kernels(mode: str | None) -> None:
+    """Pick the kernel mode for ops traced from now on (None: back to the environment variable)."""
+    global _mode
+    if mode is not None:
+        _validate(mode, "set_kernels")
+    _mode = mode
+
+
+def _validate(mode: str, where: str) -> str:
+    if mode not in KERNEL_MODES:
+        raise JaxtuneError(f"{where}: unknown kernel mode {mode!r}; use one of {', '.join(KERNEL_MODES)}")
+    return mode
+
+
+def kernel_mode() -> str:
+    """The mode in force: the setter's, else $JAXTUNE_KERNELS, else `auto`."""
+    if _mode is not None:
+        return _mode
+    return _validate(os.environ.get(ENV_VAR, "auto").strip() or "auto", ENV_VAR)
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def nf4_impl(m: int) -> str:
+    """`xla`, `fused`, `dequant+dot` for an NF4 projection of M rows; the mode decides, then the table."""
+    mode = kernel_mode()
+    if mode in ("pallas", "pallas-interpret"):
+        return "fused"
+    if mode == "xla" or not _on_gpu():
+        return "xla"
+    return next(impl for limit, impl in NF4_TABLE if m <= limit)
+
+
+def attention_impl() -> str:
+    """`xla`, `pallas` or `cudnn` for full-sequence (no KV cache) attention."""
+    mode = kernel_mode()
+    if mode in ("pallas", "pallas-interpret"):
+        return "pallas"
+    if mode == "xla" or not _on_gpu():
+        return "xla"
+    return "cudnn" if mode == "cudnn" else "pallas"
+
+
+def interpret() -> bool:
+    return kernel_mode() == "pallas-interpret"

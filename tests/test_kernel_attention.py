@@ -1,0 +1,133 @@
+"""Flash attention kernel: interpret mode vs a float64 numpy reference (outputs and dq/dk/dv), CUDA lowering."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax.experimental.pallas.triton import CUSTOM_CALL_TARGET_NAME as CUSTOM_CALL
+
+from pallas_kernels.flash_attention import AttentionTiles, flash_attention
+
+
+def numpy_attention(q, k, v, do, segment_ids=None, window=None):
+    """float64 softmax attention and its gradients, written out by hand (independent of jax)."""
+    q, k, v, do = (np.asarray(a, np.float64) for a in (q, k, v, do))
+    b, t, hq, d = q.shape
+    g = hq // k.shape[2]
+    k_r, v_r = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)  # query head h reads kv head h // g
+    scale = d**-0.5
+    s = np.einsum("bthd,bshd->bhts", q, k_r) * scale
+    i = np.arange(t)
+    mask = (i[:, None] >= i[None, :])[None, None]
+    if window is not None:
+        mask = mask & ((i[:, None] - i[None, :]) < window)[None, None]
+    if segment_ids is not None:
+        seg = np.asarray(segment_ids)
+        mask = mask & (seg[:, None, :, None] == seg[:, None, None, :])
+    s = np.where(mask, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.einsum("bhts,bshd->bthd", p, v_r)
+    dv_r = np.einsum("bhts,bthd->bshd", p, do)
+    dp = np.einsum("bthd,bshd->bhts", do, v_r)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+    dq = np.einsum("bhts,bshd->bthd", ds, k_r) * scale
+    dk_r = np.einsum("bhts,bthd->bshd", ds, q) * scale
+    fold = lambda a: a.reshape(b, t, k.shape[2], g, d).sum(3)  # noqa: E731
+    return out, dq, fold(dk_r), fold(dv_r)
+
+
+def packed_ids(b, t, rng, max_len):
+    ids = np.zeros((b, t), np.int32)
+    for row in range(b):
+        pos, seg = 0, 1
+        while pos < t:
+            n = int(rng.integers(1, max_len + 1))
+            ids[row, pos : pos + n] = seg
+            pos, seg = pos + n, seg + 1
+        ids[row, t - t // 7 :] = 0  # trailing padding run, as packing leaves it
+    return ids
+
+
+CASES = [
+    # b, t, hq, hkv, d, segments, window
+    (1, 1, 2, 2, 64, False, None),
+    (2, 17, 4, 1, 64, False, None),
+    (1, 256, 8, 1, 128, False, None),
+    (1, 256, 4, 4, 64, True, None),
+    (2, 100, 8, 2, 64, True, None),
+    (1, 1000, 4, 1, 64, True, None),
+    (1, 130, 4, 2, 64, False, 33),
+]
+
+
+@pytest.mark.parametrize("b,t,hq,hkv,d,segments,window", CASES)
+def test_flash_attention_matches_float64(b, t, hq, hkv, d, segments, window):
+    rng = np.random.default_rng(t * 31 + hq)
+    q, do = (rng.standard_normal((b, t, hq, d)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((b, t, hkv, d)).astype(np.float32) for _ in range(2))
+    seg = packed_ids(b, t, rng, max_len=max(2, t // 9)) if segments else None
+    tiles = AttentionTiles(block_q=64, block_k=32, bwd_block_q=32, bwd_block_k=64)
+
+    def f(q, k, v):
+        return flash_attention(q, k, v, None if seg is None else jnp.asarray(seg), sliding_window=window,
+                               tiles=tiles, interpret=True)
+
+    out, vjp = jax.vjp(f, *(jnp.asarray(a) for a in (q, k, v)))
+    grads = vjp(jnp.asarray(do))
+    want = numpy_attention(q, k, v, do, seg, window)
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), want):
+        np.testing.assert_allclose(np.asarray(got, np.float64), ref, atol=2e-5, rtol=2e-5, err_msg=name)
+
+
+def test_flash_attention_bf16_close_to_float64():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 200, 8, 128)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 200, 1, 128)).astype(np.float32) for _ in range(2))
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, interpret=True), bf(q), bf(k), bf(v))
+    grads = vjp(bf(do))
+    rounded = [np.asarray(bf(a), np.float64) for a in (q, k, v, do)]
+    for got, ref in zip((out, *grads), numpy_attention(*rounded)):
+        assert got.dtype == jnp.bfloat16
+        err = np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max()
+        assert err < 2e-2
+
+
+def test_flash_attention_rejects_unsupported_shapes():
+    q = jnp.zeros((1, 8, 2, 96))
+    with pytest.raises(ValueError, match="head_dim 64 and 128"):
+        flash_attention(q, q, q, interpret=True)
+    with pytest.raises(ValueError, match="not a multiple"):
+        flash_attention(jnp.zeros((1, 8, 3, 64)), jnp.zeros((1, 8, 2, 64)), jnp.zeros((1, 8, 2, 64)), interpret=True)
+    with pytest.raises(ValueError, match="segment_ids"):
+        flash_attention(jnp.zeros((1, 8, 2, 64)), jnp.zeros((1, 8, 2, 64)), jnp.zeros((1, 8, 2, 64)),
+                        jnp.zeros((1, 9), jnp.int32), interpret=True)
+
+
+@pytest.mark.parametrize("t,segments,tiles", [
+    (1000, False, AttentionTiles()),
+    (2048, True, AttentionTiles()),
+    (17, True, AttentionTiles()),
+    (4096, False, AttentionTiles(128, 128, 8, 2, 128, 64, 8, 2)),
+])
+def test_flash_attention_lowers_for_cuda(cuda_export, t, segments, tiles):
+    q = jax.ShapeDtypeStruct((2, t, 32, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, t, 8, 128), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((2, t), jnp.int32) if segments else None
+
+    def loss(q, k, v, seg):
+        return flash_attention(q, k, v, seg, tiles=tiles).astype(jnp.float32).sum()
+
+    module = cuda_export(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
+    assert module.count(f"@{CUSTOM_CALL}(") == 3  # forward, dq, dk+dv kernels
+
+
+def test_bad_tiles_fail_cuda_lowering(cuda_export):
+    q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+    with pytest.raises(Exception, match="power of 2"):
+        cuda_export(lambda q: flash_attention(q, q, q, tiles=AttentionTiles(block_q=48, block_k=48)), q)
