@@ -2,16 +2,17 @@
 
 The weight stays in bitsandbytes' byte layout: codes uint8 [N, K/2], byte i of row n holding W[n, 2i]
 in the high nibble and W[n, 2i+1] in the low one. Rather than interleaving nibbles on chip, the kernels
-split the contraction: x @ Wᵀ = x[:, 0::2] @ W_hiᵀ + x[:, 1::2] @ W_loᵀ, so the wrapper hands the
-kernel x with its even columns first, then its odd ones (one cheap pass over x), and each nibble
-plane feeds a tensor-core dot directly. A tile of 32 bytes covers exactly one 64-value absmax block, so
-one scale per row serves both planes. Dequantization (NF4 value by a select tree on the 4 bits, times
-the float32 absmax, rounded to bf16 — bitsandbytes' arithmetic) happens in registers per tile; no bf16
-copy of W ever reaches HBM. Small M splits the reduction across programs to fill the GPU.
+split the contraction: x @ Wᵀ = x[:, 0::2] @ W_hiᵀ + x[:, 1::2] @ W_loᵀ. The wrapper hands the forward
+kernel x with its even columns first, then its odd ones (one cheap pass over x; strided loads inside
+the kernel measured 2x slower), and each nibble plane feeds a tensor-core dot directly. A 32-byte tile
+covers exactly one 64-value absmax block, so one scale per row serves both planes. Dequantization
+(NF4 value by a select tree on the 4 bits, times the float32 absmax, rounded to the compute dtype:
+bitsandbytes' arithmetic, bit for bit) happens in registers per tile; no bf16 copy of W reaches HBM.
+Small M splits the reduction across programs to fill the GPU.
 
-`absmax` here is the per-block float32 scale [N, K/64] (double quantization already undone; that is a
-vector 1/16 the size of W's codes). Also: a dequant-only kernel (NF4 -> bf16 W) for "dequant then
-cuBLAS", and the pure-jnp reference.
+`absmax` here is the per-block float32 scale [N, K/64] (double quantization already undone: a vector
+1/16 the size of W's codes). Also here: a dequant-only kernel (NF4 -> bf16 W in memory order, written
+with strided stores) for "dequantize, then cuBLAS", and the pure-jnp reference.
 """
 
 from __future__ import annotations
