@@ -11,26 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.forward_llama8b import time_fn
 from pallas_kernels.flash_attention import AttentionTiles, attention_reference, flash_attention
 
 HQ, HKV, D = 32, 8, 128
-
-
-def time_fn(fn, *args, iters: int = 10) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def packed_segments(t: int, seed: int = 0) -> np.ndarray:

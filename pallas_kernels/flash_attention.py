@@ -427,13 +427,13 @@ def _check(q, k, v, segment_ids):
         raise ValueError(f"flash_attention: segment_ids must be [B, T] = {(b, t)}, got {segment_ids.shape}")
 
 
-def _pad_to(x, t_pad, axis, value=0):
+def _pad_to(x, t_pad, axis):
     pad = t_pad - x.shape[axis]
     if pad == 0:
         return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
+    return jnp.pad(x, widths)
 
 
 def _prepare(q, k, v, segment_ids, causal, tiles):
