@@ -12,6 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxtune import ops
 from jaxtune.config import ModelConfig
@@ -92,9 +93,10 @@ class Attention(nnx.Module):
         rng: jax.Array | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
         b, t, _ = x.shape
-        q = apply_rope(self.q_proj(x, fold_rng(rng, 0)).reshape(b, t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x, fold_rng(rng, 1)).reshape(b, t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x, fold_rng(rng, 2)).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q = checkpoint_name(self.q_proj(x, fold_rng(rng, 0)), "q_proj").reshape(b, t, self.num_heads, self.head_dim)
+        k = checkpoint_name(self.k_proj(x, fold_rng(rng, 1)), "k_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = checkpoint_name(self.v_proj(x, fold_rng(rng, 2)), "v_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
             out = ops.attention(q, k, v, q_segment_ids=segment_ids, sliding_window=self.sliding_window)
         else:
@@ -107,7 +109,8 @@ class Attention(nnx.Module):
                 q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), q_segment_ids=segment_ids,
                 kv_segment_ids=cache_segment_ids, q_offset=cache_index, sliding_window=self.sliding_window,
             )
-        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim), fold_rng(rng, 3)), cache
+        out = self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim), fold_rng(rng, 3))
+        return checkpoint_name(out, "o_proj"), cache
 
 
 class MLP(nnx.Module):
@@ -117,8 +120,27 @@ class MLP(nnx.Module):
         self.up_proj = Linear(h, i, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(i, h, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
-        h = jax.nn.silu(self.gate_proj(x, fold_rng(rng, 4))) * self.up_proj(x, fold_rng(rng, 5))
+    def __call__(self, x: jax.Array, rng: jax.Array | None = None, token_tile: int | None = None) -> jax.Array:
+        """SwiGLU. With `token_tile`, long inputs run `token_tile` tokens at a time, each tile rematerialized,
+        so the [tokens, intermediate] activations of only one tile are ever alive (long-context training)."""
+        b, t, hidden = x.shape
+        if token_tile is None or b * t <= token_tile:
+            return self._swiglu(x, rng)
+        n = b * t
+        tiles = -(-n // token_tile)
+        flat = jnp.pad(x.reshape(n, hidden), ((0, tiles * token_tile - n), (0, 0)))
+
+        @jax.checkpoint
+        def one_tile(args):
+            xt, i = args
+            return self._swiglu(xt[None], None if rng is None else jax.random.fold_in(rng, i))[0]
+
+        out = jax.lax.map(one_tile, (flat.reshape(tiles, token_tile, hidden), jnp.arange(tiles)))
+        return out.reshape(tiles * token_tile, hidden)[:n].reshape(b, t, hidden)
+
+    def _swiglu(self, x: jax.Array, rng: jax.Array | None) -> jax.Array:
+        gate = checkpoint_name(self.gate_proj(x, fold_rng(rng, 4)), "gate_proj")
+        h = jax.nn.silu(gate) * checkpoint_name(self.up_proj(x, fold_rng(rng, 5)), "up_proj")
         return self.down_proj(h, fold_rng(rng, 6))
 
 
@@ -129,12 +151,13 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, segment_ids, cache=None, cache_segment_ids=None, cache_index=None, rng=None):
+    def __call__(self, x, cos, sin, segment_ids, cache=None, cache_segment_ids=None, cache_index=None, rng=None,
+                 mlp_token_tile=None):
         attn, cache = self.self_attn(
             self.input_layernorm(x), cos, sin, segment_ids, cache, cache_segment_ids, cache_index, rng
         )
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x), rng), cache
+        return x + self.mlp(self.post_attention_layernorm(x), rng, mlp_token_tile), cache
 
 
 def fold_rng(rng: jax.Array | None, index: int) -> jax.Array | None:
@@ -237,11 +260,14 @@ class CausalLM(nnx.Module):
         cache_seg, cache_index = cache_args if cache_args is not None else (None, None)
 
         layer_rngs = None if dropout_rng is None else jax.random.split(dropout_rng, self.config.num_layers)
+        # long-context mode: with layer inputs offloaded, the MLP's [tokens, intermediate] tensors are the peak
+        mlp_token_tile = OFFLOAD_MLP_TOKEN_TILE if self.remat_policy == "offload" else None
 
         def body(h, xs):
             state, layer_cache, rng = xs
             layer = nnx.merge(graphdef, state)
-            return layer(h, cos, sin, segment_ids, layer_cache, cache_seg, cache_index, rng)
+            h = checkpoint_name(h, "layer_input")  # what the "offload" policy moves to host memory
+            return layer(h, cos, sin, segment_ids, layer_cache, cache_seg, cache_index, rng, mlp_token_tile)
 
         if self.remat_policy != "none":
             body = jax.checkpoint(body, policy=remat_policy(self.remat_policy), prevent_cse=False)
@@ -249,12 +275,25 @@ class CausalLM(nnx.Module):
         return self.norm(h), new_cache
 
 
+OFFLOAD_MLP_TOKEN_TILE = 16384
+
+# What the "selective" policy keeps per layer: every projection output but down_proj's (whose only user is the
+# residual add), the attention output and its logsumexp, LoRA's rank-r hidden. The backward pass then
+# recomputes only norms, RoPE and SwiGLU (elementwise) and never a matmul or the attention forward.
+SELECTIVE_SAVED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "attention_out",
+                   "attention_lse", "lora_hidden")
+
+
 def remat_policy(name: str):
     """Named rematerialization policies for the per-layer scan body."""
     policies = {
         "full": jax.checkpoint_policies.nothing_saveable,
+        "selective": jax.checkpoint_policies.save_only_these_names(*SELECTIVE_SAVED),
         "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+        # each layer's input goes to host memory in the forward pass and comes back for its recompute
+        "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=(), names_which_can_be_offloaded=("layer_input",),
+            offload_src="device", offload_dst="pinned_host"),
     }
     if name not in policies:
         raise ValueError(f"unknown remat policy {name!r}; choose one of: none, {', '.join(policies)}")

@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from flax import nnx
 
@@ -69,7 +70,8 @@ class LoRALinear(nnx.Module):
             x = jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
         a = self.lora_a[...].astype(x.dtype)
         b = self.lora_b[...].astype(x.dtype)
-        return y + (ops.linear(ops.linear(x, a), b) * jnp.asarray(self.scale, x.dtype)).astype(y.dtype)
+        hidden = checkpoint_name(ops.linear(x, a), "lora_hidden")
+        return y + (ops.linear(hidden, b) * jnp.asarray(self.scale, x.dtype)).astype(y.dtype)
 
 
 def projection(model: CausalLM, name: str) -> nnx.Module:

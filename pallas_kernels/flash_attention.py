@@ -20,6 +20,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -470,7 +471,9 @@ def _flash_fwd(q, k, v, segment_ids, scale, causal, window, tiles, interpret):
     t = q.shape[1]
     qp, kp, vp, seg, tl = _prepare(q, k, v, segment_ids, causal, tiles)
     out, lse = _forward(qp, kp, vp, seg, scale=scale, causal=causal, window=window, tiles=tl, interpret=interpret)
-    return out[:, :t], (q, k, v, segment_ids, out, lse)
+    # named so a selective remat policy can keep them rather than re-running the forward kernel
+    out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
+    return (out if out.shape[1] == t else out[:, :t]), (q, k, v, segment_ids, out, lse)
 
 
 def _flash_bwd(scale, causal, window, tiles, interpret, residuals, do):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -86,3 +87,78 @@ def test_model_with_pallas_kernels_matches_xla():
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=2e-5, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-4)
+
+
+
+def residuals_and_grad_jaxpr(model, ids, seg):
+    from jax._src.ad_checkpoint import saved_residuals
+
+    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+
+    def loss(lora):
+        return jnp.mean(nnx.merge(graphdef, lora, rest)(ids, segment_ids=seg))
+
+    nbytes = sum(aval.size * aval.dtype.itemsize for aval, _ in saved_residuals(loss, lora))
+    return nbytes, jax.make_jaxpr(jax.grad(loss))(lora).jaxpr
+
+
+def live_calls(jaxpr, name: str) -> int:
+    """How many pallas_calls of kernel `name` have a used output (dead ones XLA removes), through sub-jaxprs."""
+    used = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, jax.extend.core.Literal)}
+    used |= {v for v in jaxpr.outvars if not isinstance(v, jax.extend.core.Literal)}
+    count = 0
+    for e in jaxpr.eqns:
+        if e.primitive.name == "pallas_call":
+            kernel = str(e.params.get("name_and_src_info", e.params.get("name", "")))
+            count += kernel.split(" ")[0] == name and any(v in used for v in e.outvars)
+            continue
+        for p in e.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    count += live_calls(inner, name)
+    return count
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_remat_policies_keep_gradients_and_selective_redoes_no_kernel(policy):
+    """Remat changes what the backward pass keeps, never the gradients; "selective" keeps projection outputs
+    and the attention residuals, so its backward pass re-runs no attention forward and no matmul."""
+    model = kernel_model()
+    ids = jax.random.randint(jax.random.key(0), (2, 64), 0, 320)
+    seg = jnp.asarray(np.array([[1] * 40 + [2] * 24, [1] * 64]), jnp.int32)
+    jaxtune.set_kernels("pallas-interpret")
+    _, ref_grads, _ = logits_and_grads(model, ids, seg)
+    none_bytes, none_jaxpr = residuals_and_grad_jaxpr(model, ids, seg)
+    model.remat_policy = policy
+    _, grads, _ = logits_and_grads(model, ids, seg)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-5)
+    nbytes, jaxpr = residuals_and_grad_jaxpr(model, ids, seg)
+    assert nbytes < 0.7 * none_bytes
+    assert live_calls(none_jaxpr, "flash_attention_fwd") == 1
+    assert live_calls(jaxpr, "flash_attention_fwd") == (1 if policy == "selective" else 2)
+
+
+def test_offload_policy_moves_layer_inputs_to_host_and_tiles_the_mlp(monkeypatch):
+    """Long-context mode: layer inputs saved in host memory, MLP run in token tiles; gradients unchanged."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    import jaxtune.model
+
+    monkeypatch.setattr(jaxtune.model, "OFFLOAD_MLP_TOKEN_TILE", 48)  # 2 x 64 tokens -> 3 tiles, one padded
+    model = kernel_model()
+    ids = jax.random.randint(jax.random.key(0), (2, 64), 0, 320)
+    seg = jnp.asarray(np.array([[1] * 40 + [2] * 24, [1] * 64]), jnp.int32)
+    jaxtune.set_kernels("pallas-interpret")
+    ref_logits, ref_grads, _ = logits_and_grads(model, ids, seg)
+    model.remat_policy = "offload"
+    logits, grads, jaxpr = logits_and_grads(model, ids, seg)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=2e-5, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-5)
+    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+    saved = saved_residuals(lambda l: jnp.mean(nnx.merge(graphdef, l, rest)(ids, segment_ids=seg)), lora)
+    on_host = [aval for aval, _ in saved if "<host>" in aval.str_short()]
+    assert [a.shape for a in on_host] == [(2, 2, 64, 128)]  # [layers, B, T, hidden]
+    assert "length=3" in str(jaxpr)  # the MLP ran as a map over 3 token tiles

@@ -9,7 +9,7 @@ from typing import Any
 from jaxtune.errors import JaxtuneError
 
 SCHEDULES = ("constant", "linear", "cosine")
-REMAT = ("none", "per-layer", "offload")
+REMAT = ("none", "selective", "per-layer", "offload")
 
 
 class ConfigError(JaxtuneError, ValueError):

@@ -15,7 +15,7 @@ from jaxtune.model import CausalLM
 from jaxtune.training.config import TrainConfig
 from jaxtune.training.loss import chunked_cross_entropy
 
-REMAT_POLICIES = {"none": "none", "per-layer": "full", "offload": "offload"}
+REMAT_POLICIES = {"none": "none", "selective": "selective", "per-layer": "full", "offload": "offload"}
 
 
 def make_schedule(cfg: TrainConfig) -> optax.Schedule:
