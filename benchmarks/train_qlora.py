@@ -1,10 +1,14 @@
-"""QLoRA training throughput of jaxtune on a Llama-3-8B-shaped checkpoint (random token ids, seq 2048).
+"""QLoRA training throughput of jaxtune on a Llama-3-8B-shaped checkpoint (random token ids).
 
-On the GPU machine, from the repository root, after benchmarks/convert_llama8b.py made and converted the
-checkpoint:
-    PYTHONPATH=. python3 benchmarks/train_qlora.py /tmp/jt-8b --batch 1 [--remat none|per-layer|offload]
-    PYTHONPATH=. python3 benchmarks/train_qlora.py /tmp/jt-8b --batch auto
-Prints one JSON line per run: tokens/s, MFU (31.6 GFLOP/token style count over 989 TFLOP/s), peak GiB.
+On the GPU machine, from the repository root, after benchmarks/convert_llama8b.py converted the checkpoint:
+    PYTHONPATH=. python3 benchmarks/train_qlora.py /tmp/jt8b --batch 4 --remat selective
+    PYTHONPATH=. python3 benchmarks/train_qlora.py /tmp/jt8b --batch auto --remat selective
+    PYTHONPATH=. python3 benchmarks/train_qlora.py /tmp/jt8b --data varlen --batch 8 --remat selective
+    PYTHONPATH=. python3 benchmarks/train_qlora.py /tmp/jt8b --batch 1 --seq 131072 --remat offload --compile-only
+    PYTHONPATH=. python3 benchmarks/train_qlora.py /tmp/jt8b --batch 4 --remat selective --profile /tmp/trace
+Prints one JSON line per run: load and first-step seconds, tokens/s (real tokens only for --data varlen, which
+packs instruction-like lengths, benchmarks/varlen.py, into rows), MFU (31.6 GFLOP/token-style count over
+989 TFLOP/s), peak GiB. --compile-only reports XLA's memory plan for the step instead of running it.
 """
 
 from __future__ import annotations
@@ -16,11 +20,42 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import jaxtune
+from jaxtune.data.formats import Example
+from jaxtune.data.packing import pack_examples
 from jaxtune.training.autobatch import choose_micro_batch
 from jaxtune.training.loop import PEAK_BF16_FLOPS, flops_per_token
 from jaxtune.training.step import REMAT_POLICIES, make_optimizer, make_train_step, split_model
+
+
+def dense_batches(micro: int, seq: int, vocab: int, count: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    shape = (1, micro, seq)
+    out = []
+    for _ in range(count):
+        ids = rng.integers(0, vocab, shape).astype(np.int32)
+        labels = np.roll(ids, -1, axis=-1)
+        labels[..., -1] = -1
+        out.append({"input_ids": ids, "labels": labels, "segment_ids": np.ones(shape, np.int32),
+                    "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), shape).copy()})
+    return out
+
+
+def packed_batches(micro: int, seq: int, vocab: int, count: int) -> tuple[list[dict], float]:
+    """Variable-length samples packed into rows (count batches of micro rows) and the packing efficiency."""
+    from benchmarks.varlen import sample_sequences
+
+    seqs = sample_sequences(int(count * micro * seq / 250 * 1.2), vocab)
+    rows = pack_examples([Example(s, np.ones(len(s), bool)) for s in seqs], seq)
+    n = count * micro
+    assert len(rows) >= n, "not enough samples for the requested batches"
+    out = []
+    for i in range(count):
+        sl = slice(i * micro, (i + 1) * micro)
+        out.append({k: getattr(rows, k)[sl][None] for k in ("input_ids", "labels", "segment_ids", "positions")})
+    return out, float((rows.segment_ids[:n] > 0).mean())
 
 
 def main() -> None:
@@ -31,9 +66,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--remat", default="none", choices=list(REMAT_POLICIES))
+    ap.add_argument("--data", default="dense", choices=["dense", "varlen"])
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--profile", help="write a jax.profiler trace of 2 steps to this folder")
     args = ap.parse_args()
 
+    t0 = time.perf_counter()
     model, _ = jaxtune.from_pretrained(args.model, load_in_4bit=True)
+    jax.block_until_ready(nnx.state(model))
+    load_s = time.perf_counter() - t0
     jaxtune.get_peft_model(model, r=16, lora_alpha=16)
     model.remat_policy = REMAT_POLICIES[args.remat]
     cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch if args.batch == "auto" else int(args.batch),
@@ -45,35 +86,57 @@ def main() -> None:
     t0 = time.perf_counter()
     micro = choose_micro_batch(cfg, step_fn, lora, opt_state, frozen) if args.batch == "auto" else int(args.batch)
     choose_s = time.perf_counter() - t0
+    base = {"system": "jaxtune", "device": jax.devices()[0].device_kind, "batch": micro, "batch_arg": args.batch,
+            "seq": args.seq, "remat": args.remat, "data": args.data}
 
-    rng = np.random.default_rng(0)
-    shape = (1, micro, args.seq)
-    ids = rng.integers(0, model.config.vocab_size, shape).astype(np.int32)
-    batch = {"input_ids": ids, "labels": np.roll(ids, -1, axis=-1), "segment_ids": np.ones(shape, np.int32),
-             "positions": np.broadcast_to(np.arange(args.seq, dtype=np.int32), shape).copy()}
-    batch["labels"][..., -1] = -1
-    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    if args.compile_only:
+        shape = (1, micro, args.seq)
+        batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("input_ids", "labels", "segment_ids", "positions")}
+        t0 = time.perf_counter()
+        mem = step_fn.lower(lora, opt_state, frozen, batch, jnp.int32(0)).compile().memory_analysis()
+        device = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+        print(json.dumps({**base, "compile_s": round(time.perf_counter() - t0, 1), "planned_device_gib": round(device / 2**30, 2),
+                          "planned_host_gib": round(getattr(mem, "host_temp_size_in_bytes", 0) / 2**30, 2),
+                          "device_limit_gib": round((jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0) / 2**30, 2)}),
+              flush=True)
+        return
+
+    vocab = model.config.vocab_size
+    count = args.warmup + args.steps
+    if args.data == "varlen":
+        batches, efficiency = packed_batches(micro, args.seq, vocab, count)
+    else:
+        batches, efficiency = dense_batches(micro, args.seq, vocab, count), 1.0
+    batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in batches]
     t0 = time.perf_counter()
-    lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jnp.int32(0))
+    lora, opt_state, m = step_fn(lora, opt_state, frozen, batches[0], jnp.int32(0))
     jax.block_until_ready(m)
     first_s = time.perf_counter() - t0
     for i in range(1, args.warmup):
-        lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jnp.int32(i))
+        lora, opt_state, m = step_fn(lora, opt_state, frozen, batches[i], jnp.int32(i))
     jax.block_until_ready(m)
     t0 = time.perf_counter()
-    for i in range(args.steps):
-        lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jnp.int32(args.warmup + i))
+    for i in range(args.warmup, count):
+        lora, opt_state, m = step_fn(lora, opt_state, frozen, batches[i], jnp.int32(i))
     jax.block_until_ready(m)
     dt = (time.perf_counter() - t0) / args.steps
-    tok_s = micro * args.seq / dt
+    real = sum(int((b["segment_ids"] > 0).sum()) for b in batches[args.warmup:]) / args.steps
+    slot_tok_s = micro * args.seq / dt
     stats = jax.devices()[0].memory_stats() or {}
     print(json.dumps({
-        "system": "jaxtune", "device": jax.devices()[0].device_kind, "batch": micro, "batch_arg": args.batch,
-        "seq": args.seq, "remat": args.remat, "step_s": round(dt, 4), "tok_s": round(tok_s),
-        "mfu": round(tok_s * flops_per_token(model, args.seq) / PEAK_BF16_FLOPS, 3),
-        "peak_gib": round(stats.get("peak_bytes_in_use", 0) / 2**30, 2), "first_step_s": round(first_s, 1),
-        "auto_batch_s": round(choose_s, 1), "loss": float(m["loss"]),
+        **base, "step_s": round(dt, 4), "tok_s": round(real / dt), "slot_tok_s": round(slot_tok_s),
+        "packing_efficiency": round(efficiency, 4),
+        "mfu": round(real / dt * flops_per_token(model, args.seq) / PEAK_BF16_FLOPS, 3),
+        "peak_gib": round(stats.get("peak_bytes_in_use", 0) / 2**30, 2), "load_s": round(load_s, 1),
+        "first_step_s": round(first_s, 1), "auto_batch_s": round(choose_s, 1), "loss": float(m["loss"]),
     }), flush=True)
+
+    if args.profile:
+        jax.profiler.start_trace(args.profile, create_perfetto_trace=True)
+        for i in range(2):
+            lora, opt_state, m = step_fn(lora, opt_state, frozen, batches[args.warmup + i], jnp.int32(count + i))
+        jax.block_until_ready(m)
+        jax.profiler.stop_trace()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The end-to-end benchmark on one GPU machine, in stages that fit the device tool's 10-minute calls:
+#   bash benchmarks/e2e.sh jaxtune   # checkpoint, convert, load, dense batches (+ profile)
+#   bash benchmarks/e2e.sh jaxtune2  # automatic batch, variable-length, long sequences
+#   bash benchmarks/e2e.sh unsloth   # Unsloth dense + variable-length
+#   bash benchmarks/e2e.sh hf        # HF + PEFT + bitsandbytes dense + variable-length
+# Needs .bench (../shared/bench) and .site (its make_site.sh) carried for the baselines; JSON lines go to
+# $OUT/e2e-<stage>.jsonl. All stages read /tmp/base_llama3-8b (bf16 random Llama-3-8B shapes).
+set -uo pipefail
+stage=$1
+out=${OUT:-/tmp/out}/e2e-$stage.jsonl
+mkdir -p "$(dirname "$out")"
+base=/tmp/base_llama3-8b
+jt=/tmp/jt8b
+run() { echo "+ $*" >&2; local t0=$SECONDS; "$@" 2>>"${out%.jsonl}.err" | grep '^{' | tee -a "$out"; echo "  ($((SECONDS - t0)) s)" >&2; }
+jaxtune() { run timeout "${LIMIT:-170}" env PYTHONPATH=. python3 benchmarks/train_qlora.py "$jt" "$@"; }
+baseline_py() { PYTHONPATH=$PWD/.site:$PWD/.bench HF_HUB_OFFLINE=1 python3 "$@"; }
+
+case $stage in
+jaxtune)
+  [ -f $base/config.json ] || run python3 .bench/hf_qlora_baseline.py llama3-8b make
+  [ -f $base/tokenizer.json ] || python3 -c "import sys; sys.path.insert(0, '.bench'); from tiny_ckpt import save_tokenizer; save_tokenizer('$base', 128256)"
+  [ -d $jt ] || run env PYTHONPATH=. python3 benchmarks/convert_llama8b.py convert $base $jt
+  run env PYTHONPATH=. python3 benchmarks/convert_llama8b.py load $jt
+  jaxtune --batch 1 --remat none
+  jaxtune --batch 4 --remat selective --profile /tmp/trace
+  python3 benchmarks/trace_summary.py /tmp/trace > "${OUT:-/tmp/out}/profile-bs4-selective.jsonl"
+  jaxtune --batch 8 --remat selective
+  jaxtune --batch 8 --remat offload
+  ;;
+jaxtune2)
+  jaxtune --batch 2 --remat selective
+  jaxtune --data varlen --batch 8 --remat selective
+  LIMIT=240 jaxtune --batch auto --remat selective
+  for s in 262144 409600; do jaxtune --batch 1 --seq $s --remat offload --compile-only; done
+  LIMIT=200 jaxtune --batch 1 --seq 131072 --remat offload --steps 1 --warmup 1
+  ;;
+unsloth)
+  for cfg in "1, False" "4, False" "8, 'unsloth'"; do
+    run baseline_py -c "import unsloth_baseline as u; u.run('$base', ${cfg%%,*}, 2048, ${cfg#*, })"
+  done
+  run baseline_py benchmarks/baselines_varlen.py unsloth $base
+  ;;
+hf)
+  for cfg in "1, False" "4, False" "8, True"; do
+    run baseline_py -c "import hf_qlora_baseline as h; h.run('llama3-8b', True, ${cfg%%,*}, 2048, ${cfg#*, })"
+  done
+  run baseline_py benchmarks/baselines_varlen.py hf $base
+  ;;
+esac

@@ -1,0 +1,58 @@
+"""GPU time of a jax.profiler trace (perfetto JSON) grouped by op class; one JSON line, plus the top kernels.
+
+    python3 benchmarks/trace_summary.py /tmp/trace [steps]
+Classes come from kernel names (Pallas kernels carry their own names; cuBLAS GEMMs are split by the XLA op
+metadata when the trace has it, else reported as one class).
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import re
+import sys
+
+CLASSES = (
+    ("attention", r"flash_attention|fmha|cudnn"),
+    ("nf4 dequant (frozen weights)", r"nf4_dequant|nf4_matmul"),
+    ("matmul (cuBLAS)", r"gemm|xmma|cutlass|nvjet|sm90|matmul"),
+    ("host transfers", r"memcpy|Memcpy|copy_start|copy-start|HtoD|DtoH"),
+    ("reduce / loss", r"reduce|logsumexp|softmax"),
+    ("elementwise / fusion", r"fusion|loop|input_|convert|transpose|copy|dynamic"),
+)
+
+
+def classify(name: str) -> str:
+    for label, pattern in CLASSES:
+        if re.search(pattern, name):
+            return label
+    return "other"
+
+
+def main(trace_dir: str, steps: int = 2) -> None:
+    path = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
+                  + glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
+    events = json.load(gzip.open(path))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and re.search(r"GPU|gpu|stream", str(e.get("args", {}).get("name", "")))}
+    by_class, by_kernel = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in gpu_pids:
+            continue
+        name = e.get("name", "")
+        dur = float(e.get("dur", 0)) / 1e3 / steps  # ms per step
+        by_class[classify(name)] += dur
+        op = str(e.get("args", {}).get("hlo_op", e.get("args", {}).get("long_name", "")))[:80]
+        by_kernel[(name[:90], op)] += dur
+    total = sum(by_class.values())
+    print(json.dumps({"trace": path, "gpu_ms_per_step": round(total, 2),
+                      "classes_ms": {k: round(v, 2) for k, v in by_class.most_common()}}))
+    for (name, op), ms in by_kernel.most_common(45):
+        print(json.dumps({"kernel": name, "op": op, "ms_per_step": round(ms, 3)}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2)
