@@ -56,10 +56,14 @@ _TRAIN_OVERRIDES = {  # CLI flag -> TrainConfig field
     "grad_accum": "grad_accum", "lr": "learning_rate", "schedule": "schedule", "warmup_steps": "warmup_steps",
     "lora_r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout", "remat": "remat",
     "eval_fraction": "eval_fraction", "eval_steps": "eval_steps", "save_steps": "save_steps", "seed": "seed",
+    "mesh": "mesh",
 }
 
 
 def _train(args: argparse.Namespace) -> None:
+    from jaxtune.distributed import initialize_from_env
+
+    initialize_from_env()  # multi-host launches: before anything else touches JAX
     import jaxtune
 
     overrides = {field: getattr(args, flag) for flag, field in _TRAIN_OVERRIDES.items() if getattr(args, flag) is not None}
@@ -126,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--eval-steps", type=int)
     tr.add_argument("--save-steps", type=int)
     tr.add_argument("--seed", type=int)
+    tr.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=4 (default: every device on data)")
     tr.add_argument("--no-packing", action="store_true", help="pad each example to --seq-len instead of packing")
     tr.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                     help="compute dtype (float32 is faster on most CPUs)")

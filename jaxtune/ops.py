@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxtune import dispatch
 
@@ -97,8 +98,38 @@ def _fast_attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, sliding_wi
     if impl in ("pallas", "cudnn"):
         from pallas_kernels.flash_attention import flash_attention
 
-        return flash_attention(q, k, v, q_segment_ids, sliding_window=sliding_window, interpret=dispatch.interpret())
+        def flash(q, k, v, *seg):
+            return flash_attention(q, k, v, *seg, sliding_window=sliding_window, interpret=dispatch.interpret())
+
+        seg = () if q_segment_ids is None else (q_segment_ids,)
+        return _per_batch_shard(flash, q, k, v, *seg)
     return None
+
+
+def _mesh():
+    """The mesh training runs on (set with `jax.set_mesh`), or None on one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty or mesh.size == 1 else mesh
+
+
+def _per_batch_shard(fn, *args: jax.Array) -> jax.Array:
+    """fn (a Pallas kernel, which XLA cannot partition) on each device's slice of the batch (dim 0) on a mesh."""
+    mesh = _mesh()
+    if mesh is None:
+        return fn(*args)
+    from jaxtune.sharding import BATCH_AXES
+
+    axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+    lead = axes if args[0].shape[0] % int(np.prod([mesh.shape[a] for a in axes])) == 0 else None
+    return jax.shard_map(fn, in_specs=tuple(P(lead) for _ in args), out_specs=P(lead), check_vma=False)(*args)
+
+
+def _replicated(fn, *args: jax.Array) -> jax.Array:
+    """fn on whole operands on every device of a mesh: FSDP-sharded weights are all-gathered going in."""
+    mesh = _mesh()
+    if mesh is None:
+        return fn(*args)
+    return jax.shard_map(fn, in_specs=tuple(P() for _ in args), out_specs=P(), check_vma=False)(*args)
 
 
 def _zero_cotangent(a: jax.Array) -> jax.Array:
@@ -157,8 +188,11 @@ def _nf4_kernel_matmul(x, weight, impl: str, interpret: bool):
 
     codes, absmax = _kernel_operands(weight)
     if impl == "fused":
-        return kernels.nf4_matmul_forward(x, codes, absmax, tiles=_kernel_tiles(_rows(x), "fwd"), interpret=interpret)
-    return linear(x, kernels.nf4_dequantize(codes, absmax, x.dtype, interpret=interpret))
+        tiles = _kernel_tiles(_rows(x), "fwd")
+        return _replicated(lambda x, c, a: kernels.nf4_matmul_forward(x, c, a, tiles=tiles, interpret=interpret),
+                           x, codes, absmax)
+    w = _replicated(lambda c, a: kernels.nf4_dequantize(c, a, x.dtype, interpret=interpret), codes, absmax)
+    return linear(x, w)
 
 
 def _nf4_kernel_matmul_fwd(x, weight, impl, interpret):
@@ -170,9 +204,11 @@ def _nf4_kernel_matmul_bwd(impl, interpret, weight, dy):
 
     codes, absmax = _kernel_operands(weight)
     if impl == "fused":
-        dx = kernels.nf4_matmul_dx(dy, codes, absmax, tiles=_kernel_tiles(_rows(dy), "dx"), interpret=interpret)
+        tiles = _kernel_tiles(_rows(dy), "dx")
+        dx = _replicated(lambda d, c, a: kernels.nf4_matmul_dx(d, c, a, tiles=tiles, interpret=interpret),
+                         dy, codes, absmax)
     else:
-        w = kernels.nf4_dequantize(codes, absmax, dy.dtype, interpret=interpret)
+        w = _replicated(lambda c, a: kernels.nf4_dequantize(c, a, dy.dtype, interpret=interpret), codes, absmax)
         dx = jax.lax.dot_general(dy, w, (((dy.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return dx.astype(dy.dtype), jax.tree.map(_zero_cotangent, weight)
 

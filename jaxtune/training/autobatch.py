@@ -7,6 +7,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from jaxtune.sharding import batch_sharding, batch_shards
 from jaxtune.training.config import TrainConfig
 
 CANDIDATES = (64, 32, 16, 8, 4, 2, 1)
@@ -17,7 +18,10 @@ MARGIN = 0.9  # use at most this fraction of device memory
 def step_bytes(step_fn, lora, opt_state, frozen, micro: int, cfg: TrainConfig) -> int:
     """Device bytes the compiled step needs at this micro-batch (arguments + outputs + temporaries)."""
     shape = (cfg.grad_accum, micro, cfg.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("input_ids", "labels", "segment_ids", "positions")}
+    mesh = getattr(step_fn, "mesh", None)
+    sharding = None if mesh is None else batch_sharding(mesh)  # then the plan is per device
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+             for k in ("input_ids", "labels", "segment_ids", "positions")}
     compiled = step_fn.lower(lora, opt_state, frozen, batch, jnp.int32(0)).compile()
     mem = compiled.memory_analysis()
     return int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
@@ -30,26 +34,29 @@ def choose_micro_batch(cfg: TrainConfig, step_fn, lora, opt_state, frozen, *, by
     Memory is linear in the micro-batch: two compilations (micro 1 and 2) give the line, the largest
     candidate under the budget is then compiled once to confirm (stepping down while it does not fit).
     """
+    mesh = getattr(step_fn, "mesh", None)
+    unit = 1 if mesh is None else batch_shards(mesh)  # micro-batches split evenly over the mesh's devices
     if bytes_limit is None:
         stats = jax.devices()[0].memory_stats()
         if not stats or "bytes_limit" not in stats:
-            warnings.warn(f"device memory size unknown (CPU); micro_batch_size='auto' uses {CPU_DEFAULT}", stacklevel=3)
-            return CPU_DEFAULT
+            warnings.warn(f"device memory size unknown (CPU); micro_batch_size='auto' uses {CPU_DEFAULT * unit}",
+                          stacklevel=3)
+            return CPU_DEFAULT * unit
         bytes_limit = stats["bytes_limit"]
     budget = bytes_limit * MARGIN
-    one = step_bytes(step_fn, lora, opt_state, frozen, 1, cfg)
+    one = step_bytes(step_fn, lora, opt_state, frozen, unit, cfg)
     if one > budget:
-        return 1
-    per_row = max(step_bytes(step_fn, lora, opt_state, frozen, 2, cfg) - one, 1)
-    for micro in CANDIDATES:
-        if one + (micro - 1) * per_row > budget:
+        return unit
+    per_unit = max(step_bytes(step_fn, lora, opt_state, frozen, 2 * unit, cfg) - one, 1)
+    for count in CANDIDATES:
+        if one + (count - 1) * per_unit > budget:
             continue
-        if micro <= 2:  # measured exactly above
-            return micro
+        if count <= 2:  # measured exactly above
+            return count * unit
         try:
-            if step_bytes(step_fn, lora, opt_state, frozen, micro, cfg) <= budget:
-                return micro
+            if step_bytes(step_fn, lora, opt_state, frozen, count * unit, cfg) <= budget:
+                return count * unit
         except Exception as e:  # noqa: BLE001 (compilation itself may run out of memory)
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
-    return 1
+    return unit

@@ -36,10 +36,10 @@ class RunCheckpoints:
     def restore(self, lora: Any, opt_state: Any, step: int | None = None) -> tuple[Any, Any, dict[str, Any]]:
         """(lora, opt_state, meta) of a saved step, shaped like the given (abstract or concrete) trees."""
         step = self.latest_step() if step is None else step
-        abstract = {
-            "lora": [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in jax.tree.leaves(lora)],
-            "opt": [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in jax.tree.leaves(opt_state)],
-        }
+        def spec(x):  # restored with the layout of the live arrays (sharded over a mesh, or one device)
+            return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
+
+        abstract = {"lora": [spec(x) for x in jax.tree.leaves(lora)], "opt": [spec(x) for x in jax.tree.leaves(opt_state)]}
         out = self.manager.restore(
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
         )

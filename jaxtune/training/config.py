@@ -45,6 +45,8 @@ class TrainConfig:
     use_rslora: bool = False
     remat: str = "none"
     ce_chunk_size: int = 1024
+    # devices: "data=2,fsdp=4" (see jaxtune.sharding); None = every device on the data axis
+    mesh: str | None = None
     # loop
     logging_steps: int = 1
     eval_steps: int = 0
@@ -62,6 +64,14 @@ class TrainConfig:
         for name in ("seq_len", "grad_accum", "max_steps", "lora_r", "ce_chunk_size", "max_bad_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.mesh is not None:
+            from jaxtune.sharding import parse_mesh
+
+            try:  # the form only here; whether it fits the devices is checked when the run starts
+                parse_mesh(self.mesh, 1 << 20)
+            except ValueError as e:
+                if "is not axis=size" in str(e) or "unknown axis" in str(e) or "positive" in str(e):
+                    raise ConfigError(str(e)) from None
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
 

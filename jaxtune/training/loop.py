@@ -17,10 +17,12 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxtune.data import BatchStream, PackedRows, encode_rows, pack_examples, read_rows
+from jaxtune.data.packing import IGNORE
 from jaxtune.data.sources import DataError, Row
 from jaxtune.errors import JaxtuneError
 from jaxtune.model import CausalLM
 from jaxtune.qlora import get_peft_model
+from jaxtune.sharding import batch_shards, make_mesh, state_shardings
 from jaxtune.training.autobatch import choose_micro_batch
 from jaxtune.training.checkpoint import RunCheckpoints
 from jaxtune.training.config import TrainConfig
@@ -156,14 +158,23 @@ def train(
     model.remat_policy = REMAT_POLICIES[cfg.remat]
     train_rows, eval_rows = prepare_data(data, tokenizer, cfg)
 
+    mesh = make_mesh(cfg.mesh) if cfg.mesh or jax.device_count() > 1 else None
     graphdef, lora, frozen = split_model(model)
     optimizer, schedule = make_optimizer(cfg)
+    if mesh is not None:
+        lora = jax.device_put(lora, state_shardings(mesh, lora))
+        frozen = jax.device_put(frozen, state_shardings(mesh, frozen))
     opt_state = optimizer.init(lora)
-    step_fn = make_train_step(graphdef, optimizer, schedule, cfg)
+    if mesh is not None:
+        opt_state = jax.device_put(opt_state, state_shardings(mesh, opt_state))
+    step_fn = make_train_step(graphdef, optimizer, schedule, cfg, mesh)
     micro = choose_micro_batch(cfg, step_fn, lora, opt_state, frozen) if cfg.micro_batch_size == "auto" \
         else cfg.micro_batch_size
+    if mesh is not None and micro % batch_shards(mesh):
+        raise JaxtuneError(f"micro_batch_size {micro} does not split over the {batch_shards(mesh)} devices of mesh "
+                           f"{dict(mesh.shape)}; use a multiple of {batch_shards(mesh)}")
     stream = BatchStream(train_rows, micro_batch=micro, accum=cfg.grad_accum, seed=cfg.seed)
-    eval_fn = make_eval_step(graphdef, cfg) if eval_rows is not None and len(eval_rows) else None
+    eval_fn = make_eval_step(graphdef, cfg, mesh) if eval_rows is not None and len(eval_rows) else None
 
     ckpt, start_step, skipped_total, losses, eval_losses = None, 0, 0, [], []
     if run_dir is not None:
@@ -178,10 +189,12 @@ def train(
             stream.restore(meta["data"])
             start_step, skipped_total = int(meta["step"]), int(meta["skipped"])
             losses, eval_losses = list(meta["losses"]), [tuple(e) for e in meta["eval_losses"]]
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
+        lead = jax.process_index() == 0  # files beside the checkpoints are written by one process
+        with open(os.path.join(run_dir, "config.json") if lead else os.devnull, "w") as f:
             json.dump({"train": cfg.to_dict(), "model": model.config.to_hf(), "micro_batch_size": micro,
                        "base_model": base_model}, f, indent=2)
-        _truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), start_step)
+        if lead:
+            _truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), start_step)
 
     def save(step: int) -> None:
         if ckpt is not None:
@@ -200,12 +213,13 @@ def train(
                 host_batch = stream.next()
                 while True:
                     batch = to_device_batch({k: v.reshape(stream.accum, stream.micro_batch, -1)
-                                             for k, v in host_batch.items()})
+                                             for k, v in host_batch.items()}, mesh)
                     try:
                         lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, np.int32(step))
                         break
                     except Exception as e:  # noqa: BLE001 (only out-of-memory is handled)
-                        if not _can_step_down(e, stream, lora):
+                        if not _can_step_down(e, stream, lora) or (
+                                mesh is not None and (stream.micro_batch // 2) % batch_shards(mesh)):
                             raise
                         stream.micro_batch, stream.accum = stream.micro_batch // 2, stream.accum * 2
                         warnings.warn(f"out of device memory: micro-batch lowered to {stream.micro_batch} "
@@ -213,7 +227,7 @@ def train(
                 m = {k: float(v) for k, v in jax.device_get(m).items()}
                 dt = time.perf_counter() - t0
                 step += 1
-                tokens_per_s = float((batch["segment_ids"] > 0).sum()) / dt
+                tokens_per_s = float((host_batch["segment_ids"] > 0).sum()) / dt
                 bad_in_row = bad_in_row + 1 if m["skipped"] else 0
                 skipped_total += int(m["skipped"])
                 losses.append(m["loss"])
@@ -223,9 +237,9 @@ def train(
                     record["mfu"] = round(tokens_per_s * fpt / PEAK_BF16_FLOPS, 4)
                     record["peak_memory_gib"] = _peak_memory_gib()
                 if eval_fn is not None and cfg.eval_steps and (step % cfg.eval_steps == 0 or step == cfg.max_steps):
-                    record["eval_loss"] = _evaluate(eval_fn, lora, frozen, eval_rows, micro)
+                    record["eval_loss"] = _evaluate(eval_fn, lora, frozen, eval_rows, micro, mesh)
                     eval_losses.append((step, record["eval_loss"]))
-                if run_dir is not None:
+                if run_dir is not None and jax.process_index() == 0:
                     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
                         f.write(json.dumps(record) + "\n")
                 if callback is not None:
@@ -249,7 +263,7 @@ def train(
     save(step)
     if ckpt is not None:
         ckpt.close()
-    if run_dir is not None and losses:
+    if run_dir is not None and losses and jax.process_index() == 0:
         _plot_losses(os.path.join(run_dir, "loss.png"), losses, eval_losses)
     return TrainResult(step, losses, eval_losses, train_rows.efficiency, tokens_per_s, skipped_total, interrupted,
                        run_dir)
@@ -261,12 +275,16 @@ def _can_step_down(error: Exception, stream: BatchStream, lora) -> bool:
             and not any(x.is_deleted() for x in jax.tree.leaves(lora)))
 
 
-def _evaluate(eval_fn, lora, frozen, rows: PackedRows, micro: int) -> float:
+def _evaluate(eval_fn, lora, frozen, rows: PackedRows, micro: int, mesh=None) -> float:
     total, count = 0.0, 0
     for start in range(0, len(rows), micro):
         idx = np.arange(start, min(start + micro, len(rows)))
         batch = {k: getattr(rows, k)[idx][None] for k in ("input_ids", "labels", "segment_ids", "positions")}
-        s, n = eval_fn(lora, frozen, to_device_batch(batch))
+        if mesh is not None and len(idx) < micro:  # the last batch, padded with rows that carry no loss
+            fill = {"labels": IGNORE, "segment_ids": 0}
+            batch = {k: np.pad(v, ((0, 0), (0, micro - len(idx)), (0, 0)), constant_values=fill.get(k, 0))
+                     for k, v in batch.items()}
+        s, n = eval_fn(lora, frozen, to_device_batch(batch, mesh))
         total, count = total + float(s), count + int(n)
     return total / max(count, 1)
 

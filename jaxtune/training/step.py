@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -9,9 +10,11 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxtune.data.packing import IGNORE
 from jaxtune.model import CausalLM
+from jaxtune.sharding import global_batch, state_shardings
 from jaxtune.training.config import TrainConfig
 from jaxtune.training.loss import chunked_cross_entropy
 
@@ -75,8 +78,26 @@ def loss_and_grads(graphdef, lora, frozen, batch: dict[str, jax.Array], key: jax
     return loss_sum / total_tokens, grads
 
 
+class OnMesh:
+    """A jitted function traced and run with `mesh` set, so the ops see it (shard_map around the kernels)."""
+
+    def __init__(self, fn: Callable, mesh: Mesh | None):
+        self.fn, self.mesh = fn, mesh
+
+    def _ctx(self):
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+    def __call__(self, *args):
+        with self._ctx():
+            return self.fn(*args)
+
+    def lower(self, *args):
+        with self._ctx():
+            return self.fn.lower(*args)
+
+
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                    cfg: TrainConfig) -> Callable:
+                    cfg: TrainConfig, mesh: Mesh | None = None) -> OnMesh:
     """step(lora, opt_state, frozen, batch [accum, B, T], step) -> (lora, opt_state, metrics).
 
     Gradient accumulation runs inside the jit (see `loss_and_grads`). A step whose loss or gradients are not
@@ -94,12 +115,16 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(step_index),
                    "tokens": jnp.sum(batch["labels"] != IGNORE), "skipped": (~finite).astype(jnp.int32)}
-        return keep(new_lora, lora), keep(new_opt_state, opt_state), metrics
+        new_lora, new_opt_state = keep(new_lora, lora), keep(new_opt_state, opt_state)
+        if mesh is not None:  # params and optimizer state keep their FSDP layout from step to step
+            new_lora = jax.lax.with_sharding_constraint(new_lora, state_shardings(mesh, new_lora))
+            new_opt_state = jax.lax.with_sharding_constraint(new_opt_state, state_shardings(mesh, new_opt_state))
+        return new_lora, new_opt_state, metrics
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    return OnMesh(jax.jit(step, donate_argnums=(0, 1)), mesh)
 
 
-def make_eval_step(graphdef: nnx.GraphDef, cfg: TrainConfig) -> Callable:
+def make_eval_step(graphdef: nnx.GraphDef, cfg: TrainConfig, mesh: Mesh | None = None) -> OnMesh:
     """eval(lora, frozen, batch [accum, B, T]) -> (sum of token losses, number of label tokens)."""
 
     def evaluate(lora, frozen, batch):
@@ -109,8 +134,11 @@ def make_eval_step(graphdef: nnx.GraphDef, cfg: TrainConfig) -> Callable:
         total, _ = jax.lax.scan(body, jnp.float32(0), batch)
         return total, jnp.sum(batch["labels"] != IGNORE)
 
-    return jax.jit(evaluate)
+    return OnMesh(jax.jit(evaluate), mesh)
 
 
-def to_device_batch(batch: dict[str, Any]) -> dict[str, jax.Array]:
+def to_device_batch(batch: dict[str, Any], mesh: Mesh | None = None) -> dict[str, jax.Array]:
+    """Host [accum, B, T] arrays to device: on a mesh, split over its batch axes (each process its own rows)."""
+    if mesh is not None:
+        return global_batch(mesh, batch)
     return {k: jnp.asarray(v) for k, v in batch.items()}

@@ -1,0 +1,101 @@
+"""Run by tests/test_sharding.py in fresh processes (device count and jax.distributed are fixed at start-up).
+
+    python tests/sharded_worker.py grads            # with XLA_FLAGS=--xla_force_host_platform_device_count=8
+    python tests/sharded_worker.py train TOKENIZER_DIR OUT_DIR [MESH]   # optionally under jax.distributed
+Prints JSON lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxtune.distributed import initialize_from_env  # noqa: E402
+
+initialize_from_env()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jaxtune  # noqa: E402
+import jaxtune.sharding as sharding  # noqa: E402
+from jaxtune.config import ModelConfig  # noqa: E402
+from jaxtune.model import init_model  # noqa: E402
+from jaxtune.qlora import get_peft_model, quantize_layers  # noqa: E402
+from jaxtune.training.step import loss_and_grads, split_model  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+sharding.MIN_SHARDED_ELEMENTS = 0  # shard even the tiny test arrays
+
+CFG = ModelConfig(model_type="llama", vocab_size=320, hidden_size=128, intermediate_size=256, num_layers=2,
+                  num_heads=2, num_kv_heads=1, head_dim=64, eos_token_id=2)
+
+
+def model(vocab: int = 320):
+    cfg = CFG if vocab == CFG.vocab_size else ModelConfig(**{**CFG.__dict__, "vocab_size": vocab})
+    m = get_peft_model(quantize_layers(init_model(cfg, dtype="float32", seed=0)), r=4, seed=1)
+    lora = nnx.state(m, nnx.LoRAParam)  # non-zero B, so every LoRA gradient is non-trivial
+    nnx.update(m, jax.tree.map(lambda p: p + 0.02 * jax.random.normal(jax.random.key(2), p.shape, p.dtype), lora))
+    return m
+
+
+def grads_on(mesh, graphdef, lora, frozen, batch):
+    if mesh is None:
+        fn = jax.jit(lambda l, f, b: loss_and_grads(graphdef, l, f, b, None, 64))
+        return (*fn(lora, frozen, {k: jnp.asarray(v) for k, v in batch.items()}), 0)
+    lora = jax.device_put(lora, sharding.state_shardings(mesh, lora))
+    frozen = jax.device_put(frozen, sharding.state_shardings(mesh, frozen))
+    spread = [str(a.sharding.spec) for a in jax.tree.leaves(frozen) if "fsdp" in str(a.sharding.spec)]
+    assert mesh.shape["fsdp"] == 1 or spread, "no frozen array was sharded over fsdp"
+    with jax.set_mesh(mesh):
+        fn = jax.jit(lambda l, f, b: loss_and_grads(graphdef, l, f, b, None, 64))
+        gbatch = sharding.global_batch(mesh, batch)
+        kernels_per_shard = str(fn.trace(lora, frozen, gbatch).jaxpr).count("shard_map[")
+        return (*fn(lora, frozen, gbatch), kernels_per_shard)
+
+
+def check_grads() -> None:
+    assert jax.device_count() == 8, jax.devices()
+    graphdef, lora, frozen = split_model(model())
+    rng = np.random.default_rng(0)
+    shape = (2, 8, 48)  # accum 2 x micro-batch 8 x T 48, packed segments and padding
+    seg = np.ones(shape, np.int32)
+    seg[..., 20:40], seg[..., 40:] = 2, 0
+    labels = rng.integers(0, 320, shape).astype(np.int32)
+    labels[seg == 0] = -1
+    batch = {"input_ids": rng.integers(0, 320, shape).astype(np.int32), "labels": labels, "segment_ids": seg,
+             "positions": jaxtune.model.segment_positions(jnp.asarray(seg.reshape(-1, 48))).reshape(shape)}
+    batch["positions"] = np.asarray(batch["positions"])
+    ref_loss, ref_grads, _ = grads_on(None, graphdef, lora, frozen, batch)
+    runs = [("data=8", "xla"), ("fsdp=8", "xla"), ("data=2,fsdp=4", "xla"), ("data=4,fsdp=2", "xla"),
+            ("data=2,fsdp=2", "pallas-interpret")]
+    for spec, kernels in runs:
+        jaxtune.set_kernels(kernels)
+        devices = jax.devices()[:4] if spec == "data=2,fsdp=2" else None
+        mesh = sharding.make_mesh(spec, devices)
+        loss, grads, shard_maps = grads_on(mesh, graphdef, lora, frozen, batch)
+        diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)))
+        scale = max(float(jnp.max(jnp.abs(b))) for b in jax.tree.leaves(ref_grads))
+        print(json.dumps({"mesh": spec, "kernels": kernels, "loss": float(loss), "ref_loss": float(ref_loss),
+                          "grad_max_abs_diff": diff, "grad_scale": scale, "shard_maps": shard_maps}), flush=True)
+
+
+def train(tokenizer_dir: str, out_dir: str, mesh: str | None = None) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    rows = [{"text": f"row {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 4)} for i in range(48)]
+    cfg = jaxtune.TrainConfig(format="text", seq_len=64, micro_batch_size=4, max_steps=5, learning_rate=3e-3,
+                              warmup_steps=0, save_steps=5, mesh=mesh)
+    result = jaxtune.train(model(len(tok)), tok, rows, cfg, out_dir=out_dir, progress=False)
+    print(json.dumps({"process": jax.process_index(), "processes": jax.process_count(),
+                      "devices": jax.device_count(), "losses": result.losses}), flush=True)
+
+
+if __name__ == "__main__":
+    {"grads": check_grads, "train": train}[sys.argv[1]](*sys.argv[2:])
