@@ -1,0 +1,114 @@
+"""Multi-GPU QLoRA throughput: data parallel / FSDP over a (data, fsdp) mesh, random NF4 weights made on device.
+
+On a multi-GPU machine, from the repository root (one process per configuration, so peak memory is its own):
+    PYTHONPATH=. python3 benchmarks/scale_qlora.py --model llama3-8b --gpus 2 --mesh data=2 --batch-per-gpu 4
+    PYTHONPATH=. python3 benchmarks/scale_qlora.py --model llama3-70b --gpus 4 --mesh fsdp=4 --batch-per-gpu 1
+Prints one JSON line: tokens/s in all and per GPU, MFU, peak GiB per GPU. Weights are random (the speed of a
+QLoRA step does not depend on their values), generated already sharded so a 70B model never sits on one GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jaxtune
+from jaxtune.config import ModelConfig
+from jaxtune.model import CausalLM
+from jaxtune.qlora import quantize_layers
+from jaxtune.sharding import global_batch, make_mesh, state_shardings
+from jaxtune.training.loop import PEAK_BF16_FLOPS, flops_per_token
+from jaxtune.training.step import REMAT_POLICIES, make_optimizer, make_train_step, split_model
+
+MODELS = {
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8),
+    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8),
+}
+
+
+def random_model(name: str, mesh):
+    cfg = ModelConfig(model_type="llama", vocab_size=128256, head_dim=128, rope_theta=500000.0, **MODELS[name])
+    model = nnx.eval_shape(lambda: quantize_layers(CausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
+    graphdef, abstract = nnx.split(model)
+    leaves, tree = jax.tree.flatten(abstract)
+    shardings = jax.tree.leaves(state_shardings(mesh, abstract))
+
+    def make():
+        keys = jax.random.split(jax.random.key(0), len(leaves))
+        out = []
+        for key, leaf in zip(keys, leaves):
+            if jnp.issubdtype(leaf.dtype, jnp.integer):
+                out.append(jax.random.randint(key, leaf.shape, 0, 256, jnp.int32).astype(leaf.dtype))
+            else:
+                out.append((0.02 * jax.random.normal(key, leaf.shape, jnp.float32)).astype(leaf.dtype))
+        return out
+
+    state = jax.tree.unflatten(tree, jax.jit(make, out_shardings=shardings)())
+    return nnx.merge(graphdef, state)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama3-8b", choices=list(MODELS))
+    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--mesh", default=None, help="data=N / fsdp=N / data=A,fsdp=B over the first --gpus devices")
+    ap.add_argument("--batch-per-gpu", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--remat", default="selective", choices=list(REMAT_POLICIES))
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+
+    devices = jax.devices()[: args.gpus]
+    mesh = make_mesh(args.mesh, devices)
+    t0 = time.perf_counter()
+    model = random_model(args.model, mesh)
+    jaxtune.get_peft_model(model, r=16, lora_alpha=16)
+    model.remat_policy = REMAT_POLICIES[args.remat]
+    build_s = time.perf_counter() - t0
+    cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch_per_gpu * args.gpus, max_steps=1000,
+                              learning_rate=1e-4, remat=args.remat)
+    graphdef, lora, frozen = split_model(model)
+    lora = jax.device_put(lora, state_shardings(mesh, lora))
+    frozen = jax.device_put(frozen, state_shardings(mesh, frozen))
+    optimizer, schedule = make_optimizer(cfg)
+    opt_state = jax.device_put(optimizer.init(lora), state_shardings(mesh, optimizer.init(lora)))
+    step_fn = make_train_step(graphdef, optimizer, schedule, cfg, mesh)
+
+    rng = np.random.default_rng(0)
+    rows = args.batch_per_gpu * args.gpus
+    ids = rng.integers(0, model.config.vocab_size, (1, rows, args.seq)).astype(np.int32)
+    labels = np.roll(ids, -1, axis=-1)
+    labels[..., -1] = -1
+    batch = global_batch(mesh, {"input_ids": ids, "labels": labels, "segment_ids": np.ones_like(ids),
+                                "positions": np.broadcast_to(np.arange(args.seq, dtype=np.int32), ids.shape).copy()})
+    t0 = time.perf_counter()
+    lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jnp.int32(0))
+    jax.block_until_ready(m)
+    first_s = time.perf_counter() - t0
+    lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jnp.int32(1))
+    jax.block_until_ready(m)
+    t0 = time.perf_counter()
+    for i in range(args.steps):
+        lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jnp.int32(2 + i))
+    jax.block_until_ready(m)
+    dt = (time.perf_counter() - t0) / args.steps
+    tok_s = rows * args.seq / dt
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30 for d in devices]
+    print(json.dumps({
+        "system": "jaxtune", "device": devices[0].device_kind, "model": args.model, "gpus": args.gpus,
+        "mesh": dict(mesh.shape), "batch_per_gpu": args.batch_per_gpu, "seq": args.seq, "remat": args.remat,
+        "step_s": round(dt, 4), "tok_s": round(tok_s), "tok_s_per_gpu": round(tok_s / args.gpus),
+        "mfu": round(tok_s / args.gpus * flops_per_token(model, args.seq) / PEAK_BF16_FLOPS, 3),
+        "peak_gib_per_gpu": round(max(peaks), 2), "build_s": round(build_s, 1), "first_step_s": round(first_s, 1),
+        "loss": float(m["loss"]),
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
