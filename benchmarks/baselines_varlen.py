@@ -1,6 +1,6 @@
 """Variable-length QLoRA throughput of the baselines (HF transformers + PEFT + bitsandbytes, Unsloth) on the
 workload of benchmarks/varlen.py, for the end-to-end benchmark. Run on the GPU machine with the baseline
-packages on PYTHONPATH (see benchmarks/README.md):
+packages on PYTHONPATH (benchmarks/README.md says how):
     python3 benchmarks/baselines_varlen.py hf /tmp/base_llama3-8b
     python3 benchmarks/baselines_varlen.py unsloth /tmp/base_llama3-8b
 One JSON line per configuration: real (non-pad) tokens/s and peak GiB.
