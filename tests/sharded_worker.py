@@ -56,6 +56,9 @@ def grads_on(mesh, graphdef, lora, frozen, batch):
         fn = jax.jit(lambda l, f, b: loss_and_grads(graphdef, l, f, b, None, 64))
         gbatch = sharding.global_batch(mesh, batch)
         kernels_per_shard = str(fn.trace(lora, frozen, gbatch).jaxpr).count("shard_map[")
+        if mesh.shape["fsdp"] == 1:  # pure data parallel: nothing may be gathered (each device its own rows)
+            hlo = fn.lower(lora, frozen, gbatch).compile().as_text()
+            assert "all-gather(" not in hlo, "a data-parallel step gathers activations across devices"
         return (*fn(lora, frozen, gbatch), kernels_per_shard)
 
 
