@@ -73,6 +73,10 @@ def _train(args: argparse.Namespace) -> None:
         overrides["packing"] = False
     cfg = (jaxtune.TrainConfig.from_yaml(args.config, **overrides) if args.config
            else jaxtune.TrainConfig.from_dict(overrides, where="command line"))
+    if cfg.mesh:  # a mesh that does not fit the devices fails before the model loads
+        from jaxtune.sharding import make_mesh
+
+        make_mesh(cfg.mesh)
     model, tokenizer = jaxtune.from_pretrained(args.model, dtype=args.dtype, load_in_4bit=True)
     if tokenizer is None:
         raise jaxtune.CheckpointError(f"{args.model} has no tokenizer files; add tokenizer.json to the model directory")

@@ -138,6 +138,13 @@ def test_cli_train_smoke(tiny_tokenizer, tmp_path, capsys):
     code = main(["train", "--model", str(tmp_path / "m"), "--data", str(tmp_path / "nope.jsonl"), "--out",
                  str(tmp_path / "run2")])
     assert code == 1 and "does not exist" in capsys.readouterr().err
+    for mesh, words in [("data=2", "does not divide the 1 devices"), ("data=2,fsdp=1", "needs 2 devices but there are 1"),
+                        ("tp=2", "unknown axis 'tp'")]:
+        code = main(["train", "--model", str(tmp_path / "m"), "--data", str(data), "--out", str(tmp_path / "run3"),
+                     "--max-steps", "1", "--batch-size", "2", "--mesh", mesh])
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1].split("\r")[-1].strip()  # after any progress bars
+        assert code == 1 and last.startswith("jaxtune: error: mesh") and words in last, err
 
 
 def test_out_of_memory_steps_the_micro_batch_down(tiny_tokenizer, monkeypatch):
