@@ -3,6 +3,7 @@
 On a multi-GPU machine, from the repository root (one process per configuration, so peak memory is its own):
     PYTHONPATH=. python3 benchmarks/scale_qlora.py --model llama3-8b --gpus 2 --mesh data=2 --batch-per-gpu 4
     PYTHONPATH=. python3 benchmarks/scale_qlora.py --model llama3-70b --gpus 4 --mesh fsdp=4 --batch-per-gpu 1
+    PYTHONPATH=. python3 benchmarks/scale_qlora.py --batch-per-gpu 1 --seq 131072 --remat offload --warmup 0 --steps 1
 Prints one JSON line: tokens/s in all and per GPU, MFU, peak GiB per GPU. Weights are random (the speed of a
 QLoRA step does not depend on their values), generated already sharded so a 70B model never sits on one GPU.
 """
@@ -62,6 +63,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--remat", default="selective", choices=list(REMAT_POLICIES))
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps after the first (compiling) one")
     args = ap.parse_args()
 
     devices = jax.devices()[: args.gpus]
@@ -91,11 +93,12 @@ def main() -> None:
     lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jnp.int32(0))
     jax.block_until_ready(m)
     first_s = time.perf_counter() - t0
-    lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jnp.int32(1))
+    for i in range(args.warmup):
+        lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jnp.int32(1 + i))
     jax.block_until_ready(m)
     t0 = time.perf_counter()
     for i in range(args.steps):
-        lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jnp.int32(2 + i))
+        lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jnp.int32(1 + args.warmup + i))
     jax.block_until_ready(m)
     dt = (time.perf_counter() - t0) / args.steps
     tok_s = rows * args.seq / dt
