@@ -16,14 +16,14 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 import jaxtune
+from benchmarks.train_qlora import dense_batches
 from jaxtune.config import ModelConfig
 from jaxtune.model import CausalLM
 from jaxtune.qlora import quantize_layers
-from jaxtune.sharding import global_batch, make_mesh, state_shardings
+from jaxtune.sharding import global_batch, make_mesh, shard_state, state_shardings
 from jaxtune.training.loop import PEAK_BF16_FLOPS, flops_per_token
 from jaxtune.training.step import REMAT_POLICIES, make_optimizer, make_train_step, split_model
 
@@ -76,19 +76,12 @@ def main() -> None:
     cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch_per_gpu * args.gpus, max_steps=1000,
                               learning_rate=1e-4, remat=args.remat)
     graphdef, lora, frozen = split_model(model)
-    lora = jax.device_put(lora, state_shardings(mesh, lora))
-    frozen = jax.device_put(frozen, state_shardings(mesh, frozen))
     optimizer, schedule = make_optimizer(cfg)
-    opt_state = jax.device_put(optimizer.init(lora), state_shardings(mesh, optimizer.init(lora)))
+    lora, frozen, opt_state = (shard_state(mesh, tree) for tree in (lora, frozen, optimizer.init(lora)))
     step_fn = make_train_step(graphdef, optimizer, schedule, cfg, mesh)
 
-    rng = np.random.default_rng(0)
     rows = args.batch_per_gpu * args.gpus
-    ids = rng.integers(0, model.config.vocab_size, (1, rows, args.seq)).astype(np.int32)
-    labels = np.roll(ids, -1, axis=-1)
-    labels[..., -1] = -1
-    batch = global_batch(mesh, {"input_ids": ids, "labels": labels, "segment_ids": np.ones_like(ids),
-                                "positions": np.broadcast_to(np.arange(args.seq, dtype=np.int32), ids.shape).copy()})
+    batch = global_batch(mesh, dense_batches(rows, args.seq, model.config.vocab_size, 1)[0])
     t0 = time.perf_counter()
     lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jnp.int32(0))
     jax.block_until_ready(m)

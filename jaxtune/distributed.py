@@ -31,7 +31,5 @@ def initialize_from_env() -> bool:
     if address and len(kwargs) < 2 and not os.environ.get("SLURM_JOB_ID") and not os.environ.get("OMPI_COMM_WORLD_SIZE"):
         raise JaxtuneError("JAX_COORDINATOR_ADDRESS is set but JAX_NUM_PROCESSES / JAX_PROCESS_ID are not; "
                            "set both on every host (process ids 0..N-1)")
-    if os.environ.get("JAX_PLATFORMS", "").strip() == "cpu":  # CPU-only runs (tests): collectives over gloo
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=address, **kwargs)
     return True

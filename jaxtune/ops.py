@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxtune import dispatch
+from jaxtune.sharding import BATCH_AXES, batch_shards, current_mesh
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -106,28 +107,19 @@ def _fast_attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, sliding_wi
     return None
 
 
-def _mesh():
-    """The mesh training runs on (set with `jax.set_mesh`), or None on one device."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return None if mesh.empty or mesh.size == 1 else mesh
-
-
 def _per_batch_shard(fn, *args: jax.Array) -> jax.Array:
     """fn (a Pallas kernel, which XLA cannot partition) on each device's slice of the batch (dim 0) on a mesh."""
-    mesh = _mesh()
+    mesh = current_mesh()
     if mesh is None:
         return fn(*args)
-    from jaxtune.sharding import BATCH_AXES
-
     axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
-    lead = axes if args[0].shape[0] % int(np.prod([mesh.shape[a] for a in axes])) == 0 else None
+    lead = axes if args[0].shape[0] % batch_shards(mesh) == 0 else None
     return jax.shard_map(fn, in_specs=tuple(P(lead) for _ in args), out_specs=P(lead), check_vma=False)(*args)
 
 
 def _replicated(fn, *args: jax.Array) -> jax.Array:
     """fn on whole operands on every device of a mesh: FSDP-sharded weights are all-gathered going in."""
-    mesh = _mesh()
-    if mesh is None:
+    if current_mesh() is None:
         return fn(*args)
     return jax.shard_map(fn, in_specs=tuple(P() for _ in args), out_specs=P(), check_vma=False)(*args)
 

@@ -28,13 +28,8 @@ class MeshError(JaxtuneError, ValueError):
     """A mesh spec that does not describe the devices at hand."""
 
 
-def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int) -> dict[str, int]:
-    """{"data": d, "fsdp": f} with d * f == num_devices; None puts every device on `data`.
-
-    `spec` is "data=2,fsdp=4" or a mapping; one axis may be left out (or -1) and takes the remaining devices.
-    """
-    if spec is None or spec == "":
-        return {"data": num_devices, "fsdp": 1}
+def mesh_axis_sizes(spec: str | Mapping[str, int]) -> dict[str, int]:
+    """The sizes a spec names ("data=2,fsdp=4" or a mapping; -1 = the remaining devices), its form checked."""
     if isinstance(spec, str):
         sizes: dict[str, int] = {}
         for part in filter(None, (p.strip() for p in spec.split(","))):
@@ -47,11 +42,20 @@ def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int) -> dict[s
     unknown = set(sizes) - set(AXES)
     if unknown:
         raise MeshError(f"mesh {spec!r}: unknown axis {sorted(unknown)[0]!r}; the axes are data and fsdp")
-    free = [a for a in AXES if sizes.get(a, -1) == -1]
+    if any(v < 1 and v != -1 for v in sizes.values()):
+        raise MeshError(f"mesh {spec!r}: axis sizes must be positive (or -1 for the remaining devices)")
+    return {a: sizes.get(a, -1) for a in AXES}
+
+
+def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int) -> dict[str, int]:
+    """{"data": d, "fsdp": f} with d * f == num_devices; None puts every device on `data`.
+
+    One axis may be left out (or -1) and takes the remaining devices.
+    """
+    sizes = mesh_axis_sizes(spec or {})
+    free = [a for a in AXES if sizes[a] == -1]
     if len(free) == len(AXES):
         return {"data": num_devices, "fsdp": 1}
-    if any(sizes[a] < 1 for a in AXES if a not in free):
-        raise MeshError(f"mesh {spec!r}: axis sizes must be positive (or -1 for the remaining devices)")
     fixed = math.prod(sizes[a] for a in AXES if a not in free)
     if free:
         if num_devices % fixed:
@@ -61,7 +65,7 @@ def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int) -> dict[s
     elif fixed != num_devices:
         raise MeshError(f"mesh {spec!r} needs {fixed} devices but there are {num_devices}; pick sizes whose "
                         f"product is {num_devices}")
-    return {a: sizes[a] for a in AXES}
+    return sizes
 
 
 def make_mesh(spec: str | Mapping[str, int] | None = None, devices: list | None = None) -> Mesh:
@@ -95,13 +99,26 @@ def state_shardings(mesh: Mesh, tree: Any) -> Any:
     return jax.tree_util.tree_map_with_path(rule, tree)
 
 
+def shard_state(mesh: Mesh, tree: Any) -> Any:
+    """`tree` placed on the mesh by the FSDP rule."""
+    return jax.device_put(tree, state_shardings(mesh, tree))
+
+
+def current_mesh():
+    """The mesh in context (`jax.set_mesh`, as the training step is traced), or None when there is none or
+    it has one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty or mesh.size == 1 else mesh
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """[accum, micro_batch, T] batches: the micro-batch split over every device."""
     return NamedSharding(mesh, P(None, BATCH_AXES, None))
 
 
-def batch_shards(mesh: Mesh) -> int:
-    return math.prod(mesh.shape[a] for a in BATCH_AXES)
+def batch_shards(mesh) -> int:
+    """Devices the micro-batch is split over (a Mesh or the abstract mesh in context)."""
+    return math.prod(mesh.shape.get(a, 1) for a in BATCH_AXES)
 
 
 def global_batch(mesh: Mesh, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:

@@ -48,8 +48,7 @@ def grads_on(mesh, graphdef, lora, frozen, batch):
     if mesh is None:
         fn = jax.jit(lambda l, f, b: loss_and_grads(graphdef, l, f, b, None, 64))
         return (*fn(lora, frozen, {k: jnp.asarray(v) for k, v in batch.items()}), 0)
-    lora = jax.device_put(lora, sharding.state_shardings(mesh, lora))
-    frozen = jax.device_put(frozen, sharding.state_shardings(mesh, frozen))
+    lora, frozen = sharding.shard_state(mesh, lora), sharding.shard_state(mesh, frozen)
     spread = [str(a.sharding.spec) for a in jax.tree.leaves(frozen) if "fsdp" in str(a.sharding.spec)]
     assert mesh.shape["fsdp"] == 1 or spread, "no frozen array was sharded over fsdp"
     with jax.set_mesh(mesh):

@@ -22,7 +22,7 @@ from jaxtune.data.sources import DataError, Row
 from jaxtune.errors import JaxtuneError
 from jaxtune.model import CausalLM
 from jaxtune.qlora import get_peft_model
-from jaxtune.sharding import batch_shards, make_mesh, state_shardings
+from jaxtune.sharding import batch_shards, make_mesh, shard_state
 from jaxtune.training.autobatch import choose_micro_batch
 from jaxtune.training.checkpoint import RunCheckpoints
 from jaxtune.training.config import TrainConfig
@@ -159,20 +159,19 @@ def train(
     train_rows, eval_rows = prepare_data(data, tokenizer, cfg)
 
     mesh = make_mesh(cfg.mesh) if cfg.mesh or jax.device_count() > 1 else None
+    unit = 1 if mesh is None else batch_shards(mesh)  # micro-batches split into this many equal parts
+    lead = jax.process_index() == 0  # files beside the checkpoints are written by one process
     graphdef, lora, frozen = split_model(model)
     optimizer, schedule = make_optimizer(cfg)
-    if mesh is not None:
-        lora = jax.device_put(lora, state_shardings(mesh, lora))
-        frozen = jax.device_put(frozen, state_shardings(mesh, frozen))
     opt_state = optimizer.init(lora)
     if mesh is not None:
-        opt_state = jax.device_put(opt_state, state_shardings(mesh, opt_state))
+        lora, frozen, opt_state = (shard_state(mesh, tree) for tree in (lora, frozen, opt_state))
     step_fn = make_train_step(graphdef, optimizer, schedule, cfg, mesh)
     micro = choose_micro_batch(cfg, step_fn, lora, opt_state, frozen) if cfg.micro_batch_size == "auto" \
         else cfg.micro_batch_size
-    if mesh is not None and micro % batch_shards(mesh):
-        raise JaxtuneError(f"micro_batch_size {micro} does not split over the {batch_shards(mesh)} devices of mesh "
-                           f"{dict(mesh.shape)}; use a multiple of {batch_shards(mesh)}")
+    if micro % unit:
+        raise JaxtuneError(f"micro_batch_size {micro} does not split over the {unit} devices of mesh "
+                           f"{dict(mesh.shape)}; use a multiple of {unit}")
     stream = BatchStream(train_rows, micro_batch=micro, accum=cfg.grad_accum, seed=cfg.seed)
     eval_fn = make_eval_step(graphdef, cfg, mesh) if eval_rows is not None and len(eval_rows) else None
 
@@ -189,11 +188,10 @@ def train(
             stream.restore(meta["data"])
             start_step, skipped_total = int(meta["step"]), int(meta["skipped"])
             losses, eval_losses = list(meta["losses"]), [tuple(e) for e in meta["eval_losses"]]
-        lead = jax.process_index() == 0  # files beside the checkpoints are written by one process
-        with open(os.path.join(run_dir, "config.json") if lead else os.devnull, "w") as f:
-            json.dump({"train": cfg.to_dict(), "model": model.config.to_hf(), "micro_batch_size": micro,
-                       "base_model": base_model}, f, indent=2)
         if lead:
+            with open(os.path.join(run_dir, "config.json"), "w") as f:
+                json.dump({"train": cfg.to_dict(), "model": model.config.to_hf(), "micro_batch_size": micro,
+                           "base_model": base_model}, f, indent=2)
             _truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), start_step)
 
     def save(step: int) -> None:
@@ -218,8 +216,7 @@ def train(
                         lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, np.int32(step))
                         break
                     except Exception as e:  # noqa: BLE001 (only out-of-memory is handled)
-                        if not _can_step_down(e, stream, lora) or (
-                                mesh is not None and (stream.micro_batch // 2) % batch_shards(mesh)):
+                        if not _can_step_down(e, stream, lora, unit):
                             raise
                         stream.micro_batch, stream.accum = stream.micro_batch // 2, stream.accum * 2
                         warnings.warn(f"out of device memory: micro-batch lowered to {stream.micro_batch} "
@@ -239,7 +236,7 @@ def train(
                 if eval_fn is not None and cfg.eval_steps and (step % cfg.eval_steps == 0 or step == cfg.max_steps):
                     record["eval_loss"] = _evaluate(eval_fn, lora, frozen, eval_rows, micro, mesh)
                     eval_losses.append((step, record["eval_loss"]))
-                if run_dir is not None and jax.process_index() == 0:
+                if run_dir is not None and lead:
                     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
                         f.write(json.dumps(record) + "\n")
                 if callback is not None:
@@ -263,15 +260,16 @@ def train(
     save(step)
     if ckpt is not None:
         ckpt.close()
-    if run_dir is not None and losses and jax.process_index() == 0:
+    if run_dir is not None and losses and lead:
         _plot_losses(os.path.join(run_dir, "loss.png"), losses, eval_losses)
     return TrainResult(step, losses, eval_losses, train_rows.efficiency, tokens_per_s, skipped_total, interrupted,
                        run_dir)
 
 
-def _can_step_down(error: Exception, stream: BatchStream, lora) -> bool:
-    """An out-of-memory failure that left the (donated) params intact, at a micro-batch that can halve."""
-    return ("RESOURCE_EXHAUSTED" in str(error) and stream.micro_batch > 1 and stream.micro_batch % 2 == 0
+def _can_step_down(error: Exception, stream: BatchStream, lora, unit: int = 1) -> bool:
+    """An out-of-memory failure that left the (donated) params intact, at a micro-batch that can halve and
+    still split into `unit` equal parts (the devices of the mesh)."""
+    return ("RESOURCE_EXHAUSTED" in str(error) and stream.micro_batch % (2 * unit) == 0
             and not any(x.is_deleted() for x in jax.tree.leaves(lora)))
 
 

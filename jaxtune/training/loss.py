@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.data.packing import IGNORE
+from jaxtune.sharding import batch_shards, current_mesh
 
 
 def chunked_cross_entropy(
@@ -21,7 +22,9 @@ def chunked_cross_entropy(
     h = hidden.reshape(-1, *hidden.shape[-2:])
     y = labels.reshape(-1, labels.shape[-1])
     rows, t, width = h.shape
-    steps = max(1, min(t, chunk_size * _batch_shards(rows) // rows))
+    mesh = current_mesh()
+    shards = 1 if mesh is None or rows % batch_shards(mesh) else batch_shards(mesh)
+    steps = max(1, min(t, chunk_size * shards // rows))
     pad = (-t) % steps
     h = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).astype(head.dtype)
     y = jnp.pad(y, ((0, 0), (0, pad)), constant_values=IGNORE)
@@ -42,15 +45,3 @@ def chunked_cross_entropy(
     total, _ = jax.lax.scan(body, jnp.float32(0), xs)
     return total, jnp.sum(labels != IGNORE)
 
-
-def _batch_shards(rows: int) -> int:
-    """Devices the rows are split over under the mesh in context (1 without one)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return 1
-    from jaxtune.sharding import BATCH_AXES
-
-    shards = 1
-    for axis in BATCH_AXES:
-        shards *= mesh.shape.get(axis, 1)
-    return shards if rows % shards == 0 else 1
