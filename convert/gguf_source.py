@@ -117,6 +117,12 @@ class GGUFSource:
     def names(self) -> list[str]:
         return list(self._tensors)
 
+    def tokenizer(self):
+        """The file's tokenizer (vocabulary, special tokens, chat template), built without torch."""
+        from convert.gguf_tokenizer import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(self._field, self.path)
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(d) for d in reversed(self._tensors[name].shape.tolist()))
 

@@ -146,16 +146,14 @@ def load_model(
     return merge_filled(graphdef, state, pure, values)
 
 
-def _load_tokenizer(path: str, gguf_file: str | None = None):
-    if gguf_file is None and not any(
+def _load_tokenizer(path: str):
+    if not any(
         os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
     ):
         warnings.warn(f"{path} has no tokenizer files; returning tokenizer=None", stacklevel=3)
         return None
     from transformers import AutoTokenizer  # slow import: only when a tokenizer is needed
 
-    if gguf_file is not None:
-        return AutoTokenizer.from_pretrained(os.path.dirname(gguf_file) or ".", gguf_file=os.path.basename(gguf_file))
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -208,5 +206,5 @@ def from_pretrained(path: str | os.PathLike, *, dtype: str = "bfloat16", load_in
     with source:
         name = os.path.basename(os.fspath(path).rstrip("/"))
         model = load_model(source, cfg, dtype, load_in_4bit=load_in_4bit, desc=f"loading {name}")
-    tokenizer = _load_tokenizer(resolved, gguf_path)
+        tokenizer = source.tokenizer() if gguf_path is not None else _load_tokenizer(resolved)
     return model, tokenizer

@@ -159,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except (JaxtuneError, NotImplementedError) as e:
+        if "jax" in sys.modules:
+            from jaxtune.distributed import exit_now, is_multiprocess
+
+            if is_multiprocess():  # peers may be blocked in a collective: do not wait for them at shutdown
+                exit_now(e)
         print(f"jaxtune: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

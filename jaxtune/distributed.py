@@ -1,17 +1,26 @@
-"""Multi-host start-up: `jax.distributed.initialize` from the environment, before any other JAX call.
+"""Multi-host start-up and the few things every process must agree on.
 
-Launch one process per host (all GPUs of a host belong to its process) with the same command and
+Launch one process per host (or per GPU) with the same command and
     JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=<0|1> jaxtune train ...
 or under SLURM / Open MPI, whose variables JAX reads itself (set JAXTUNE_DISTRIBUTED=1 there).
+
+Per-device reads (memory, device kind) use this process's own devices: another process's devices are not
+addressable. A failing process must not wait for its peers (they may be blocked in a collective that will
+never complete): it prints its error and exits at once, and JAX's heartbeat check ends the others.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import traceback
 
 import jax
+import numpy as np
 
 from jaxtune.errors import JaxtuneError
+
+HEARTBEAT_TIMEOUT_S = 60  # a process silent this long is taken as dead and the job ends (JAX default: 100)
 
 
 def initialize_from_env() -> bool:
@@ -31,5 +40,57 @@ def initialize_from_env() -> bool:
     if address and len(kwargs) < 2 and not os.environ.get("SLURM_JOB_ID") and not os.environ.get("OMPI_COMM_WORLD_SIZE"):
         raise JaxtuneError("JAX_COORDINATOR_ADDRESS is set but JAX_NUM_PROCESSES / JAX_PROCESS_ID are not; "
                            "set both on every host (process ids 0..N-1)")
-    jax.distributed.initialize(coordinator_address=address, **kwargs)
+    heartbeat = int(os.environ.get("JAXTUNE_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT_S))
+    jax.distributed.initialize(coordinator_address=address, heartbeat_timeout_seconds=heartbeat,
+                               shutdown_timeout_seconds=max(heartbeat, 30), **kwargs)
+    previous = sys.excepthook
+
+    def fail_fast(kind, error, tb):  # an uncaught error ends this process without the shutdown barrier
+        if not is_multiprocess() or isinstance(error, KeyboardInterrupt):
+            return previous(kind, error, tb)
+        exit_now(error.with_traceback(tb))
+
+    sys.excepthook = fail_fast
     return True
+
+
+def local_device() -> jax.Device:
+    """This process's first device: the one whose memory and kind this process can read."""
+    return jax.local_devices()[0]
+
+
+def memory_stats() -> dict:
+    """Memory statistics of this process's first device ({} where the platform keeps none, e.g. CPU)."""
+    return local_device().memory_stats() or {}
+
+
+def peak_memory_gib() -> float | None:
+    """The highest peak memory over this process's devices, in GiB (None on platforms without statistics)."""
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+    peaks = [p for p in peaks if p is not None]
+    return max(peaks) / 2**30 if peaks else None
+
+
+def agree_min(value: int) -> int:
+    """The smallest of every process's `value` (the value itself in a single-process run)."""
+    if jax.process_count() == 1:
+        return int(value)
+    from jax.experimental import multihost_utils
+
+    return int(np.min(multihost_utils.process_allgather(np.int32(value))))
+
+
+def exit_now(error: BaseException, code: int = 1) -> None:
+    """Ends a multi-process run's failing process at once: its one-line error to stderr, then exit without the
+    shutdown barrier (peers blocked in a collective would never reach it; the heartbeat check ends them)."""
+    line = str(error).splitlines()[0] if str(error) else type(error).__name__
+    print(f"jaxtune: error in process {jax.process_index()} of {jax.process_count()}: {line}", file=sys.stderr)
+    if not isinstance(error, JaxtuneError):
+        traceback.print_exception(error, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def is_multiprocess() -> bool:
+    return jax.distributed.is_initialized() and jax.process_count() > 1

@@ -1,7 +1,9 @@
 """Run by tests/test_sharding.py in fresh processes (device count and jax.distributed are fixed at start-up).
 
     python tests/sharded_worker.py grads            # with XLA_FLAGS=--xla_force_host_platform_device_count=8
-    python tests/sharded_worker.py train TOKENIZER_DIR OUT_DIR [MESH]   # optionally under jax.distributed
+    python tests/sharded_worker.py train TOKENIZER_DIR OUT_DIR [MESH [OPTIONS_JSON]]  # optionally under jax.distributed
+OPTIONS_JSON: {"steps": 5, "batch": 4 or "auto", "save_steps": 5, "resume": false,
+               "sigterm_at": {"process": 1, "step": 2}, "raise_at": {"process": 1, "step": 2}}
 Prints JSON lines.
 """
 
@@ -87,16 +89,33 @@ def check_grads() -> None:
                           "grad_max_abs_diff": diff, "grad_scale": scale, "shard_maps": shard_maps}), flush=True)
 
 
-def train(tokenizer_dir: str, out_dir: str, mesh: str | None = None) -> None:
+def train(tokenizer_dir: str, out_dir: str, mesh: str | None = None, options: str = "{}") -> None:
+    import signal
+
     from transformers import AutoTokenizer
 
+    from jaxtune.distributed import memory_stats, peak_memory_gib
+
+    opts = json.loads(options)
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     rows = [{"text": f"row {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 4)} for i in range(48)]
-    cfg = jaxtune.TrainConfig(format="text", seq_len=64, micro_batch_size=4, max_steps=5, learning_rate=3e-3,
-                              warmup_steps=0, save_steps=5, mesh=mesh)
-    result = jaxtune.train(model(len(tok)), tok, rows, cfg, out_dir=out_dir, progress=False)
-    print(json.dumps({"process": jax.process_index(), "processes": jax.process_count(),
-                      "devices": jax.device_count(), "losses": result.losses}), flush=True)
+    cfg = jaxtune.TrainConfig(format="text", seq_len=64, micro_batch_size=opts.get("batch", 4),
+                              max_steps=opts.get("steps", 5), learning_rate=3e-3, warmup_steps=0,
+                              save_steps=opts.get("save_steps", 5), mesh=mesh or None)
+    me = jax.process_index()
+
+    def act(record):  # what a preempted host (SIGTERM) or a failing one (an exception) does at a given step
+        if opts.get("sigterm_at", {}).get("process") == me and record["step"] == opts["sigterm_at"]["step"]:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if opts.get("raise_at", {}).get("process") == me and record["step"] == opts["raise_at"]["step"]:
+            raise RuntimeError(f"injected failure at step {record['step']}")
+
+    result = jaxtune.train(model(len(tok)), tok, rows, cfg, out_dir=out_dir, progress=False, callback=act,
+                           resume=opts.get("resume", False))
+    print(json.dumps({"process": me, "processes": jax.process_count(), "devices": jax.device_count(),
+                      "losses": result.losses, "steps": result.steps, "interrupted": result.interrupted,
+                      "micro_batch_size": result.micro_batch_size, "memory_stats": memory_stats(), "peak_gib": peak_memory_gib()}),
+          flush=True)
 
 
 if __name__ == "__main__":

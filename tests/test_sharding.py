@@ -66,25 +66,52 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_train_to_the_same_losses_as_one(tiny_tokenizer, tmp_path):
-    tok_dir = tmp_path / "tok"
-    tiny_tokenizer.save_pretrained(tok_dir)
-    single = subprocess.run([sys.executable, WORKER, "train", str(tok_dir), str(tmp_path / "one")],
-                            capture_output=True, text=True, timeout=600, env=_env())
-    assert single.returncode == 0, single.stderr[-3000:]
-    want = _json_lines(single.stdout)[0]
-    assert want["devices"] == 1 and len(want["losses"]) == 5
+def _single(tok_dir, out_dir, options: dict) -> dict:
+    proc = subprocess.run([sys.executable, WORKER, "train", str(tok_dir), str(out_dir), "", json.dumps(options)],
+                          capture_output=True, text=True, timeout=600, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _json_lines(proc.stdout)[0]
 
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, WORKER, "train", str(tok_dir), str(tmp_path / "two"), "data=2"],
+
+def _two_processes(tok_dir, out_dir, options: dict, **env) -> list[tuple[int, str, str, float]]:
+    """(exit code, stdout, stderr, seconds to exit) of each of two processes training with --mesh data=2."""
+    import time
+
+    port, start = _free_port(), time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, WORKER, "train", str(tok_dir), str(out_dir), "data=2", json.dumps(options)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=_env(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
-                                       JAX_PROCESS_ID=str(i)))
+                                       JAX_PROCESS_ID=str(i), **env))
              for i in range(2)]
-    outs = [p.communicate(timeout=600) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    got = [_json_lines(out)[0] for out, _ in outs]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            results.append((p.returncode, out, err, time.perf_counter() - start))
+    finally:
+        for p in procs:
+            p.kill()
+    return results
+
+
+@pytest.fixture
+def tok_dir(tiny_tokenizer, tmp_path):
+    tiny_tokenizer.save_pretrained(tmp_path / "tok")
+    return tmp_path / "tok"
+
+
+def test_two_processes_train_to_the_same_losses_as_one(tok_dir, tmp_path):
+    want = _single(tok_dir, tmp_path / "one", {"batch": 8})
+    assert want["devices"] == 1 and len(want["losses"]) == 5
+
+    # "auto": each process reads only its own device's memory (another's is not addressable), and all agree
+    outs = _two_processes(tok_dir, tmp_path / "two", {"batch": "auto"})
+    for code, _, err, _ in outs:
+        assert code == 0, err[-3000:]
+    got = [_json_lines(out)[0] for _, out, _, _ in outs]
+    assert got[1]["process"] == 1 and got[1]["memory_stats"] == {}  # CPU devices keep no statistics
+    assert [g["micro_batch_size"] for g in got] == [8, 8]  # CPU default (4 per device), the same on both
+    assert sum("micro_batch_size auto" in out for _, out, _, _ in outs) == 1  # printed once
     for g in got:
         assert g["processes"] == 2 and g["devices"] == 2
         assert g["losses"] == pytest.approx(want["losses"], rel=1e-5)
@@ -92,3 +119,32 @@ def test_two_processes_train_to_the_same_losses_as_one(tiny_tokenizer, tmp_path)
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["5"]
     with open(tmp_path / "two" / "metrics.jsonl") as f:
         assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4, 5]
+
+
+def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resume_continues(tok_dir, tmp_path):
+    """A preempted host: SIGTERM to process 1 after step 2. Both processes stop after one agreed step, save it
+    once, exit 0; the same command with resume reaches the losses of an uninterrupted run."""
+    want = _single(tok_dir, tmp_path / "one", {"steps": 6, "save_steps": 0})
+    run = tmp_path / "two"
+    outs = _two_processes(tok_dir, run, {"steps": 6, "save_steps": 0, "sigterm_at": {"process": 1, "step": 2}})
+    for code, _, err, _ in outs:
+        assert code == 0, err[-3000:]
+    got = [_json_lines(out)[0] for _, out, _, _ in outs]
+    stopped = {g["steps"] for g in got}
+    assert len(stopped) == 1 and 2 <= stopped.pop() < 6 and all(g["interrupted"] for g in got)
+    assert sorted(os.listdir(run / "checkpoints")) == [str(got[0]["steps"])]
+
+    outs = _two_processes(tok_dir, run, {"steps": 6, "save_steps": 0, "resume": True})
+    for code, _, err, _ in outs:
+        assert code == 0, err[-3000:]
+    for _, out, _, _ in outs:
+        assert _json_lines(out)[0]["losses"] == pytest.approx(want["losses"], rel=1e-5)
+
+
+def test_an_error_in_one_process_ends_the_whole_job(tok_dir, tmp_path):
+    """Process 1 raises at step 2: it exits non-zero at once with its error; process 0 does not hang."""
+    outs = _two_processes(tok_dir, tmp_path / "two", {"steps": 50, "save_steps": 0, "raise_at": {"process": 1, "step": 2}},
+                          JAXTUNE_HEARTBEAT_TIMEOUT="10")
+    (code0, _, err0, _), (code1, _, err1, _) = outs
+    assert code1 != 0 and "error in process 1 of 2: injected failure at step 2" in err1
+    assert code0 != 0, "process 0 finished a run its peer had failed"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -14,15 +15,20 @@ class BatchStream:
     """Yields {input_ids, labels, segment_ids, positions} of shape [accum, micro_batch, T], epoch after epoch.
 
     Each epoch visits the rows in a permutation drawn from (seed, epoch); a partial last batch is dropped.
-    `state()` / `restore()` make the position part of a checkpoint, so a resumed run sees the same batches.
+    A dataset smaller than one step fills each step from the following epochs (with a warning), so a small
+    dataset still trains. `state()` / `restore()` make the position part of a checkpoint, so a resumed run
+    sees the same batches.
     """
 
     def __init__(self, rows: PackedRows, *, micro_batch: int, accum: int = 1, seed: int = 0):
         self.rows, self.micro_batch, self.accum, self.seed = rows, micro_batch, accum, seed
+        if not len(rows):
+            raise DataError("the dataset packs into 0 rows; it needs at least one example with tokens")
         if len(rows) < self.rows_per_step:
-            raise DataError(
-                f"the dataset packs into {len(rows)} rows but one step needs {self.rows_per_step} "
-                f"(micro_batch {micro_batch} x accumulation {accum}); lower the batch size or add data"
+            warnings.warn(
+                f"the dataset packs into {len(rows)} rows but one step takes {self.rows_per_step} "
+                f"(micro_batch {micro_batch} x accumulation {accum}): each step repeats rows from the next epoch",
+                stacklevel=2,
             )
         self.epoch, self.position = 0, 0
 
@@ -33,11 +39,25 @@ class BatchStream:
     def _order(self) -> np.ndarray:
         return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.rows))
 
+    def _take(self) -> np.ndarray:
+        """Row indices of the next step."""
+        need = self.rows_per_step
+        if need <= len(self.rows):
+            if self.position + need > len(self.rows):
+                self.epoch, self.position = self.epoch + 1, 0
+            self.position += need
+            return self._order()[self.position - need:self.position]
+        parts = []  # fewer rows than a step: whole epochs back to back
+        while need:
+            if self.position == len(self.rows):
+                self.epoch, self.position = self.epoch + 1, 0
+            n = min(need, len(self.rows) - self.position)
+            parts.append(self._order()[self.position:self.position + n])
+            self.position, need = self.position + n, need - n
+        return np.concatenate(parts)
+
     def next(self) -> dict[str, np.ndarray]:
-        if self.position + self.rows_per_step > len(self.rows):
-            self.epoch, self.position = self.epoch + 1, 0
-        take = self._order()[self.position:self.position + self.rows_per_step]
-        self.position += self.rows_per_step
+        take = self._take()
         shape = (self.accum, self.micro_batch, -1)
         return {
             "input_ids": self.rows.input_ids[take].reshape(shape),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import time
@@ -19,6 +20,7 @@ from tqdm.auto import tqdm
 from jaxtune.data import BatchStream, PackedRows, encode_rows, pack_examples, read_rows
 from jaxtune.data.packing import IGNORE
 from jaxtune.data.sources import DataError, Row
+from jaxtune.distributed import local_device, peak_memory_gib
 from jaxtune.errors import JaxtuneError
 from jaxtune.model import CausalLM
 from jaxtune.qlora import get_peft_model
@@ -30,6 +32,7 @@ from jaxtune.training.step import (REMAT_POLICIES, make_eval_step, make_optimize
                                 to_device_batch)
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16 datasheet peak, as published MFU figures use
+COLLAPSE_STEPS = 3  # steps in a row with a zero gradient or a uniform-prediction loss before the run says so
 
 
 class TrainingDiverged(JaxtuneError, RuntimeError):
@@ -46,6 +49,7 @@ class TrainResult:
     skipped_steps: int
     interrupted: bool
     run_dir: str | None
+    micro_batch_size: int
 
 
 def _rows_from(data: str | os.PathLike | Sequence[dict[str, Any]]) -> list[Row]:
@@ -83,11 +87,6 @@ def flops_per_token(model: CausalLM, seq_len: int) -> float:
     per_layer += 3 * c.hidden_size * c.intermediate_size
     matmul = c.num_layers * per_layer + c.hidden_size * c.vocab_size
     return 4.0 * matmul + 6.0 * seq_len * c.head_dim * c.num_heads * c.num_layers
-
-
-def _peak_memory_gib() -> float | None:
-    stats = jax.devices()[0].memory_stats()
-    return None if not stats else stats.get("peak_bytes_in_use", 0) / 2**30
 
 
 class _StopSignal:
@@ -167,8 +166,13 @@ def train(
     if mesh is not None:
         lora, frozen, opt_state = (shard_state(mesh, tree) for tree in (lora, frozen, opt_state))
     step_fn = make_train_step(graphdef, optimizer, schedule, cfg, mesh)
-    micro = choose_micro_batch(cfg, step_fn, lora, opt_state, frozen) if cfg.micro_batch_size == "auto" \
-        else cfg.micro_batch_size
+    if cfg.micro_batch_size == "auto":
+        micro = choose_micro_batch(cfg, step_fn, lora, opt_state, frozen, rows=len(train_rows))
+        if lead:
+            print(f"micro_batch_size auto: {micro} (device memory, and the {len(train_rows)} rows the dataset packs "
+                  "into, allow it)", flush=True)
+    else:
+        micro = cfg.micro_batch_size
     if micro % unit:
         raise JaxtuneError(f"micro_batch_size {micro} does not split over the {unit} devices of mesh "
                            f"{dict(mesh.shape)}; use a multiple of {unit}")
@@ -201,14 +205,17 @@ def train(
             ckpt.save(step, lora, opt_state, meta)
 
     fpt = flops_per_token(model, cfg.seq_len)
-    on_gpu = jax.devices()[0].platform == "gpu"
-    step, bad_in_row, interrupted, tokens_per_s = start_step, 0, False, 0.0
+    on_gpu = local_device().platform == "gpu"
+    agreed_stop = jax.process_count() > 1  # every process stops after the same step: the flag rides in the step
+    uniform_loss = math.log(model.config.vocab_size)
+    step, bad_in_row, collapsed_in_row, interrupted, tokens_per_s = start_step, 0, 0, False, 0.0
     bar = tqdm(total=cfg.max_steps, initial=start_step, desc="training", unit="step", disable=not progress)
     try:
         with _StopSignal() as stop:
             while step < cfg.max_steps:
                 t0 = time.perf_counter()
                 host_batch = stream.next()
+                host_batch["stop"] = np.full((stream.accum, stream.micro_batch, 1), int(stop.hit), np.int32)
                 while True:
                     batch = to_device_batch({k: v.reshape(stream.accum, stream.micro_batch, -1)
                                              for k, v in host_batch.items()}, mesh)
@@ -232,7 +239,16 @@ def train(
                           "tokens_per_s": round(tokens_per_s, 1), "skipped": int(m["skipped"])}
                 if on_gpu:
                     record["mfu"] = round(tokens_per_s * fpt / PEAK_BF16_FLOPS, 4)
-                    record["peak_memory_gib"] = _peak_memory_gib()
+                    record["peak_memory_gib"] = peak_memory_gib()
+                collapsed = m["grad_norm"] == 0.0 or abs(m["loss"] - uniform_loss) < 1e-4 * uniform_loss
+                collapsed_in_row = collapsed_in_row + 1 if collapsed else 0
+                if collapsed_in_row >= COLLAPSE_STEPS:
+                    record["collapsed"] = 1
+                    if collapsed_in_row == COLLAPSE_STEPS:
+                        warnings.warn(
+                            f"training has collapsed: {COLLAPSE_STEPS} steps in a row (to step {step}) with a zero "
+                            f"gradient norm or the loss of uniform predictions (log vocab = {uniform_loss:.3f}); the "
+                            "model is learning nothing: lower learning_rate", stacklevel=2)
                 if eval_fn is not None and cfg.eval_steps and (step % cfg.eval_steps == 0 or step == cfg.max_steps):
                     record["eval_loss"] = _evaluate(eval_fn, lora, frozen, eval_rows, micro, mesh)
                     eval_losses.append((step, record["eval_loss"]))
@@ -251,7 +267,7 @@ def train(
                     )
                 if cfg.save_steps and step % cfg.save_steps == 0:
                     save(step)
-                if stop.hit:
+                if (m["stop"] if agreed_stop else stop.hit):
                     interrupted = True
                     break
     finally:
@@ -263,7 +279,7 @@ def train(
     if run_dir is not None and losses and lead:
         _plot_losses(os.path.join(run_dir, "loss.png"), losses, eval_losses)
     return TrainResult(step, losses, eval_losses, train_rows.efficiency, tokens_per_s, skipped_total, interrupted,
-                       run_dir)
+                       run_dir, stream.micro_batch)
 
 
 def _can_step_down(error: Exception, stream: BatchStream, lora, unit: int = 1) -> bool:

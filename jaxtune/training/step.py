@@ -101,11 +101,15 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     """step(lora, opt_state, frozen, batch [accum, B, T], step) -> (lora, opt_state, metrics).
 
     Gradient accumulation runs inside the jit (see `loss_and_grads`). A step whose loss or gradients are not
-    finite leaves parameters and optimizer state unchanged (metrics["skipped"] = 1).
+    finite leaves parameters and optimizer state unchanged (metrics["skipped"] = 1). An optional batch entry
+    "stop" ([accum, B, 1], each process's rows holding its own stop request) comes back as metrics["stop"],
+    its maximum over every process: all processes learn of a stop after the same step, at no extra sync.
     """
     base_key = jax.random.key(cfg.seed)
 
     def step(lora, opt_state, frozen, batch, step_index):
+        batch = dict(batch)
+        stop = batch.pop("stop", None)
         key = jax.random.fold_in(base_key, step_index) if cfg.lora_dropout > 0 else None
         loss, grads = loss_and_grads(graphdef, lora, frozen, batch, key, cfg.ce_chunk_size)
         grad_norm = optax.global_norm(grads)
@@ -114,7 +118,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         new_lora = optax.apply_updates(lora, updates)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(step_index),
-                   "tokens": jnp.sum(batch["labels"] != IGNORE), "skipped": (~finite).astype(jnp.int32)}
+                   "tokens": jnp.sum(batch["labels"] != IGNORE), "skipped": (~finite).astype(jnp.int32),
+                   "stop": jnp.int32(0) if stop is None else jnp.max(stop)}
         new_lora, new_opt_state = keep(new_lora, lora), keep(new_opt_state, opt_state)
         if mesh is not None:  # params and optimizer state keep their FSDP layout from step to step
             new_lora = jax.lax.with_sharding_constraint(new_lora, state_shardings(mesh, new_lora))

@@ -1,0 +1,126 @@
+"""The tokenizer a GGUF file describes, built from its metadata with `gguf` and `tokenizers` (no torch).
+
+A GGUF carries no tokenizer.json: it stores llama.cpp's `tokenizer.ggml.*` keys (vocabulary, merges or
+scores, token types, special ids, chat template). Those are handed to transformers' own tokenizer classes
+(GPT2Tokenizer for byte-level BPE, LlamaTokenizer for SentencePiece BPE), so the result is an ordinary
+fast tokenizer with `apply_chat_template`, equal to what `AutoTokenizer.from_pretrained(..., gguf_file=)`
+gives, without that route's torch import.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from jaxtune.errors import UnsupportedModelError
+
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
+
+# llama.cpp pre-tokenizer names -> the split regex the vocabulary's merges were learned with
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZER_SPLITS = {name: _LLAMA3_SPLIT for name in ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx")}
+PRE_TOKENIZER_SPLITS.update({name: _QWEN2_SPLIT for name in ("qwen2", "deepseek-r1-qwen")})
+SUPPORTED_MODELS = ("gpt2", "llama")  # byte-level BPE, SentencePiece BPE
+
+
+def tokenizer_from_gguf(field: Callable[[str], Any], where: str):
+    """A transformers fast tokenizer from GGUF metadata; `field(key)` returns a key's value or None."""
+    from tokenizers import AddedToken, Regex, pre_tokenizers
+
+    kind = field("tokenizer.ggml.model")
+    tokens = field("tokenizer.ggml.tokens")
+    if kind not in SUPPORTED_MODELS or tokens is None:
+        raise UnsupportedModelError(
+            f"{where} describes a {kind!r} tokenizer; jaxtune builds GGUF tokenizers of type "
+            f"{' or '.join(SUPPORTED_MODELS)} (or convert the model from its HF directory instead)"
+        )
+    special = {name: _token(tokens, field(f"tokenizer.ggml.{key}")) for name, key in
+               (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
+                ("pad_token", "padding_token_id"))}
+    if kind == "gpt2":
+        tokenizer = _byte_level(tokens, field("tokenizer.ggml.merges"), special)
+        split = PRE_TOKENIZER_SPLITS.get(field("tokenizer.ggml.pre"))
+        if split is not None:
+            tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tokenizer = _sentencepiece(tokens, field("tokenizer.ggml.merges"), field("tokenizer.ggml.scores"), special,
+                                   field("tokenizer.ggml.add_space_prefix"))
+
+    types = field("tokenizer.ggml.token_type") or ()
+    alphabet = _byte_alphabet() if kind == "gpt2" else None
+    control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
+               if ty == CONTROL and (alphabet is None or set(t) <= alphabet)]
+    if control:
+        tokenizer.add_special_tokens({"additional_special_tokens": control})
+    vocab = tokenizer.get_vocab()
+    user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
+            if ty == USER_DEFINED and t in vocab]
+    if user:
+        tokenizer.add_tokens(user)
+
+    add_bos = field("tokenizer.ggml.add_bos_token")
+    add_bos = (kind == "llama") if add_bos is None else bool(add_bos)  # llama.cpp's default for SentencePiece
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer.backend_tokenizer, **{k: v for k, v in special.items() if v is not None},
+        add_bos_token=add_bos, add_eos_token=bool(field("tokenizer.ggml.add_eos_token")),
+        chat_template=field("tokenizer.chat_template"))
+
+
+def _token(tokens: list[str], index: Any) -> str | None:
+    return None if index is None or not 0 <= int(index) < len(tokens) else tokens[int(index)]
+
+
+def _byte_alphabet() -> set[str]:
+    from tokenizers import pre_tokenizers
+
+    return set(pre_tokenizers.ByteLevel.alphabet())
+
+
+def _byte_level(tokens: list[str], merges: list[str] | None, special: dict[str, str | None]):
+    """GPT-2 style byte-level BPE; tokens spelled outside the byte alphabet are re-spelled into it."""
+    from transformers import GPT2Tokenizer
+
+    if merges is None:
+        raise UnsupportedModelError("the GGUF byte-level tokenizer has no tokenizer.ggml.merges; the file is incomplete")
+    alphabet = _byte_alphabet()
+    spell = _bytes_to_unicode()
+    vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)}
+    kwargs = {k: v for k, v in special.items() if v is not None}
+    return GPT2Tokenizer(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], **kwargs)
+
+
+def _sentencepiece(tokens: list[str], merges: list[str] | None, scores: list[float] | None,
+                   special: dict[str, str | None], add_space_prefix: Any):
+    """SentencePiece BPE (Llama 2, Mistral): merges from the file, or recovered from the token scores."""
+    from transformers import LlamaTokenizer
+    from transformers.tokenization_utils_base import generate_merges
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if merges is not None:
+        pairs = [tuple(m.split(" ")) for m in merges]
+    elif scores is not None:
+        pairs = generate_merges(vocab, dict(zip(tokens, scores)))
+    else:
+        raise UnsupportedModelError("the GGUF SentencePiece tokenizer has neither merges nor scores; the file is incomplete")
+    kwargs = {k: v for k, v in special.items() if v is not None}
+    prefix = True if add_space_prefix is None else bool(add_space_prefix)
+    return LlamaTokenizer(vocab=vocab, merges=pairs, add_prefix_space=prefix, legacy=False, add_bos_token=False, **kwargs)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the ByteLevel pre-tokenizer's alphabet, in byte order)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
