@@ -138,7 +138,10 @@ def dequantize_absmax(q: NF4Weight) -> jax.Array:
     """float32 absmax per 64-block, [..., out * in // 64]."""
     code2 = jnp.asarray(q.nested_map)
     n = q.absmax_codes.shape[-1]
-    scale = jnp.repeat(jnp.asarray(q.nested_absmax), NESTED_BLOCK, axis=-1, total_repeat_length=-(-n // NESTED_BLOCK) * NESTED_BLOCK)[..., :n]
+    nested = jnp.asarray(q.nested_absmax)
+    # each nested scale covers 256 consecutive blocks: a broadcast, not jnp.repeat (whose index tables XLA
+    # constant-folds for seconds at 8B sizes)
+    scale = jnp.broadcast_to(nested[..., None], (*nested.shape, NESTED_BLOCK)).reshape(*nested.shape[:-1], -1)[..., :n]
     idx = jnp.asarray(q.absmax_codes).astype(jnp.int32)
     values = jnp.take_along_axis(code2, idx, axis=-1) if code2.ndim > 1 else code2[idx]
     return values * scale + jnp.asarray(q.offset)[..., None]

@@ -83,6 +83,20 @@ def test_stream_is_deterministic_and_resumable():
     assert seq[0].shape == (2, 2, 16)
 
 
+def test_a_dataset_smaller_than_one_step_fills_it_from_the_next_epochs():
+    packed = pack_examples(_examples([16] * 3), 16)  # 3 rows; a step takes 2 x 4 = 8
+    with pytest.warns(UserWarning, match="packs into 3 rows but one step takes 8"):
+        stream = BatchStream(packed, micro_batch=4, accum=2, seed=1)
+    first, second = stream.next()["input_ids"].reshape(8, 16), stream.next()["input_ids"].reshape(8, 16)
+    order = lambda epoch: np.random.default_rng([1, epoch]).permutation(3)  # noqa: E731
+    want = np.concatenate([order(e) for e in range(8)])  # epochs back to back, each in its own order
+    np.testing.assert_array_equal(first, packed.input_ids[want[:8]])
+    np.testing.assert_array_equal(second, packed.input_ids[want[8:16]])
+    resumed = BatchStream(packed, micro_batch=4, accum=2, seed=1)
+    resumed.restore(stream.state())
+    np.testing.assert_array_equal(resumed.next()["input_ids"].reshape(8, 16), packed.input_ids[want[16:24]])
+
+
 def test_chat_loss_covers_only_assistant_turns(tiny_tokenizer):
     row = Row({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
                             {"role": "assistant", "content": "world"}]}, "x:1")

@@ -74,10 +74,31 @@ def test_loss_decreases(tiny_tokenizer):
     model = _model(tiny_tokenizer)
     cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=40, learning_rate=3e-3, schedule="constant",
                               lora_r=8)
-    result = jaxtune.train(model, tiny_tokenizer, ROWS, cfg, progress=False)
+    records = []
+    result = jaxtune.train(model, tiny_tokenizer, ROWS, cfg, progress=False, callback=records.append)
     assert result.steps == 40 and result.skipped_steps == 0
     assert np.mean(result.losses[-5:]) < np.mean(result.losses[:5]) - 0.5  # nats
     assert 0.5 < result.packing_efficiency <= 1.0
+    assert not any("collapsed" in r for r in records)  # a healthy run is never flagged
+
+
+def test_a_collapsed_run_says_so(tiny_tokenizer):
+    """An absurd learning rate: uniform predictions (loss = log vocab) and zero gradients, flagged and warned."""
+    cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=6, learning_rate=1e9, schedule="constant",
+                              lora_r=8)
+    records = []
+    with pytest.warns(UserWarning, match="training has collapsed: 3 steps in a row"):
+        jaxtune.train(_model(tiny_tokenizer), tiny_tokenizer, ROWS, cfg, progress=False, callback=records.append)
+    flagged = [r["step"] for r in records if r.get("collapsed")]
+    assert flagged and flagged == list(range(flagged[0], 7)) and flagged[0] >= 3
+
+
+def test_a_small_dataset_trains_with_the_default_batch(tiny_tokenizer):
+    """48 short chats at seq_len 1024 pack into fewer rows than the default micro-batch of 4: still trains."""
+    cfg = jaxtune.TrainConfig(max_steps=2, lora_r=4)
+    with pytest.warns(UserWarning, match="each step repeats rows from the next epoch"):
+        result = jaxtune.train(_model(tiny_tokenizer), tiny_tokenizer, ROWS, cfg, progress=False)
+    assert result.steps == 2 and result.micro_batch_size == 4 and all(np.isfinite(result.losses))
 
 
 def test_resume_continues_exactly(tiny_tokenizer, tmp_path):
@@ -230,3 +251,7 @@ def test_auto_batch_picks_the_largest_micro_batch_that_fits(tiny_tokenizer):
     for fits in (1, 2, 4, 8):
         limit = int((need[fits] + 1) / MARGIN) + 1
         assert choose_micro_batch(cfg, step_fn, lora, opt_state, frozen, bytes_limit=limit) == fits
+    # never more rows than the dataset packs into, whatever memory allows
+    roomy = int((need[8] + 1) / MARGIN) + 1  # fits 8
+    for rows, most in ((61, 8), (7, 4), (2, 2), (1, 1)):
+        assert choose_micro_batch(cfg, step_fn, lora, opt_state, frozen, bytes_limit=roomy, rows=rows) == most
