@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--no-packed", action="store_true")
     args = parser.parse_args()
     tiles_list = SWEEP if args.sweep else [("", AttentionTiles())]
-    print(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__}))
+    print(json.dumps({"device": jax.local_devices()[0].device_kind, "jax": jax.__version__}))
     rows = []
     for t in [int(s) for s in args.seqs.split(",")]:
         rows += measure(t, False, tiles_list, args.check)

@@ -41,7 +41,7 @@ def convert(src: str, dst: str) -> None:
     import jaxtune
 
     seconds = jaxtune.convert(src, dst, quantize="nf4")
-    print(json.dumps({"step": "convert", "device": jax.devices()[0].device_kind, "seconds": round(seconds, 1),
+    print(json.dumps({"step": "convert", "device": jax.local_devices()[0].device_kind, "seconds": round(seconds, 1),
                       "gb": round(_dir_bytes(dst) / 1e9, 3), "gib": round(_dir_bytes(dst) / 2**30, 3)}), flush=True)
 
 

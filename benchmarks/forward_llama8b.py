@@ -69,7 +69,7 @@ def bench(cfg: ModelConfig, batch: int, seq: int, label: str) -> dict:
         "forward_ms": round(t_logits * 1e3, 2), "tokens_per_s": round(tokens / t_logits),
         "tflops": round(flops / t_logits / 1e12, 1),
         "backbone_ms": round(t_hidden * 1e3, 2), "backbone_tokens_per_s": round(tokens / t_hidden),
-        "peak_gib": round((jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30, 2),
+        "peak_gib": round((jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30, 2),
     }
     print(json.dumps(row), flush=True)
     del state
@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=32, help="fewer layers: shows compile time does not grow with depth")
     args = ap.parse_args()
-    print(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__}), flush=True)
+    print(json.dumps({"device": jax.local_devices()[0].device_kind, "jax": jax.__version__}), flush=True)
     # one model per process: a second compile in the same process reuses autotuning results and looks faster
     rows = [bench(dataclasses.replace(LLAMA3_8B, num_layers=args.layers), args.batch, args.seq, "llama3-8b shape")]
     print("\n| model | layers | batch x seq | compile s | forward ms | tok/s | TFLOP/s | backbone tok/s |")

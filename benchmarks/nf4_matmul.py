@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--out", default=None, help="write the fastest variant per case as JSON")
     args = parser.parse_args()
-    print(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__}), flush=True)
+    print(json.dumps({"device": jax.local_devices()[0].device_kind, "jax": jax.__version__}), flush=True)
     rng = np.random.default_rng(0)
     rows, table = [], []
     for shape_name in args.shapes.split(","):

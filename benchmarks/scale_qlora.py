@@ -2,6 +2,9 @@
 
 On a multi-GPU machine, from the repository root (one process per configuration, so peak memory is its own):
     PYTHONPATH=. python3 benchmarks/scale_qlora.py --model llama3-8b --gpus 2 --mesh data=2 --batch-per-gpu 4
+    # the same as 2 processes of one GPU each (README's multi-host launch; --gpus counts every process's GPUs):
+    for i in 0 1; do CUDA_VISIBLE_DEVICES=$i JAX_COORDINATOR_ADDRESS=127.0.0.1:1234 JAX_NUM_PROCESSES=2 \
+      JAX_PROCESS_ID=$i PYTHONPATH=. python3 benchmarks/scale_qlora.py --gpus 2 --mesh data=2 & done; wait
     PYTHONPATH=. python3 benchmarks/scale_qlora.py --model llama3-70b --gpus 4 --mesh fsdp=4 --batch-per-gpu 1
     PYTHONPATH=. python3 benchmarks/scale_qlora.py --batch-per-gpu 1 --seq 131072 --remat offload --warmup 0 --steps 1
 Prints one JSON line: tokens/s in all and per GPU, MFU, peak GiB per GPU. Weights are random (the speed of a
@@ -14,13 +17,19 @@ import argparse
 import json
 import time
 
-import jax
+from jaxtune.distributed import initialize_from_env
+
+initialize_from_env()  # several processes: before anything else touches JAX
+
+import jax  # noqa: E402
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import jaxtune
 from benchmarks.train_qlora import dense_batches
 from jaxtune.config import ModelConfig
+from jaxtune.distributed import peak_memory_gib
 from jaxtune.model import CausalLM
 from jaxtune.qlora import quantize_layers
 from jaxtune.sharding import global_batch, make_mesh, shard_state, state_shardings
@@ -64,6 +73,7 @@ def main() -> None:
     ap.add_argument("--remat", default="selective", choices=list(REMAT_POLICIES))
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps after the first (compiling) one")
+    ap.add_argument("--stop-flag", action="store_true", help="carry the training loop's agreed-stop flag in the batch")
     args = ap.parse_args()
 
     devices = jax.devices()[: args.gpus]
@@ -81,7 +91,10 @@ def main() -> None:
     step_fn = make_train_step(graphdef, optimizer, schedule, cfg, mesh)
 
     rows = args.batch_per_gpu * args.gpus
-    batch = global_batch(mesh, dense_batches(rows, args.seq, model.config.vocab_size, 1)[0])
+    host = dense_batches(rows, args.seq, model.config.vocab_size, 1)[0]
+    if args.stop_flag:  # what jaxtune.train adds to every batch: each process's stop request, maxed in the step
+        host["stop"] = np.zeros((1, rows, 1), np.int32)
+    batch = global_batch(mesh, host)
     t0 = time.perf_counter()
     lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jnp.int32(0))
     jax.block_until_ready(m)
@@ -95,13 +108,15 @@ def main() -> None:
     jax.block_until_ready(m)
     dt = (time.perf_counter() - t0) / args.steps
     tok_s = rows * args.seq / dt
-    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30 for d in devices]
+    if jax.process_index():
+        return
     print(json.dumps({
         "system": "jaxtune", "device": devices[0].device_kind, "model": args.model, "gpus": args.gpus,
         "mesh": dict(mesh.shape), "batch_per_gpu": args.batch_per_gpu, "seq": args.seq, "remat": args.remat,
         "step_s": round(dt, 4), "tok_s": round(tok_s), "tok_s_per_gpu": round(tok_s / args.gpus),
         "mfu": round(tok_s / args.gpus * flops_per_token(model, args.seq) / PEAK_BF16_FLOPS, 3),
-        "peak_gib_per_gpu": round(max(peaks), 2), "build_s": round(build_s, 1), "first_step_s": round(first_s, 1),
+        "peak_gib_per_gpu": round(peak_memory_gib() or 0.0, 2), "processes": jax.process_count(),
+        "stop_flag": args.stop_flag, "build_s": round(build_s, 1), "first_step_s": round(first_s, 1),
         "loss": float(m["loss"]),
     }), flush=True)
 

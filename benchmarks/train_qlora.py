@@ -86,7 +86,7 @@ def main() -> None:
     t0 = time.perf_counter()
     micro = choose_micro_batch(cfg, step_fn, lora, opt_state, frozen) if args.batch == "auto" else int(args.batch)
     choose_s = time.perf_counter() - t0
-    base = {"system": "jaxtune", "device": jax.devices()[0].device_kind, "batch": micro, "batch_arg": args.batch,
+    base = {"system": "jaxtune", "device": jax.local_devices()[0].device_kind, "batch": micro, "batch_arg": args.batch,
             "seq": args.seq, "remat": args.remat, "data": args.data}
 
     if args.compile_only:
@@ -97,7 +97,7 @@ def main() -> None:
         device = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
         print(json.dumps({**base, "compile_s": round(time.perf_counter() - t0, 1), "planned_device_gib": round(device / 2**30, 2),
                           "planned_host_gib": round(getattr(mem, "host_temp_size_in_bytes", 0) / 2**30, 2),
-                          "device_limit_gib": round((jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0) / 2**30, 2)}),
+                          "device_limit_gib": round((jax.local_devices()[0].memory_stats() or {}).get("bytes_limit", 0) / 2**30, 2)}),
               flush=True)
         return
 
@@ -122,7 +122,7 @@ def main() -> None:
     dt = (time.perf_counter() - t0) / args.steps
     real = sum(int((b["segment_ids"] > 0).sum()) for b in batches[args.warmup:]) / args.steps
     slot_tok_s = micro * args.seq / dt
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     print(json.dumps({
         **base, "step_s": round(dt, 4), "tok_s": round(real / dt), "slot_tok_s": round(slot_tok_s),
         "packing_efficiency": round(efficiency, 4),

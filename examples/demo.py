@@ -43,7 +43,7 @@ def main() -> None:
         jaxtune.convert("smollm2", converted, quantize="nf4")
     else:
         print(f"[1/4] using the converted checkpoint in {converted}")
-    on_cpu = jax.devices()[0].platform == "cpu"
+    on_cpu = jax.local_devices()[0].platform == "cpu"
     model, tokenizer = jaxtune.from_pretrained(converted, dtype="float32" if on_cpu else "bfloat16")
     evals = [json.loads(line) for line in (DATA / "people_eval.jsonl").read_text().splitlines()]
 
@@ -63,7 +63,7 @@ def main() -> None:
         print(f"\n>>> {evals[i]['prompt']}\nbefore: {before_out[i].strip()[:160]}\nafter:  {after_out[i].strip()}")
     summary = {"exact_match_before": before, "exact_match_after": after, "steps": result.steps,
                "final_loss": round(result.losses[-1], 4), "packing_efficiency": round(result.packing_efficiency, 3),
-               "seconds": round(time.perf_counter() - start, 1), "device": jax.devices()[0].device_kind}
+               "seconds": round(time.perf_counter() - start, 1), "device": jax.local_devices()[0].device_kind}
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     print(f"\nexact match on held-out prompts: {before:.0%} before -> {after:.0%} after "
           f"({result.steps} steps, final loss {result.losses[-1]:.3f}, {summary['seconds']:.0f} s total)")

@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--seq-len", type=int, default=1024)
     args = ap.parse_args()
-    dtype = "float32" if jax.devices()[0].platform == "cpu" else "bfloat16"
+    dtype = "float32" if jax.local_devices()[0].platform == "cpu" else "bfloat16"
     model, tokenizer = jaxtune.from_pretrained(args.model, dtype=dtype, load_in_4bit=True)
     jaxtune.get_peft_model(model, r=16, lora_alpha=32)
     config = jaxtune.TrainConfig(format="chat", seq_len=args.seq_len, micro_batch_size="auto", max_steps=args.steps,

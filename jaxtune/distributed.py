@@ -84,9 +84,12 @@ def exit_now(error: BaseException, code: int = 1) -> None:
     """Ends a multi-process run's failing process at once: its one-line error to stderr, then exit without the
     shutdown barrier (peers blocked in a collective would never reach it; the heartbeat check ends them)."""
     line = str(error).splitlines()[0] if str(error) else type(error).__name__
-    print(f"jaxtune: error in process {jax.process_index()} of {jax.process_count()}: {line}", file=sys.stderr)
     if not isinstance(error, JaxtuneError):
         traceback.print_exception(error, file=sys.stderr)
+    if isinstance(error, jax.errors.JaxRuntimeError):  # a collective or the coordinator lost a peer, most often
+        line += ("; if another process of the job failed or was stopped, this is the consequence (see its log): "
+                 "restart every process with --resume")
+    print(f"jaxtune: error in process {jax.process_index()} of {jax.process_count()}: {line}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -1,4 +1,11 @@
-"""Cross-entropy over the vocabulary in chunks of tokens: [tokens, vocab] float32 logits never exist whole."""
+"""Cross-entropy over the vocabulary in chunks of tokens, with its gradient computed in the same pass.
+
+[tokens, vocab] float32 logits never exist whole, and the logits GEMM runs once: each chunk's forward pass
+also forms d loss / d logits = softmax - onehot (float32, then cast to the head's dtype) and multiplies it by
+the head, so the backward pass only scales that stored [tokens, hidden] gradient. Two vocabulary-sized GEMMs
+per chunk (logits, hidden gradient) in the head's dtype with float32 accumulation, instead of three
+(logits, recomputed logits, a float32 hidden gradient) for a checkpointed chunk under autodiff.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +22,9 @@ def chunked_cross_entropy(
     """(sum of token losses, number of label tokens) for hidden [..., T, H], head [V, H], labels [..., T].
 
     Logits are computed about `chunk_size` tokens (per device) at a time, in float32 from operands in the
-    head's dtype, and recomputed in the backward pass (jax.checkpoint), so peak memory holds one chunk of
-    logits instead of [tokens, V]. Chunks run along T with every row in each, so a batch split over devices
-    stays split (each device computes the loss of its own rows).
+    head's dtype. Chunks run along T with every row in each, so a batch split over devices stays split (each
+    device computes the loss of its own rows). Differentiable in `hidden` and `head`; the head's gradient
+    (a [V, H] float32 accumulator) is formed only when something differentiates the head.
     """
     h = hidden.reshape(-1, *hidden.shape[-2:])
     y = labels.reshape(-1, labels.shape[-1])
@@ -28,20 +35,61 @@ def chunked_cross_entropy(
     pad = (-t) % steps
     h = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).astype(head.dtype)
     y = jnp.pad(y, ((0, 0), (0, pad)), constant_values=IGNORE)
-
-    @jax.checkpoint
-    def chunk_loss(h_c, y_c):
-        logits = jax.lax.dot_general(h_c, head, (((2,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        valid = y_c != IGNORE
-        target = jnp.take_along_axis(logits, jnp.where(valid, y_c, 0)[..., None], axis=-1)[..., 0]
-        return jnp.sum(jnp.where(valid, lse - target, 0.0))
-
-    def body(total, xs):
-        return total + chunk_loss(*xs), None
-
     n = (t + pad) // steps
-    xs = (h.reshape(rows, n, steps, width).swapaxes(0, 1), y.reshape(rows, n, steps).swapaxes(0, 1))
-    total, _ = jax.lax.scan(body, jnp.float32(0), xs)
+    total = _fused_cross_entropy(h.reshape(rows, n, steps, width).swapaxes(0, 1), head,
+                                 y.reshape(rows, n, steps).swapaxes(0, 1))
     return total, jnp.sum(labels != IGNORE)
 
+
+def _chunk(h_c: jax.Array, head: jax.Array, y_c: jax.Array, head_grad: bool):
+    """Loss sum, d loss / d h_c and (if asked) d loss / d head of one chunk h_c [rows, steps, H]."""
+    logits = jax.lax.dot_general(h_c, head, (((2,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    valid = y_c != IGNORE
+    target = jnp.where(valid, y_c, 0)
+    picked = jnp.take_along_axis(logits, target[..., None], axis=-1)[..., 0]
+    loss = jnp.sum(jnp.where(valid, lse - picked, 0.0))
+    probs = jnp.exp(logits - lse[..., None])
+    onehot = jax.nn.one_hot(target, logits.shape[-1], dtype=jnp.float32)
+    dlogits = (jnp.where(valid[..., None], probs - onehot, 0.0)).astype(head.dtype)
+    dh = jax.lax.dot_general(dlogits, head, (((2,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    dhead = None
+    if head_grad:
+        dhead = jax.lax.dot_general(dlogits, h_c, (((0, 1), (0, 1)), ((), ())), preferred_element_type=jnp.float32)
+    return loss, dh.astype(h_c.dtype), dhead
+
+
+@jax.custom_vjp
+def _fused_cross_entropy(h: jax.Array, head: jax.Array, y: jax.Array) -> jax.Array:
+    """Sum of token losses over chunks h [n, rows, steps, H], y [n, rows, steps]."""
+    def body(total, xs):
+        loss, _, _ = _chunk(xs[0], head, xs[1], False)  # the unused gradient is dead code to XLA
+        return total + loss, None
+
+    total, _ = jax.lax.scan(body, jnp.float32(0), (h, y))
+    return total
+
+
+def _fused_fwd(h, head, y):
+    head_grad = head.perturbed
+    h, head, y = h.value, head.value, y.value
+
+    def body(carry, xs):
+        total, dhead = carry
+        loss, dh, dhead_c = _chunk(xs[0], head, xs[1], head_grad)
+        return (total + loss, dhead + dhead_c if head_grad else dhead), dh
+
+    dhead0 = jnp.zeros(head.shape, jnp.float32) if head_grad else jnp.zeros((), jnp.float32)
+    (total, dhead), dh = jax.lax.scan(body, (jnp.float32(0), dhead0), (h, y))
+    return total, (dh, dhead.astype(head.dtype) if head_grad else None, y)
+
+
+def _fused_bwd(res, g):
+    dh, dhead, _ = res
+    if isinstance(g, jax.custom_derivatives.SymbolicZero):
+        return jnp.zeros_like(dh), None if dhead is None else jnp.zeros_like(dhead), None
+    scale = lambda x: (x.astype(jnp.float32) * g).astype(x.dtype)  # noqa: E731
+    return scale(dh), None if dhead is None else scale(dhead), None
+
+
+_fused_cross_entropy.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)

@@ -1,0 +1,202 @@
+"""Multi-process training on one host, one process per GPU, exactly as README's multi-host launch lines run it.
+
+    PYTHONPATH=. python3 benchmarks/multihost.py [--work /tmp/multihost] [--cases a,b,c,d]
+
+Builds a tiny random Llama (float32) and a text dataset, then runs `jaxtune train` (the CLI) as N processes
+(N = the GPUs visible, at least 2), each with CUDA_VISIBLE_DEVICES=i and JAX_COORDINATOR_ADDRESS /
+JAX_NUM_PROCESSES / JAX_PROCESS_ID, and checks:
+  a. 8 steps with a checkpoint at 4 and a resume equal one process driving all GPUs (--mesh data=N), 1e-3 rel
+  b. --batch-size auto: every process trains the same micro-batch, printed once
+  c. SIGTERM to one process: all stop after the same step, save it, exit 0; --resume reaches (a)'s losses
+  d. SIGKILL of one process: the others end within 2 minutes, non-zero, saying a peer failed
+Prints one JSON line per case and exits non-zero if any check fails. The 8B throughput of N processes vs one
+process is `scale_qlora.py` (it reads the same environment variables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = ["--format", "text", "--seq-len", "128", "--batch-size", "8", "--dtype", "float32", "--schedule", "constant",
+         "--lr", "1e-3", "--lora-r", "8"]
+
+
+def make_model_and_data(work: str) -> tuple[str, str]:
+    """A 2-layer random Llama as a jaxtune NF4 checkpoint (with a byte-level BPE tokenizer), and 400 text rows."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from convert.jaxtune_format import write_checkpoint
+    from jaxtune.config import ModelConfig
+    from jaxtune.model import init_model
+    from jaxtune.qlora import quantize_layers
+
+    rows = [{"text": f"row {i}: " + " ".join(["the quick brown fox jumps over the lazy dog"] * (1 + i % 7))}
+            for i in range(400)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([r["text"] for r in rows[:50]], trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    cfg = ModelConfig(model_type="llama", vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, eos_token_id=tokenizer.eos_token_id)
+    model_dir, data = os.path.join(work, "model"), os.path.join(work, "data.jsonl")
+    shutil.rmtree(model_dir, ignore_errors=True)
+    write_checkpoint(quantize_layers(init_model(cfg, dtype="float32", seed=0)), tokenizer, model_dir, quantization="nf4")
+    with open(data, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return model_dir, data
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_for(process: int | None, n: int, port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env.update(NCCL_NVLS_ENABLE="0", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    if process is not None:
+        env.update(CUDA_VISIBLE_DEVICES=str(process), JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                   JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(process))
+    return env
+
+
+def launch(n: int, args: list[str], logs: str) -> list[subprocess.Popen]:
+    """N processes of `jaxtune train ARGS`, one per GPU; output to logs/p<i>.log."""
+    os.makedirs(logs, exist_ok=True)
+    port = free_port()
+    return [subprocess.Popen([sys.executable, "-m", "jaxtune.cli", "train", *args],
+                             stdout=open(os.path.join(logs, f"p{i}.log"), "w"), stderr=subprocess.STDOUT,
+                             env=env_for(i, n, port), cwd=ROOT) for i in range(n)]
+
+
+def wait(procs: list[subprocess.Popen], timeout: float) -> tuple[list[int | None], list[float]]:
+    """Exit codes (None: still running at the timeout, then killed) and seconds each took."""
+    start, codes, times = time.perf_counter(), [None] * len(procs), [0.0] * len(procs)
+    while time.perf_counter() - start < timeout and any(c is None for c in codes):
+        for i, p in enumerate(procs):
+            if codes[i] is None and p.poll() is not None:
+                codes[i], times[i] = p.returncode, time.perf_counter() - start
+        time.sleep(0.2)
+    for i, p in enumerate(procs):
+        if codes[i] is None:
+            p.kill()
+            times[i] = time.perf_counter() - start
+    return codes, times
+
+
+def losses(run: str) -> list[float]:
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return [json.loads(line)["loss"] for line in f if line.strip()]
+
+
+def close(a: list[float], b: list[float], rel: float = 1e-3) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b))
+
+
+def log_tail(logs: str, i: int, lines: int = 3) -> list[str]:
+    with open(os.path.join(logs, f"p{i}.log")) as f:
+        return [line.rstrip() for line in f.readlines()[-lines:]]
+
+
+def wait_for_step(run: str, step: int, timeout: float = 300) -> None:
+    path, start = os.path.join(run, "metrics.jsonl"), time.perf_counter()
+    while time.perf_counter() - start < timeout:
+        if os.path.exists(path) and len(losses(run)) >= step:
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"{run} did not reach step {step}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", default="/tmp/multihost")
+    ap.add_argument("--cases", default="a,b,c,d")
+    args = ap.parse_args()
+    os.environ["JAX_PLATFORMS"] = "cpu"  # this driver builds the tiny model on the CPU; the GPUs are the workers'
+    gpus = shutil.which("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.count("GPU ")
+    n = max(2, gpus or 0)  # no GPU: two CPU processes (a dry run of the same checks)
+    os.makedirs(args.work, exist_ok=True)
+    model, data = make_model_and_data(args.work)
+    base = ["--model", model, "--data", data, *TRAIN]
+    ok = True
+
+    def report(case: str, passed: bool, **fields) -> None:
+        nonlocal ok
+        ok &= passed
+        print(json.dumps({"case": case, "processes": n, "passed": passed, **fields}), flush=True)
+
+    def run_dir(name: str) -> str:
+        path = os.path.join(args.work, name)
+        shutil.rmtree(path, ignore_errors=True)
+        return path
+
+    # reference: one process driving every GPU
+    ref = run_dir("ref")
+    t0 = time.perf_counter()
+    env = env_for(None, n, 0)
+    if not gpus:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
+    proc = subprocess.run([sys.executable, "-m", "jaxtune.cli", "train", *base, "--out", ref, "--mesh", f"data={n}",
+                           "--max-steps", "8"], env=env, cwd=ROOT, capture_output=True, text=True)
+    want = losses(ref) if proc.returncode == 0 else []
+    report("reference", proc.returncode == 0, seconds=round(time.perf_counter() - t0, 1), losses=want,
+           tail=proc.stderr.splitlines()[-3:])
+
+    cases = set(args.cases.split(","))
+    if "a" in cases:
+        run, logs = run_dir("a"), os.path.join(args.work, "logs-a")
+        t0 = time.perf_counter()
+        codes1, _ = wait(launch(n, [*base, "--out", run, "--mesh", f"data={n}", "--max-steps", "4", "--save-steps", "4"], logs), 600)
+        codes2, _ = wait(launch(n, [*base, "--out", run, "--mesh", f"data={n}", "--max-steps", "8", "--resume"], logs), 600)
+        got = losses(run) if os.path.exists(os.path.join(run, "metrics.jsonl")) else []
+        report("a: checkpoint at 4, resume to 8", codes1 == [0] * n and codes2 == [0] * n and close(got, want),
+               exit_codes=[codes1, codes2], losses=got, checkpoints=sorted(os.listdir(os.path.join(run, "checkpoints"))),
+               seconds=round(time.perf_counter() - t0, 1))
+    if "b" in cases:
+        run, logs = run_dir("b"), os.path.join(args.work, "logs-b")
+        codes, _ = wait(launch(n, [*base, "--out", run, "--max-steps", "3", "--batch-size", "auto"], logs), 600)
+        printed = [open(os.path.join(logs, f"p{i}.log")).read().count("micro_batch_size auto") for i in range(n)]
+        with open(os.path.join(run, "config.json")) as f:
+            micro = json.load(f)["micro_batch_size"]
+        report("b: --batch-size auto", codes == [0] * n and sum(printed) == 1, exit_codes=codes, micro_batch_size=micro,
+               printed_by_process=printed, tail=log_tail(logs, 0, 2))
+    if "c" in cases:
+        run, logs = run_dir("c"), os.path.join(args.work, "logs-c")
+        procs = launch(n, [*base, "--out", run, "--max-steps", "8"], logs)
+        wait_for_step(run, 2)
+        procs[n - 1].send_signal(signal.SIGTERM)
+        codes, times = wait(procs, 300)
+        stopped = [s for s in os.listdir(os.path.join(run, "checkpoints")) if s.isdigit()]
+        codes2, _ = wait(launch(n, [*base, "--out", run, "--max-steps", "8", "--resume"], logs), 600)
+        got = losses(run)
+        report("c: SIGTERM to one process", codes == [0] * n and len(stopped) == 1 and codes2 == [0] * n
+               and close(got, want), exit_codes=[codes, codes2], stopped_at=stopped, seconds_to_stop=[round(t, 1) for t in times],
+               losses=got, tail=log_tail(logs, 0, 1))
+    if "d" in cases:
+        run, logs = run_dir("d"), os.path.join(args.work, "logs-d")
+        procs = launch(n, [*base, "--out", run, "--max-steps", "100000"], logs)
+        wait_for_step(run, 3)
+        killed_at = time.perf_counter()
+        procs[n - 1].kill()
+        codes, _ = wait(procs[:-1], 180)
+        seconds = round(time.perf_counter() - killed_at, 1)
+        report("d: SIGKILL of one process", all(c not in (None, 0) for c in codes) and seconds <= 120,
+               exit_codes=codes, seconds_until_all_ended=seconds, tail=log_tail(logs, 0, 2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
