@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps after the first (compiling) one")
     ap.add_argument("--stop-flag", action="store_true", help="carry the training loop's agreed-stop flag in the batch")
+    ap.add_argument("--profile", help="trace 2 more steps to this folder and print GPU time by op class")
     args = ap.parse_args()
 
     devices = jax.devices()[: args.gpus]
@@ -103,11 +104,19 @@ def main() -> None:
         lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jnp.int32(1 + i))
     jax.block_until_ready(m)
     t0 = time.perf_counter()
+    losses = []  # device scalars, read after the timed loop
     for i in range(args.steps):
         lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jnp.int32(1 + args.warmup + i))
+        losses.append(m["loss"])
     jax.block_until_ready(m)
     dt = (time.perf_counter() - t0) / args.steps
     tok_s = rows * args.seq / dt
+    if args.profile:
+        jax.profiler.start_trace(args.profile)
+        for i in range(2):
+            lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jnp.int32(100 + i))
+        jax.block_until_ready(m)
+        jax.profiler.stop_trace()
     if jax.process_index():
         return
     print(json.dumps({
@@ -117,8 +126,12 @@ def main() -> None:
         "mfu": round(tok_s / args.gpus * flops_per_token(model, args.seq) / PEAK_BF16_FLOPS, 3),
         "peak_gib_per_gpu": round(peak_memory_gib() or 0.0, 2), "processes": jax.process_count(),
         "stop_flag": args.stop_flag, "build_s": round(build_s, 1), "first_step_s": round(first_s, 1),
-        "loss": float(m["loss"]),
+        "losses": [round(float(x), 5) for x in losses],
     }), flush=True)
+    if args.profile:
+        from benchmarks.trace_summary import main as summarize
+
+        summarize(args.profile)
 
 
 if __name__ == "__main__":

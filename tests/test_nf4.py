@@ -97,3 +97,18 @@ def test_shape_mismatch_and_bad_shapes_are_clear_errors():
         nf4.from_bnb(tensors, (128, 64))
     with pytest.raises(ValueError, match="multiple of 64"):
         nf4.quantize(np.ones((8, 100), np.float32))
+
+
+def test_absmax_dequantization_builds_no_index_tables():
+    """Each nested scale covers 256 blocks: a broadcast. A `jnp.repeat` there lowers to cumsum/scatter index
+    tables over every block that XLA constant-folds for seconds per 8B-sized weight at compile time."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxtune import nf4
+
+    blocks = 14336 * 4096 // nf4.BLOCK
+    args = (jax.ShapeDtypeStruct((blocks,), jnp.uint8), jax.ShapeDtypeStruct((blocks // 256,), jnp.float32),
+            jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((256,), jnp.float32))
+    hlo = jax.jit(lambda c, n, o, m: nf4.dequantize_absmax(nf4.NF4Weight(c, c, n, o, m))).lower(*args).as_text()
+    assert "reduce_window" not in hlo and "scatter" not in hlo and "cumsum" not in hlo

@@ -255,3 +255,26 @@ def test_auto_batch_picks_the_largest_micro_batch_that_fits(tiny_tokenizer):
     roomy = int((need[8] + 1) / MARGIN) + 1  # fits 8
     for rows, most in ((61, 8), (7, 4), (2, 2), (1, 1)):
         assert choose_micro_batch(cfg, step_fn, lora, opt_state, frozen, bytes_limit=roomy, rows=rows) == most
+
+
+def test_fused_cross_entropy_gradient_in_bfloat16_matches_float64():
+    """bf16 operands, f32 accumulation: loss and d loss / d hidden within bf16 rounding of a float64 reference."""
+    rng = np.random.default_rng(1)
+    hidden = rng.standard_normal((3, 37, 64)).astype(np.float32)
+    head = (0.3 * rng.standard_normal((300, 64))).astype(np.float32)
+    labels = np.where(rng.random((3, 37)) < 0.2, IGNORE, rng.integers(0, 300, (3, 37))).astype(np.int32)
+    h16, w16 = jnp.asarray(hidden, jnp.bfloat16), jnp.asarray(head, jnp.bfloat16)
+    loss, grad = jax.value_and_grad(lambda h: chunked_cross_entropy(h, w16, jnp.asarray(labels), chunk_size=16)[0])(h16)
+
+    h64, w64 = np.asarray(h16, np.float64), np.asarray(w16, np.float64)
+    logits = h64 @ w64.T
+    logits -= logits.max(-1, keepdims=True)
+    probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    valid = labels != IGNORE
+    target = np.where(valid, labels, 0)
+    want_loss = -np.log(np.take_along_axis(probs, target[..., None], -1)[..., 0])[valid].sum()
+    dlogits = (probs - np.eye(300)[target]) * valid[..., None]
+    want_grad = dlogits @ w64
+    np.testing.assert_allclose(float(loss), want_loss, rtol=1e-4)
+    assert grad.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(grad, np.float64), want_grad, rtol=2e-2, atol=2e-2 * np.abs(want_grad).max())
