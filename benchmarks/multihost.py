@@ -184,7 +184,7 @@ def main() -> int:
         got = losses(run)
         report("c: SIGTERM to one process", codes == [0] * n and len(stopped) == 1 and codes2 == [0] * n
                and close(got, want), exit_codes=[codes, codes2], stopped_at=stopped, seconds_to_stop=[round(t, 1) for t in times],
-               losses=got, tail=log_tail(logs, 0, 1))
+               losses=got, tail=log_tail(logs, 0, 2) + log_tail(logs, n - 1, 4))
     if "d" in cases:
         run, logs = run_dir("d"), os.path.join(args.work, "logs-d")
         procs = launch(n, [*base, "--out", run, "--max-steps", "100000"], logs)

@@ -41,6 +41,9 @@ def initialize_from_env() -> bool:
         raise JaxtuneError("JAX_COORDINATOR_ADDRESS is set but JAX_NUM_PROCESSES / JAX_PROCESS_ID are not; "
                            "set both on every host (process ids 0..N-1)")
     heartbeat = int(os.environ.get("JAXTUNE_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT_S))
+    # the training loop agrees on SIGTERM/SIGINT itself (a flag inside the step); JAX's preemption service would
+    # install a native SIGTERM handler over it that ends with the default action (the process dies mid-step)
+    jax.config.update("jax_enable_preemption_service", False)
     jax.distributed.initialize(coordinator_address=address, heartbeat_timeout_seconds=heartbeat,
                                shutdown_timeout_seconds=max(heartbeat, 30), **kwargs)
     previous = sys.excepthook

@@ -104,6 +104,12 @@ class _StopSignal:
                 pass
         return self
 
+    def rearm(self) -> None:
+        """Installs the handlers again: native libraries initialized by the first steps (GPU runtime,
+        collectives) may have put their own SIGTERM handler over ours."""
+        for sig in self._old:
+            signal.signal(sig, self._handle)
+
     def _handle(self, *_):
         self.hit = True
 
@@ -214,6 +220,7 @@ def train(
         with _StopSignal() as stop:
             while step < cfg.max_steps:
                 t0 = time.perf_counter()
+                stop.rearm()
                 host_batch = stream.next()
                 host_batch["stop"] = np.full((stream.accum, stream.micro_batch, 1), int(stop.hit), np.int32)
                 while True:
