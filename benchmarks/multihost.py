@@ -111,6 +111,23 @@ def log_tail(logs: str, i: int, lines: int = 3) -> list[str]:
         return [line.rstrip() for line in f.readlines()[-lines:]]
 
 
+def signal_masks(pid: int) -> dict:
+    """Whether SIGTERM is caught by the process, and how many of its threads block it (from /proc)."""
+    bit = 1 << (signal.SIGTERM - 1)
+
+    def mask(path: str, key: str) -> int:
+        with open(path) as f:
+            return int(next(line for line in f if line.startswith(key)).split()[1], 16)
+
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        return {"caught": bool(mask(f"/proc/{pid}/status", "SigCgt") & bit),
+                "ignored": bool(mask(f"/proc/{pid}/status", "SigIgn") & bit), "threads": len(tasks),
+                "threads_blocking": sum(bool(mask(f"/proc/{pid}/task/{t}/status", "SigBlk") & bit) for t in tasks)}
+    except (OSError, StopIteration) as e:
+        return {"error": str(e)}
+
+
 def wait_for_step(run: str, step: int, timeout: float = 300) -> None:
     path, start = os.path.join(run, "metrics.jsonl"), time.perf_counter()
     while time.perf_counter() - start < timeout:
@@ -177,14 +194,16 @@ def main() -> int:
         run, logs = run_dir("c"), os.path.join(args.work, "logs-c")
         procs = launch(n, [*base, "--out", run, "--max-steps", "8"], logs)
         wait_for_step(run, 2)
+        masks = signal_masks(procs[n - 1].pid)
         procs[n - 1].send_signal(signal.SIGTERM)
         codes, times = wait(procs, 300)
         stopped = [s for s in os.listdir(os.path.join(run, "checkpoints")) if s.isdigit()]
-        codes2, _ = wait(launch(n, [*base, "--out", run, "--max-steps", "8", "--resume"], logs), 600)
+        stop_tail = log_tail(logs, n - 1, 6)
+        codes2, _ = wait(launch(n, [*base, "--out", run, "--max-steps", "8", "--resume"], logs + "-resume"), 600)
         got = losses(run)
         report("c: SIGTERM to one process", codes == [0] * n and len(stopped) == 1 and codes2 == [0] * n
                and close(got, want), exit_codes=[codes, codes2], stopped_at=stopped, seconds_to_stop=[round(t, 1) for t in times],
-               losses=got, tail=log_tail(logs, 0, 2) + log_tail(logs, n - 1, 4))
+               losses=got, signal_masks=masks, tail=stop_tail)
     if "d" in cases:
         run, logs = run_dir("d"), os.path.join(args.work, "logs-d")
         procs = launch(n, [*base, "--out", run, "--max-steps", "100000"], logs)

@@ -12,7 +12,9 @@ never complete): it prints its error and exits at once, and JAX's heartbeat chec
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import traceback
 
 import jax
@@ -21,6 +23,28 @@ import numpy as np
 from jaxtune.errors import JaxtuneError
 
 HEARTBEAT_TIMEOUT_S = 60  # a process silent this long is taken as dead and the job ends (JAX default: 100)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_stop = threading.Event()
+
+
+def catch_stop_signals() -> dict:
+    """SIGINT/SIGTERM set the stop request instead of ending the process; returns the handlers replaced
+    ({} off the main thread, where Python cannot install handlers)."""
+    previous = {}
+    for sig in STOP_SIGNALS:
+        try:
+            previous[sig] = signal.signal(sig, lambda *_: _stop.set())
+        except ValueError:
+            return {}
+    return previous
+
+
+def stop_requested() -> bool:
+    return _stop.is_set()
+
+
+def clear_stop_request() -> None:
+    _stop.clear()
 
 
 def initialize_from_env() -> bool:
@@ -44,6 +68,7 @@ def initialize_from_env() -> bool:
     # the training loop agrees on SIGTERM/SIGINT itself (a flag inside the step); JAX's preemption service would
     # install a native SIGTERM handler over it that ends with the default action (the process dies mid-step)
     jax.config.update("jax_enable_preemption_service", False)
+    catch_stop_signals()  # before the GPU runtime starts: a stop asked for during start-up is kept, not fatal
     jax.distributed.initialize(coordinator_address=address, heartbeat_timeout_seconds=heartbeat,
                                shutdown_timeout_seconds=max(heartbeat, 30), **kwargs)
     previous = sys.excepthook

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from jaxtune.data import BatchStream, PackedRows, encode_rows, pack_examples, read_rows
 from jaxtune.data.packing import IGNORE
 from jaxtune.data.sources import DataError, Row
-from jaxtune.distributed import local_device, peak_memory_gib
+from jaxtune.distributed import catch_stop_signals, clear_stop_request, local_device, peak_memory_gib, stop_requested
 from jaxtune.errors import JaxtuneError
 from jaxtune.model import CausalLM
 from jaxtune.qlora import get_peft_model
@@ -90,32 +90,26 @@ def flops_per_token(model: CausalLM, seq_len: int) -> float:
 
 
 class _StopSignal:
-    """Turns SIGINT/SIGTERM into a flag the loop checks after each step (then it saves and returns)."""
-
-    def __init__(self):
-        self.hit = False
-        self._old: dict[int, Any] = {}
+    """Turns SIGINT/SIGTERM into a request the loop checks after each step (then it saves and returns)."""
 
     def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread
-                pass
+        self._old = catch_stop_signals()
         return self
+
+    @property
+    def hit(self) -> bool:
+        return stop_requested()
 
     def rearm(self) -> None:
         """Installs the handlers again: native libraries initialized by the first steps (GPU runtime,
         collectives) may have put their own SIGTERM handler over ours."""
-        for sig in self._old:
-            signal.signal(sig, self._handle)
-
-    def _handle(self, *_):
-        self.hit = True
+        if self._old:
+            catch_stop_signals()
 
     def __exit__(self, *exc):
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
+        clear_stop_request()
 
 
 def _plot_losses(path: str, losses: list[float], eval_losses: list[tuple[int, float]]) -> None:
