@@ -20,16 +20,27 @@ from jaxtune.sharding import BATCH_AXES, batch_shards, current_mesh
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+def dot_out(a: jax.Array, b: jax.Array, dims, out_dtype: jnp.dtype) -> jax.Array:
+    """dot_general with f32 accumulation, written in `out_dtype`.
+
+    On GPU a 16-bit result comes straight out of the GEMM (cuBLAS and XLA's GEMM fusions accumulate in f32
+    and round once at the end): asking for an f32 result there makes XLA write the [tokens, out] product in
+    f32 and convert it in a separate pass. Elsewhere the product is formed in f32 and rounded."""
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype.itemsize == 2 and jax.default_backend() == "gpu":
+        return jax.lax.dot_general(a, b, dims, preferred_element_type=out_dtype)
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
 def linear(
     x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, *, out_dtype: jnp.dtype | None = None
 ) -> jax.Array:
     """y = x @ weight.T (+ bias) for an HF-layout weight [out, in]; f32 accumulation, x's dtype out."""
-    y = jax.lax.dot_general(
-        x, weight.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-    )
-    if bias is not None:
-        y = y + bias.astype(jnp.float32)
-    return y.astype(out_dtype or x.dtype)
+    dims = (((x.ndim - 1,), (1,)), ((), ()))
+    if bias is None:
+        return dot_out(x, weight.astype(x.dtype), dims, out_dtype or x.dtype)
+    y = jax.lax.dot_general(x, weight.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+    return (y + bias.astype(jnp.float32)).astype(out_dtype or x.dtype)
 
 
 def attention_mask(
@@ -146,8 +157,8 @@ def _nf4_matmul_bwd(weight, dy):
     from jaxtune.nf4 import dequantize
 
     w = dequantize(weight, dy.dtype)  # [out, in]
-    dx = jax.lax.dot_general(dy, w, (((dy.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    return dx.astype(dy.dtype), jax.tree.map(_zero_cotangent, weight)
+    dx = dot_out(dy, w, (((dy.ndim - 1,), (0,)), ((), ())), dy.dtype)
+    return dx, jax.tree.map(_zero_cotangent, weight)
 
 
 _nf4_matmul.defvjp(_nf4_matmul_fwd, _nf4_matmul_bwd)
@@ -201,7 +212,7 @@ def _nf4_kernel_matmul_bwd(impl, interpret, weight, dy):
                          dy, codes, absmax)
     else:
         w = _replicated(lambda c, a: kernels.nf4_dequantize(c, a, dy.dtype, interpret=interpret), codes, absmax)
-        dx = jax.lax.dot_general(dy, w, (((dy.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        dx = dot_out(dy, w, (((dy.ndim - 1,), (0,)), ((), ())), dy.dtype)
     return dx.astype(dy.dtype), jax.tree.map(_zero_cotangent, weight)
 
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.data.packing import IGNORE
+from jaxtune.ops import dot_out
 from jaxtune.sharding import batch_shards, current_mesh
 
 
@@ -52,11 +53,11 @@ def _chunk(h_c: jax.Array, head: jax.Array, y_c: jax.Array, head_grad: bool):
     probs = jnp.exp(logits - lse[..., None])
     onehot = jax.nn.one_hot(target, logits.shape[-1], dtype=jnp.float32)
     dlogits = (jnp.where(valid[..., None], probs - onehot, 0.0)).astype(head.dtype)
-    dh = jax.lax.dot_general(dlogits, head, (((2,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    dh = dot_out(dlogits, head, (((2,), (0,)), ((), ())), h_c.dtype)
     dhead = None
     if head_grad:
         dhead = jax.lax.dot_general(dlogits, h_c, (((0, 1), (0, 1)), ((), ())), preferred_element_type=jnp.float32)
-    return loss, dh.astype(h_c.dtype), dhead
+    return loss, dh, dhead
 
 
 @jax.custom_vjp
