@@ -78,9 +78,12 @@ def launch(n: int, args: list[str], logs: str) -> list[subprocess.Popen]:
     """N processes of `jaxtune train ARGS`, one per GPU; output to logs/p<i>.log."""
     os.makedirs(logs, exist_ok=True)
     port = free_port()
-    return [subprocess.Popen([sys.executable, "-m", "jaxtune.cli", "train", *args],
-                             stdout=open(os.path.join(logs, f"p{i}.log"), "w"), stderr=subprocess.STDOUT,
-                             env=env_for(i, n, port), cwd=ROOT) for i in range(n)]
+    procs = []
+    for i in range(n):
+        with open(os.path.join(logs, f"p{i}.log"), "w") as log:  # the child keeps its own copy of the handle
+            procs.append(subprocess.Popen([sys.executable, "-m", "jaxtune.cli", "train", *args], stdout=log,
+                                          stderr=subprocess.STDOUT, env=env_for(i, n, port), cwd=ROOT))
+    return procs
 
 
 def wait(procs: list[subprocess.Popen], timeout: float) -> tuple[list[int | None], list[float]]:
@@ -107,9 +110,13 @@ def close(a: list[float], b: list[float], rel: float = 1e-3) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b))
 
 
-def log_tail(logs: str, i: int, lines: int = 3) -> list[str]:
+def log_text(logs: str, i: int) -> str:
     with open(os.path.join(logs, f"p{i}.log")) as f:
-        return [line.rstrip() for line in f.readlines()[-lines:]]
+        return f.read()
+
+
+def log_tail(logs: str, i: int, lines: int = 3) -> list[str]:
+    return [line.rstrip() for line in log_text(logs, i).splitlines()[-lines:]]
 
 
 def signal_masks(pid: int) -> dict:
@@ -186,7 +193,7 @@ def main() -> int:
     if "b" in cases:
         run, logs = run_dir("b"), os.path.join(args.work, "logs-b")
         codes, _ = wait(launch(n, [*base, "--out", run, "--max-steps", "3", "--batch-size", "auto"], logs), 600)
-        printed = [open(os.path.join(logs, f"p{i}.log")).read().count("micro_batch_size auto") for i in range(n)]
+        printed = [log_text(logs, i).count("micro_batch_size auto") for i in range(n)]
         with open(os.path.join(run, "config.json")) as f:
             micro = json.load(f)["micro_batch_size"]
         report("b: --batch-size auto", codes == [0] * n and sum(printed) == 1, exit_codes=codes, micro_batch_size=micro,

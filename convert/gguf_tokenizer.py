@@ -36,9 +36,10 @@ def tokenizer_from_gguf(field: Callable[[str], Any], where: str):
             f"{where} describes a {kind!r} tokenizer; jaxtune builds GGUF tokenizers of type "
             f"{' or '.join(SUPPORTED_MODELS)} (or convert the model from its HF directory instead)"
         )
-    special = {name: _token(tokens, field(f"tokenizer.ggml.{key}")) for name, key in
+    special = {name: tokens[int(index)] for name, key in
                (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
-                ("pad_token", "padding_token_id"))}
+                ("pad_token", "padding_token_id"))
+               if (index := field(f"tokenizer.ggml.{key}")) is not None and 0 <= int(index) < len(tokens)}
     if kind == "gpt2":
         tokenizer = _byte_level(tokens, field("tokenizer.ggml.merges"), special)
         split = PRE_TOKENIZER_SPLITS.get(field("tokenizer.ggml.pre"))
@@ -51,7 +52,7 @@ def tokenizer_from_gguf(field: Callable[[str], Any], where: str):
                                    field("tokenizer.ggml.add_space_prefix"))
 
     types = field("tokenizer.ggml.token_type") or ()
-    alphabet = _byte_alphabet() if kind == "gpt2" else None
+    alphabet = set(_byte_spelling().values()) if kind == "gpt2" else None
     control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
                if ty == CONTROL and (alphabet is None or set(t) <= alphabet)]
     if control:
@@ -67,36 +68,32 @@ def tokenizer_from_gguf(field: Callable[[str], Any], where: str):
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer.backend_tokenizer, **{k: v for k, v in special.items() if v is not None},
+        tokenizer_object=tokenizer.backend_tokenizer, **special,
         add_bos_token=add_bos, add_eos_token=bool(field("tokenizer.ggml.add_eos_token")),
         chat_template=field("tokenizer.chat_template"))
 
 
-def _token(tokens: list[str], index: Any) -> str | None:
-    return None if index is None or not 0 <= int(index) < len(tokens) else tokens[int(index)]
+def _byte_spelling() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the byte-level vocabulary's alphabet)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return bytes_to_unicode()
 
 
-def _byte_alphabet() -> set[str]:
-    from tokenizers import pre_tokenizers
-
-    return set(pre_tokenizers.ByteLevel.alphabet())
-
-
-def _byte_level(tokens: list[str], merges: list[str] | None, special: dict[str, str | None]):
+def _byte_level(tokens: list[str], merges: list[str] | None, special: dict[str, str]):
     """GPT-2 style byte-level BPE; tokens spelled outside the byte alphabet are re-spelled into it."""
     from transformers import GPT2Tokenizer
 
     if merges is None:
         raise UnsupportedModelError("the GGUF byte-level tokenizer has no tokenizer.ggml.merges; the file is incomplete")
-    alphabet = _byte_alphabet()
-    spell = _bytes_to_unicode()
+    spell = _byte_spelling()
+    alphabet = set(spell.values())
     vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)}
-    kwargs = {k: v for k, v in special.items() if v is not None}
-    return GPT2Tokenizer(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], **kwargs)
+    return GPT2Tokenizer(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], **special)
 
 
 def _sentencepiece(tokens: list[str], merges: list[str] | None, scores: list[float] | None,
-                   special: dict[str, str | None], add_space_prefix: Any):
+                   special: dict[str, str], add_space_prefix: Any):
     """SentencePiece BPE (Llama 2, Mistral): merges from the file, or recovered from the token scores."""
     from transformers import LlamaTokenizer
     from transformers.tokenization_utils_base import generate_merges
@@ -108,19 +105,6 @@ def _sentencepiece(tokens: list[str], merges: list[str] | None, scores: list[flo
         pairs = generate_merges(vocab, dict(zip(tokens, scores)))
     else:
         raise UnsupportedModelError("the GGUF SentencePiece tokenizer has neither merges nor scores; the file is incomplete")
-    kwargs = {k: v for k, v in special.items() if v is not None}
     prefix = True if add_space_prefix is None else bool(add_space_prefix)
-    return LlamaTokenizer(vocab=vocab, merges=pairs, add_prefix_space=prefix, legacy=False, add_bos_token=False, **kwargs)
+    return LlamaTokenizer(vocab=vocab, merges=pairs, add_prefix_space=prefix, legacy=False, add_bos_token=False, **special)
 
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (the ByteLevel pre-tokenizer's alphabet, in byte order)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars

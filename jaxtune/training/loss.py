@@ -82,11 +82,11 @@ def _fused_fwd(h, head, y):
 
     dhead0 = jnp.zeros(head.shape, jnp.float32) if head_grad else jnp.zeros((), jnp.float32)
     (total, dhead), dh = jax.lax.scan(body, (jnp.float32(0), dhead0), (h, y))
-    return total, (dh, dhead.astype(head.dtype) if head_grad else None, y)
+    return total, (dh, dhead.astype(head.dtype) if head_grad else None)
 
 
 def _fused_bwd(res, g):
-    dh, dhead, _ = res
+    dh, dhead = res
     if isinstance(g, jax.custom_derivatives.SymbolicZero):
         return jnp.zeros_like(dh), None if dhead is None else jnp.zeros_like(dhead), None
     scale = lambda x: (x.astype(jnp.float32) * g).astype(x.dtype)  # noqa: E731
