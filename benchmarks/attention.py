@@ -2,7 +2,7 @@
 
 Run on the GPU machine from the repository root:
     PYTHONPATH=. python3 benchmarks/attention.py [--seqs 1024,2048,...] [--sweep] [--check]
-32 query heads, 8 kv heads, head_dim 128, bf16, batch 1. "fwd+bwd" times the forward and backward
+32 query heads, 8 kv heads, head_dim 128, bf16, batch 1 (--batch). "fwd+bwd" times the forward and backward
 together (one vjp). TFLOP/s counts only unmasked work: 4*D*H per visible (query, key) pair forward,
 2.5x that backward. Prints JSON lines and a markdown table.
 """
@@ -57,14 +57,14 @@ def variants(segment_ids, tiles_list):
     return out
 
 
-def measure(t: int, packed: bool, tiles_list, check: bool) -> list[dict]:
+def measure(t: int, packed: bool, tiles_list, check: bool, batch: int = 1) -> list[dict]:
     keys = jax.random.split(jax.random.key(t), 4)
-    q = jax.random.normal(keys[0], (1, t, HQ, D), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (1, t, HKV, D), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (1, t, HKV, D), jnp.bfloat16)
-    do = jax.random.normal(keys[3], (1, t, HQ, D), jnp.bfloat16)
-    segment_ids = packed_segments(t) if packed else None
-    fwd_flops = 4 * unmasked_pairs(t, segment_ids) * D * HQ
+    q = jax.random.normal(keys[0], (batch, t, HQ, D), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (batch, t, HKV, D), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (batch, t, HKV, D), jnp.bfloat16)
+    do = jax.random.normal(keys[3], (batch, t, HQ, D), jnp.bfloat16)
+    segment_ids = np.repeat(packed_segments(t), batch, axis=0) if packed else None
+    fwd_flops = 4 * unmasked_pairs(t, segment_ids) * D * HQ * batch
     rows, ref = [], None
     for name, fn in variants(segment_ids, tiles_list).items():
         if name == "xla" and t > 8192:
@@ -73,7 +73,7 @@ def measure(t: int, packed: bool, tiles_list, check: bool) -> list[dict]:
             continue
         fwd = jax.jit(fn)
         both = jax.jit(lambda q, k, v, fn=fn: jax.vjp(fn, q, k, v)[1](do))
-        row = {"T": t, "packed": packed, "impl": name}
+        row = {"T": t, "batch": batch, "packed": packed, "impl": name}
         try:
             row["fwd_ms"] = 1e3 * time_fn(fwd, q, k, v)
             row["fwdbwd_ms"] = 1e3 * time_fn(both, q, k, v)
@@ -109,14 +109,15 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time several tile configurations")
     parser.add_argument("--check", action="store_true", help="compare outputs and grads with the XLA reference")
     parser.add_argument("--no-packed", action="store_true")
+    parser.add_argument("--batch", type=int, default=1)
     args = parser.parse_args()
     tiles_list = SWEEP if args.sweep else [("", AttentionTiles())]
     print(json.dumps({"device": jax.local_devices()[0].device_kind, "jax": jax.__version__}))
     rows = []
     for t in [int(s) for s in args.seqs.split(",")]:
-        rows += measure(t, False, tiles_list, args.check)
+        rows += measure(t, False, tiles_list, args.check, args.batch)
         if not args.no_packed:
-            rows += measure(t, True, tiles_list, args.check)
+            rows += measure(t, True, tiles_list, args.check, args.batch)
     print("\n| T | packed | impl | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |\n|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:

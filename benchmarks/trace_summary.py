@@ -1,6 +1,6 @@
 """GPU time of a jax.profiler trace (perfetto JSON) grouped by op class; one JSON line, plus the top kernels.
 
-    python3 benchmarks/trace_summary.py /tmp/trace [steps]
+    python3 benchmarks/trace_summary.py /tmp/trace [steps] [top kernels]
 Classes come from kernel names (Pallas kernels carry their own names; cuBLAS GEMMs are split by the XLA op
 metadata when the trace has it, else reported as one class).
 """
@@ -18,7 +18,8 @@ CLASSES = (
     ("attention", r"flash_attention|fmha|cudnn"),
     ("nf4 dequant (frozen weights)", r"nf4_dequant|nf4_matmul"),
     ("matmul (cuBLAS)", r"gemm|xmma|cutlass|nvjet|sm90|matmul"),
-    ("host transfers", r"memcpy|Memcpy|copy_start|copy-start|HtoD|DtoH"),
+    ("host transfers", r"HtoD|DtoH|copy_start|copy-start"),
+    ("device copies (memcpy)", r"memcpy|Memcpy|DtoD"),
     ("reduce / loss", r"reduce|logsumexp|softmax"),
     ("elementwise / fusion", r"fusion|loop|input_|convert|transpose|copy|dynamic"),
 )
@@ -31,7 +32,7 @@ def classify(name: str) -> str:
     return "other"
 
 
-def main(trace_dir: str, steps: int = 2) -> None:
+def main(trace_dir: str, steps: int = 2, top: int = 45) -> None:
     path = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
                   + glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
     events = json.load(gzip.open(path))
@@ -50,9 +51,9 @@ def main(trace_dir: str, steps: int = 2) -> None:
     total = sum(by_class.values())
     print(json.dumps({"trace": path, "gpu_ms_per_step": round(total, 2),
                       "classes_ms": {k: round(v, 2) for k, v in by_class.most_common()}}))
-    for (name, op), ms in by_kernel.most_common(45):
+    for (name, op), ms in by_kernel.most_common(top):
         print(json.dumps({"kernel": name, "op": op, "ms_per_step": round(ms, 3)}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2)
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2, int(sys.argv[3]) if len(sys.argv) > 3 else 45)

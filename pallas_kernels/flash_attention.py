@@ -283,7 +283,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, qk_scale,
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, qk_scale, scale, causal, window,
-                block_q, block_k, has_segments):
+                block_q, block_k, has_segments, heads):
+    """dk, dv of one key tile. With `heads` > 0 the program owns a kv head and sums over the `heads` query
+    heads that share it (q/do refs [T, heads, D], lse/delta [heads, T]); else one query head's share."""
     if has_segments:
         q_seg_ref, k_seg_ref, k_end_ref, dk_ref, dv_ref = refs
     else:
@@ -298,13 +300,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, qk_scale
         j, block_q, block_k, n_q, causal, window, jnp.max(k_end_ref[...]) if has_segments else None
     )
 
-    def step(i, carry, masked):
+    def step(i, carry, masked, head=None):
         dk, dv = carry
         qs = pl.ds(i * block_q, block_q)
-        q = q_ref[qs, :]
-        do = do_ref[qs, :]
-        lse = lse_ref[qs]
-        delta = delta_ref[qs]
+        if head is None:
+            q, do, lse, delta = q_ref[qs, :], do_ref[qs, :], lse_ref[qs], delta_ref[qs]
+        else:
+            q, do = q_ref[qs, head, :], do_ref[qs, head, :]
+            lse, delta = lse_ref[head, qs], delta_ref[head, qs]
         st = pltriton.dot(k, q, trans_b=True) * qk_scale  # [bk, bq]
         if masked:
             q_pos = i * block_q + jnp.arange(block_q)
@@ -318,15 +321,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, qk_scale
         return dk, dv
 
     carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    if causal and not has_segments and window is None:
-        # query tiles wholly below the diagonal see every key of this tile
-        mid = jnp.minimum(pl.cdiv(j * block_k + block_k - 1, block_q), hi)
-        mid = jnp.maximum(mid, lo)
-        carry = jax.lax.fori_loop(lo, mid, functools.partial(step, masked=True), carry)
-        carry = jax.lax.fori_loop(mid, hi, functools.partial(step, masked=False), carry)
-    else:
-        masked = causal or has_segments or window is not None
-        carry = jax.lax.fori_loop(lo, hi, functools.partial(step, masked=masked), carry)
+    for head in range(heads) if heads else (None,):
+        if causal and not has_segments and window is None:
+            # query tiles wholly below the diagonal see every key of this tile
+            mid = jnp.minimum(pl.cdiv(j * block_k + block_k - 1, block_q), hi)
+            mid = jnp.maximum(mid, lo)
+            carry = jax.lax.fori_loop(lo, mid, functools.partial(step, masked=True, head=head), carry)
+            carry = jax.lax.fori_loop(mid, hi, functools.partial(step, masked=False, head=head), carry)
+        else:
+            masked = causal or has_segments or window is not None
+            carry = jax.lax.fori_loop(lo, hi, functools.partial(step, masked=masked, head=head), carry)
     dk, dv = carry
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
@@ -374,14 +378,18 @@ def _backward(q, k, v, segment_ids, out, lse, do, *, scale, causal, window, tile
         name="flash_attention_dq",
     )(*args)
 
-    # dk, dv: one program per (key tile, batch, query head), looping over query tiles
+    # dk, dv: one program per (key tile, batch, kv head) summing over its query heads when the group is a
+    # power of two (a Triton block); else per query head, with f32 partials summed over the group after
+    grouped = group > 1 and group & (group - 1) == 0
+    head_block = group if grouped else None  # query heads per program (None: one, dimension squeezed)
+    kv_head = (lambda h: h) if grouped or group == 1 else (lambda h: h // group)
     in_specs = [
-        pl.BlockSpec((None, t, None, d), lambda j, bi, h: (bi, 0, h, 0)),
-        pl.BlockSpec((None, bk, None, d), lambda j, bi, h: (bi, j, h // group, 0)),
-        pl.BlockSpec((None, bk, None, d), lambda j, bi, h: (bi, j, h // group, 0)),
-        pl.BlockSpec((None, t, None, d), lambda j, bi, h: (bi, 0, h, 0)),
-        pl.BlockSpec((None, None, t), lambda j, bi, h: (bi, h, 0)),
-        pl.BlockSpec((None, None, t), lambda j, bi, h: (bi, h, 0)),
+        pl.BlockSpec((None, t, head_block, d), lambda j, bi, h: (bi, 0, h, 0)),
+        pl.BlockSpec((None, bk, None, d), lambda j, bi, h: (bi, j, kv_head(h), 0)),
+        pl.BlockSpec((None, bk, None, d), lambda j, bi, h: (bi, j, kv_head(h), 0)),
+        pl.BlockSpec((None, t, head_block, d), lambda j, bi, h: (bi, 0, h, 0)),
+        pl.BlockSpec((None, head_block, t), lambda j, bi, h: (bi, h, 0)),
+        pl.BlockSpec((None, head_block, t), lambda j, bi, h: (bi, h, 0)),
     ]
     args = [q, k, v, do, lse, delta]
     if has_segments:
@@ -391,21 +399,21 @@ def _backward(q, k, v, segment_ids, out, lse, do, *, scale, causal, window, tile
             pl.BlockSpec((None, bk), lambda j, bi, h: (bi, j)),
         ]
         args += [segment_ids, segment_ids, end]
-    kv_dtype = k.dtype if group == 1 else jnp.float32
+    out_heads, kv_dtype = (hkv, k.dtype) if grouped or group == 1 else (hq, jnp.float32)
     dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, **static),
-        grid=(t // bk, b, hq),
+        functools.partial(_dkv_kernel, heads=group if grouped else 0, **static),
+        grid=(t // bk, b, out_heads),
         in_specs=in_specs,
         out_specs=[
             pl.BlockSpec((None, bk, None, d), lambda j, bi, h: (bi, j, h, 0)),
             pl.BlockSpec((None, bk, None, d), lambda j, bi, h: (bi, j, h, 0)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((b, t, hq, d), kv_dtype)] * 2,
+        out_shape=[jax.ShapeDtypeStruct((b, t, out_heads, d), kv_dtype)] * 2,
         compiler_params=params,
         interpret=interpret,
         name="flash_attention_dkv",
     )(*args)
-    if group > 1:
+    if out_heads != hkv:
         dk = dk.reshape(b, t, hkv, group, d).sum(axis=3)
         dv = dv.reshape(b, t, hkv, group, d).sum(axis=3)
     return dq, dk.astype(k.dtype), dv.astype(v.dtype)

@@ -61,6 +61,8 @@ CASES = [
     (2, 100, 8, 2, 64, True, None),
     (1, 1000, 4, 1, 64, True, None),
     (1, 130, 4, 2, 64, False, 33),
+    (2, 90, 6, 2, 64, True, None),  # a group of 3: dk/dv per query head, summed after
+    (1, 70, 8, 1, 64, False, 40),  # a group of 8 summed inside the dk/dv kernel, with a window
 ]
 
 
@@ -115,9 +117,10 @@ def test_flash_attention_rejects_unsupported_shapes():
     (17, True, AttentionTiles()),
     (4096, False, AttentionTiles(128, 128, 8, 2, 128, 64, 8, 2)),
 ])
-def test_flash_attention_lowers_for_cuda(cuda_export, t, segments, tiles):
-    q = jax.ShapeDtypeStruct((2, t, 32, 128), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((2, t, 8, 128), jnp.bfloat16)
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (28, 4)])  # dk/dv summed over the group in the kernel / after it
+def test_flash_attention_lowers_for_cuda(cuda_export, t, segments, tiles, hq, hkv):
+    q = jax.ShapeDtypeStruct((2, t, hq, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, t, hkv, 128), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((2, t), jnp.int32) if segments else None
 
     def loss(q, k, v, seg):
