@@ -93,13 +93,15 @@ def measure(t: int, packed: bool, tiles_list, check: bool, batch: int = 1) -> li
     return rows
 
 
-SWEEP = [
-    ("-q128k64w4s3", AttentionTiles(128, 64, 4, 3, 64, 64, 4, 2)),
-    ("-q128k64w8s3", AttentionTiles(128, 64, 8, 3, 64, 64, 8, 2)),
-    ("-q128k128w8s2", AttentionTiles(128, 128, 8, 2, 128, 64, 8, 2)),
-    ("-q64k64w4s3", AttentionTiles(64, 64, 4, 3, 32, 64, 4, 3)),
-    ("-bwd128x128w8", AttentionTiles(128, 64, 4, 3, 128, 128, 8, 1)),
-    ("-bwd64x128w8", AttentionTiles(128, 64, 4, 3, 64, 128, 8, 2)),
+SWEEP = [  # forward at the default tiles; backward (block_q, block_k, warps, stages) varied
+    ("-default", AttentionTiles()),
+    ("-bwd64x128w8s2", AttentionTiles(128, 128, 8, 2, 64, 128, 8, 2)),
+    ("-bwd128x64w8s2", AttentionTiles(128, 128, 8, 2, 128, 64, 8, 2)),
+    ("-bwd128x128w8s1", AttentionTiles(128, 128, 8, 2, 128, 128, 8, 1)),
+    ("-bwd64x64w4s3", AttentionTiles(128, 128, 8, 2, 64, 64, 4, 3)),
+    ("-bwd32x64w4s3", AttentionTiles(128, 128, 8, 2, 32, 64, 4, 3)),
+    ("-bwd64x128w4s2", AttentionTiles(128, 128, 8, 2, 64, 128, 4, 2)),
+    ("-bwd64x64w8s2", AttentionTiles(128, 128, 8, 2, 64, 64, 8, 2)),
 ]
 
 

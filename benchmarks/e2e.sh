@@ -4,6 +4,8 @@
 #   bash benchmarks/e2e.sh jaxtune2  # automatic batch, variable-length, long sequences
 #   bash benchmarks/e2e.sh unsloth   # Unsloth dense + variable-length
 #   bash benchmarks/e2e.sh hf        # HF + PEFT + bitsandbytes dense + variable-length
+#   bash benchmarks/e2e.sh dense-jaxtune; bash benchmarks/e2e.sh dense-unsloth   # dense step side by side,
+#                                    # batches 1/2/4/8, both sides profiled at batch 4 (run back to back)
 # Needs .bench (../shared/bench) and .site (its make_site.sh) carried for the baselines; JSON lines go to
 # $OUT/e2e-<stage>.jsonl. All stages read /tmp/base_llama3-8b (bf16 random Llama-3-8B shapes).
 set -uo pipefail
@@ -16,10 +18,33 @@ run() { echo "+ $*" >&2; local t0=$SECONDS; "$@" 2>>"${out%.jsonl}.err" | grep '
 jaxtune() { run timeout "${LIMIT:-170}" env PYTHONPATH=. python3 benchmarks/train_qlora.py "$jt" "$@"; }
 baseline_py() { PYTHONPATH=$PWD/.site:$PWD/.bench HF_HUB_OFFLINE=1 python3 "$@"; }
 
-case $stage in
-jaxtune)
+checkpoint() {
   [ -f $base/config.json ] || run python3 .bench/hf_qlora_baseline.py llama3-8b make
   [ -f $base/tokenizer.json ] || python3 -c "import sys; sys.path.insert(0, '.bench'); from tiny_ckpt import save_tokenizer; save_tokenizer('$base', 128256)"
+}
+
+case $stage in
+dense-jaxtune)  # the dense-step comparison, jaxtune side: batches 1/2/4/8 at their fastest remat, bs4 profiled
+  checkpoint
+  [ -d $jt ] || run env PYTHONPATH=. python3 benchmarks/convert_llama8b.py convert $base $jt
+  jaxtune --batch 1 --remat none --steps 10
+  jaxtune --batch 2 --remat none --steps 8
+  jaxtune --batch 4 --remat selective --steps 8
+  jaxtune --batch 4 --remat none --steps 6
+  jaxtune --batch 8 --remat selective --steps 6
+  LIMIT=120 run env XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=. python3 benchmarks/train_qlora.py $jt \
+    --batch 4 --remat selective --steps 2 --profile /tmp/trace
+  python3 benchmarks/trace_summary.py /tmp/trace 2 60 > "${OUT:-/tmp/out}/profile-jaxtune-bs4.jsonl"
+  ;;
+dense-unsloth)  # the same batches through Unsloth (no gradient checkpointing: its fastest), bs4 profiled
+  checkpoint
+  for bs in 1 2 4 8; do
+    run baseline_py -c "import unsloth_baseline as u; u.run('$base', $bs, 2048, False)"
+  done
+  baseline_py .bench/unsloth_profile.py $base 4 > "${OUT:-/tmp/out}/profile-unsloth-bs4.txt" 2>&1
+  ;;
+jaxtune)
+  checkpoint
   [ -d $jt ] || run env PYTHONPATH=. python3 benchmarks/convert_llama8b.py convert $base $jt
   run env PYTHONPATH=. python3 benchmarks/convert_llama8b.py load $jt
   jaxtune --batch 1 --remat none

@@ -295,7 +295,7 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
                    interpret: bool = False) -> jax.Array:
     """W [N, K] in dtype from NF4 codes and float32 absmax (for "dequantize, then cuBLAS").
 
-    Defaults from benchmarks/results/2026-11-23-nf4-dequant-h200.md: planes interleaved in registers and
+    Defaults from benchmarks/results/2026-11-22-dense-step-round2-h200.md: planes interleaved in registers and
     stored contiguously run 1.4-1.5x faster than two strided stores on the 8B shapes."""
     n, k = _check(codes, absmax)
     half = k // 2

@@ -278,3 +278,30 @@ def test_fused_cross_entropy_gradient_in_bfloat16_matches_float64():
     np.testing.assert_allclose(float(loss), want_loss, rtol=1e-4)
     assert grad.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(grad, np.float64), want_grad, rtol=2e-2, atol=2e-2 * np.abs(want_grad).max())
+
+
+def test_auto_batch_compiles_the_chosen_size_and_little_else(tiny_tokenizer, monkeypatch):
+    """The size chosen is one the search compiled (the loop's jit reuses that compilation), and the search
+    compiles at most two other sizes (micro 1, and one measured point when the first bound is loose)."""
+    import jaxtune.training.autobatch as autobatch
+    from jaxtune.training.step import make_train_step
+
+    cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size="auto")
+    model = get_peft_model(_model(tiny_tokenizer), r=4)
+    graphdef, lora, frozen = split_model(model)
+    optimizer, schedule = make_optimizer(cfg)
+    opt_state = optimizer.init(lora)
+    step_fn = make_train_step(graphdef, optimizer, schedule, cfg)
+    need = {m: autobatch.step_bytes(step_fn, lora, opt_state, frozen, m, cfg) for m in (1, 16)}
+    compiled, real = [], autobatch._step_memory
+
+    def counting(step_fn, lora, opt_state, frozen, micro, cfg):
+        compiled.append(micro)
+        return real(step_fn, lora, opt_state, frozen, micro, cfg)
+
+    monkeypatch.setattr(autobatch, "_step_memory", counting)
+    for limit in (need[1] * 1.5, need[1] * 3, need[16] * 0.8, need[16] * 1.2):
+        compiled.clear()
+        micro = autobatch.choose_micro_batch(cfg, step_fn, lora, opt_state, frozen, bytes_limit=int(limit / autobatch.MARGIN))
+        assert micro in compiled and compiled[0] == 1 and len(compiled) <= 3, (limit, micro, compiled)
+        assert real(step_fn, lora, opt_state, frozen, micro, cfg)[0] <= limit  # and it fits

@@ -14,11 +14,18 @@ from jaxtune.training.config import TrainConfig
 CANDIDATES = (64, 32, 16, 8, 4, 2, 1)
 CPU_DEFAULT = 4
 MARGIN = 0.9  # use at most this fraction of device memory
+LINE_SLACK = 1.03  # how far over the budget the fitted line may put a candidate that is still compiled to check
 BATCH_KEYS = ("input_ids", "labels", "segment_ids", "positions")
 
 
 def step_bytes(step_fn, lora, opt_state, frozen, micro: int, cfg: TrainConfig) -> int:
     """Device bytes the compiled step needs at this micro-batch (arguments + outputs + temporaries)."""
+    return _step_memory(step_fn, lora, opt_state, frozen, micro, cfg)[0]
+
+
+def _step_memory(step_fn, lora, opt_state, frozen, micro: int, cfg: TrainConfig) -> tuple[int, int]:
+    """(total bytes, temporary bytes) of the step compiled for this micro-batch. The compilation is the one the
+    training loop then runs (jit reuses it for the same shapes), so the size finally chosen costs no extra."""
     shape = (cfg.grad_accum, micro, cfg.seq_len)
     mesh = getattr(step_fn, "mesh", None)
     sharding = None if mesh is None else batch_sharding(mesh)  # then the plan is per device
@@ -26,8 +33,8 @@ def step_bytes(step_fn, lora, opt_state, frozen, micro: int, cfg: TrainConfig) -
     batch["stop"] = jax.ShapeDtypeStruct((cfg.grad_accum, micro, 1), jnp.int32, sharding=sharding)
     compiled = step_fn.lower(lora, opt_state, frozen, batch, jnp.int32(0)).compile()
     mem = compiled.memory_analysis()
-    return int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-               - mem.alias_size_in_bytes)
+    total = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+    return int(total), int(mem.temp_size_in_bytes)
 
 
 def choose_micro_batch(cfg: TrainConfig, step_fn, lora, opt_state, frozen, *, bytes_limit: int | None = None,
@@ -35,8 +42,7 @@ def choose_micro_batch(cfg: TrainConfig, step_fn, lora, opt_state, frozen, *, by
     """The largest candidate micro-batch whose compiled step fits device memory with a margin, and that the
     dataset's `rows` (packed rows) can fill; the same on every process (the smallest any process chose).
 
-    Memory is linear in the micro-batch: two compilations (micro 1 and 2) give the line, the largest
-    candidate under the budget is then compiled once to confirm (stepping down while it does not fit).
+    Memory is linear in the micro-batch; see `_largest_fitting` for how few compilations find the size.
     """
     mesh = getattr(step_fn, "mesh", None)
     unit = 1 if mesh is None else batch_shards(mesh)  # micro-batches split evenly over the mesh's devices
@@ -51,19 +57,36 @@ def choose_micro_batch(cfg: TrainConfig, step_fn, lora, opt_state, frozen, *, by
 
 
 def _largest_fitting(cfg, step_fn, lora, opt_state, frozen, budget: float, unit: int, most: int) -> int:
-    one = step_bytes(step_fn, lora, opt_state, frozen, unit, cfg)
-    if one > budget or most == 1:
-        return unit
-    per_unit = max(step_bytes(step_fn, lora, opt_state, frozen, 2 * unit, cfg) - one, 1)
-    for count in CANDIDATES:
-        if count > most or one + (count - 1) * per_unit > budget:
-            continue
-        if count <= 2:  # measured exactly above
-            return count * unit
+    """One compilation beyond the one training runs, as a rule: micro 1 bounds the per-row memory from above (all
+    its temporaries counted as per-row), the largest candidate under that bound is compiled and measured, and
+    only when the measured line shows a larger candidate fits is that one compiled too."""
+
+    def measure(count: int) -> int | None:
         try:
-            if step_bytes(step_fn, lora, opt_state, frozen, count * unit, cfg) <= budget:
-                return count * unit
+            return _step_memory(step_fn, lora, opt_state, frozen, count * unit, cfg)[0]
         except Exception as e:  # noqa: BLE001 (compilation itself may run out of memory)
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
-    return unit
+            return None
+
+    one, temp_one = _step_memory(step_fn, lora, opt_state, frozen, unit, cfg)
+    allowed = [c for c in CANDIDATES if c <= most]  # largest first
+    if one > budget or not allowed or allowed[0] == 1:
+        return unit
+    guess = next((c for c in allowed if one + (c - 1) * max(temp_one, 1) <= budget), 1)
+    guess = max(guess, min(c for c in allowed if c > 1))  # the bound is loose: always try a second point
+    while guess > 1:
+        need = measure(guess)
+        if need is not None and need <= budget:
+            break
+        guess = next((c for c in allowed if c < guess), 1)  # step down, compiling each
+    if guess == 1:
+        return unit
+    per_row = max((need - one) / (guess - 1), 1.0)
+    # memory is close to, not exactly, linear: a candidate the line puts just over the budget is measured too
+    larger = next((c for c in allowed if c > guess and one + (c - 1) * per_row <= budget * LINE_SLACK), None)
+    if larger is not None:
+        bigger = measure(larger)
+        if bigger is not None and bigger <= budget:
+            return larger * unit
+    return guess * unit

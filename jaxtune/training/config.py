@@ -43,7 +43,7 @@ class TrainConfig:
     lora_dropout: float = 0.0
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     use_rslora: bool = False
-    remat: str = "none"
+    remat: str = "selective"  # measured faster and leaner than "none" at every batch (benchmarks/results)
     ce_chunk_size: int = 1024
     # devices: "data=2,fsdp=4" (see jaxtune.sharding); None = every device on the data axis
     mesh: str | None = None
