@@ -48,6 +48,9 @@ def _tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterator[tupl
         p = f"model.layers.{i}"
         yield f"{p}.input_layernorm.weight", _layer(model.layers.input_layernorm.weight[...], i)
         yield f"{p}.post_attention_layernorm.weight", _layer(model.layers.post_attention_layernorm.weight[...], i)
+        if cfg.qk_norm:
+            yield f"{p}.self_attn.q_norm.weight", _layer(model.layers.self_attn.q_norm.weight[...], i)
+            yield f"{p}.self_attn.k_norm.weight", _layer(model.layers.self_attn.k_norm.weight[...], i)
         for name in LORA_TARGETS:
             proj = projection(model, name)
             key = f"{p}.{PARENT_MODULE[name]}.{name}"

@@ -8,7 +8,7 @@ from typing import Any
 
 from jaxtune.errors import CheckpointError, UnsupportedModelError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -36,6 +36,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on every q and k head, before RoPE
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -81,12 +82,12 @@ class ModelConfig:
         sliding_window = None
         if model_type == "mistral":
             sliding_window = hf.get("sliding_window")
-        elif model_type == "qwen2":
+        elif model_type in ("qwen2", "qwen3"):
             layer_types = hf.get("layer_types") or []
             if hf.get("use_sliding_window") or "sliding_attention" in layer_types:
                 raise UnsupportedModelError(
-                    "qwen2 with use_sliding_window=True is not supported; set use_sliding_window=false "
-                    "(all released Qwen2/2.5 checkpoints use full attention)"
+                    f"{model_type} with use_sliding_window=True is not supported; set use_sliding_window=false "
+                    "(all released Qwen2/2.5/3 dense checkpoints use full attention)"
                 )
         attention_bias = bool(hf.get("attention_bias", False))
         eos = hf.get("eos_token_id")
@@ -109,8 +110,9 @@ class ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type == "llama" and attention_bias,
+            o_bias=model_type in ("llama", "qwen3") and attention_bias,
             mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
             sliding_window=int(sliding_window) if sliding_window else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
@@ -128,7 +130,8 @@ class ModelConfig:
                 high_freq_factor=self.rope_high_freq_factor,
                 original_max_position_embeddings=self.rope_original_max_position,
             )
-        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"}
         out: dict[str, Any] = {
             "architectures": [arch[self.model_type]],
             "model_type": self.model_type,
@@ -155,6 +158,8 @@ class ModelConfig:
             out["sliding_window"] = self.sliding_window
         if self.model_type == "qwen2":
             out.update(use_sliding_window=False, sliding_window=None)
+        if self.model_type == "qwen3":
+            out.update(attention_bias=self.qkv_bias, use_sliding_window=False, sliding_window=None)
         return out
 
 

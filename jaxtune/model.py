@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) as Flax NNX modules.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) as Flax NNX modules.
 
 Parameter paths mirror Hugging Face names (`layers.self_attn.q_proj.weight`, ...) so checkpoint I/O is a
 rename. Decoder layers are stored stacked along a leading layer axis and run with `jax.lax.scan`: one
@@ -80,6 +80,9 @@ class Attention(nnx.Module):
         self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.sliding_window = cfg.sliding_window
+        # Qwen3: per-head RMSNorm on q and k (weights [head_dim], shared by the heads), before RoPE
+        self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
 
     def __call__(
         self,
@@ -96,6 +99,8 @@ class Attention(nnx.Module):
         q = checkpoint_name(self.q_proj(x, fold_rng(rng, 0)), "q_proj").reshape(b, t, self.num_heads, self.head_dim)
         k = checkpoint_name(self.k_proj(x, fold_rng(rng, 1)), "k_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
         v = checkpoint_name(self.v_proj(x, fold_rng(rng, 2)), "v_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
             out = ops.attention(q, k, v, q_segment_ids=segment_ids, sliding_window=self.sliding_window)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from flax import nnx
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Qwen3Config
 
 import jaxtune
 from conftest import build_hf_model
@@ -86,11 +86,12 @@ def _save_bnb_checkpoint(hf_dir, out_dir, *, corrupt_state: bool = False):
     return out
 
 
-def test_bnb_4bit_checkpoint_loads_directly(tmp_path):
+@pytest.mark.parametrize("hf_config", [LlamaConfig(**COMMON), Qwen3Config(**COMMON, head_dim=32)])
+def test_bnb_4bit_checkpoint_loads_directly(tmp_path, hf_config):
     from bitsandbytes import functional as F
     from bitsandbytes.functional import QuantState
 
-    hf_model = build_hf_model(LlamaConfig(**COMMON), tmp_path / "hf")
+    hf_model = build_hf_model(hf_config, tmp_path / "hf")
     bnb = _save_bnb_checkpoint(tmp_path / "hf", tmp_path / "bnb")
     model, _ = jaxtune.from_pretrained(tmp_path / "bnb", dtype="float32")
     # the arrays are bnb's bytes, not a requantization

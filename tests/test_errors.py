@@ -34,7 +34,13 @@ def test_unsupported_model_type(tmp_path):
     with pytest.raises(jaxtune.UnsupportedModelError) as e:
         jaxtune.from_pretrained(tmp_path)
     msg = _one_line(e.value)
-    assert "'gpt2'" in msg and "llama, mistral, qwen2" in msg
+    assert "'gpt2'" in msg and "llama, mistral, qwen2, qwen3" in msg
+
+
+def test_qwen3_moe_is_an_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 64}))
+    with pytest.raises(jaxtune.UnsupportedModelError, match="qwen3_moe"):
+        jaxtune.from_pretrained(tmp_path)
 
 
 def test_truncated_safetensors(tmp_path):

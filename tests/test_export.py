@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 import jaxtune
 from conftest import build_hf_model
@@ -40,6 +40,7 @@ def _close(a, b, tol=1e-4):
     (LlamaConfig(**COMMON), 8, 16, False, LORA_TARGETS),
     (LlamaConfig(**COMMON, tie_word_embeddings=True), 4, 8, True, ("q_proj", "v_proj")),
     (Qwen2Config(**COMMON), 16, 32, False, ("k_proj", "o_proj", "gate_proj")),
+    (Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True), 8, 16, False, LORA_TARGETS),
 ])
 def test_save_peft_loads_in_peft_with_equal_logits(tmp_path, hf_config, r, alpha, rslora, targets):
     from peft import PeftModel
@@ -73,8 +74,9 @@ def test_load_peft_reads_a_peft_written_adapter(tmp_path):
     assert len(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))) == 6
 
 
-def test_merged_onto_original_weights_loads_in_transformers(tmp_path):
-    build_hf_model(LlamaConfig(**COMMON), tmp_path / "base")
+@pytest.mark.parametrize("hf_config", [LlamaConfig(**COMMON), Qwen3Config(**COMMON, head_dim=32)])
+def test_merged_onto_original_weights_loads_in_transformers(tmp_path, hf_config):
+    build_hf_model(hf_config, tmp_path / "base")
     qmodel, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=True)
     jaxtune.get_peft_model(qmodel, r=8, lora_alpha=16)
     _randomize_lora(qmodel)

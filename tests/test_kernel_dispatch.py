@@ -53,10 +53,12 @@ def test_auto_uses_xla_on_cpu_and_the_measured_table_on_gpu(monkeypatch):
     assert dispatch.nf4_impl(4096) == "fused"
 
 
-def kernel_model():
-    """2-layer QLoRA Llama whose shapes the kernels take: head_dim 64, GQA 2:1, dims multiples of 64."""
-    cfg = ModelConfig(model_type="llama", vocab_size=320, hidden_size=128, intermediate_size=192, num_layers=2,
-                      num_heads=2, num_kv_heads=1, head_dim=64)
+def kernel_model(model_type: str = "llama"):
+    """2-layer QLoRA Llama (or Qwen3: q/k norms, head_dim 64 with 4 heads over hidden 128) whose shapes the
+    kernels take: head_dim 64, GQA, dims multiples of 64."""
+    heads = 4 if model_type == "qwen3" else 2
+    cfg = ModelConfig(model_type=model_type, vocab_size=320, hidden_size=128, intermediate_size=192, num_layers=2,
+                      num_heads=heads, num_kv_heads=heads // 2, head_dim=64, qk_norm=model_type == "qwen3")
     model = get_peft_model(quantize_layers(init_model(cfg, dtype="float32", seed=0)), r=4, seed=1)
     lora = nnx.state(model, nnx.LoRAParam)
     nnx.update(model, jax.tree.map(lambda p: p + 0.02 * jax.random.normal(jax.random.key(2), p.shape, p.dtype), lora))
@@ -74,8 +76,12 @@ def logits_and_grads(model, ids, seg):
     return logits, grads, jax.make_jaxpr(loss)(lora)
 
 
-def test_model_with_pallas_kernels_matches_xla():
-    model = kernel_model()
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_model_with_pallas_kernels_matches_xla(model_type):
+    model = kernel_model(model_type)
+    if model_type == "qwen3":  # norms that are not all ones
+        for norm in (model.layers.self_attn.q_norm, model.layers.self_attn.k_norm):
+            norm.weight.set_value(1.0 + 0.1 * jax.random.normal(jax.random.key(3), norm.weight[...].shape))
     ids = jax.random.randint(jax.random.key(0), (2, 45), 0, 320)
     seg = jnp.asarray(np.array([[1] * 20 + [2] * 19 + [0] * 6, [1] * 7 + [2] * 30 + [3] * 8]), jnp.int32)
     jaxtune.set_kernels("xla")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 import jaxtune
 from conftest import build_hf_model
@@ -29,6 +29,11 @@ CONFIGS = {
     "mistral-sliding-window": lambda: MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=8),
     "qwen2-bias-tied": lambda: Qwen2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=True),
     "qwen2-untied-kv1": lambda: Qwen2Config(**COMMON, num_key_value_heads=1, tie_word_embeddings=False),
+    # Qwen3: q/k RMSNorm per head before RoPE, no q/k/v bias, explicit head_dim, large rope_theta
+    "qwen3-tied": lambda: Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                                      rope_theta=1000000.0),
+    "qwen3-untied-kv1": lambda: Qwen3Config(**COMMON, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False),
+    "qwen3-head-dim-32": lambda: Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
 }
 
 
@@ -58,7 +63,7 @@ def test_sharded_checkpoint_loads(tmp_path):
     np.testing.assert_array_less(np.abs(np.asarray(model(ids)) - _hf_logits(hf_model, ids)).max(), 1e-4)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa2", "qwen2-bias-tied"])
+@pytest.mark.parametrize("name", ["llama-gqa2", "qwen2-bias-tied", "qwen3-head-dim-32"])
 def test_packed_segments_equal_separate_sequences(name, tmp_path):
     """Each packed segment's logits equal transformers' logits for that sequence alone."""
     hf_model = build_hf_model(CONFIGS[name](), tmp_path)
