@@ -320,17 +320,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, qk_scale
         dk = dk + pltriton.dot(dst.astype(q.dtype), q)
         return dk, dv
 
+    if causal and not has_segments and window is None:
+        # query tiles wholly below the diagonal see every key of this tile: [lo, mid) masked, [mid, hi) not
+        mid = jnp.maximum(jnp.minimum(pl.cdiv(j * block_k + block_k - 1, block_q), hi), lo)
+        ranges = ((lo, mid, True), (mid, hi, False))
+    else:
+        ranges = ((lo, hi, causal or has_segments or window is not None),)
     carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     for head in range(heads) if heads else (None,):
-        if causal and not has_segments and window is None:
-            # query tiles wholly below the diagonal see every key of this tile
-            mid = jnp.minimum(pl.cdiv(j * block_k + block_k - 1, block_q), hi)
-            mid = jnp.maximum(mid, lo)
-            carry = jax.lax.fori_loop(lo, mid, functools.partial(step, masked=True, head=head), carry)
-            carry = jax.lax.fori_loop(mid, hi, functools.partial(step, masked=False, head=head), carry)
-        else:
-            masked = causal or has_segments or window is not None
-            carry = jax.lax.fori_loop(lo, hi, functools.partial(step, masked=masked, head=head), carry)
+        for start, stop, masked in ranges:
+            carry = jax.lax.fori_loop(start, stop, functools.partial(step, masked=masked, head=head), carry)
     dk, dv = carry
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
@@ -381,8 +380,9 @@ def _backward(q, k, v, segment_ids, out, lse, do, *, scale, causal, window, tile
     # dk, dv: one program per (key tile, batch, kv head) summing over its query heads when the group is a
     # power of two (a Triton block); else per query head, with f32 partials summed over the group after
     grouped = group > 1 and group & (group - 1) == 0
+    partials = group > 1 and not grouped
     head_block = group if grouped else None  # query heads per program (None: one, dimension squeezed)
-    kv_head = (lambda h: h) if grouped or group == 1 else (lambda h: h // group)
+    kv_head = (lambda h: h // group) if partials else (lambda h: h)
     in_specs = [
         pl.BlockSpec((None, t, head_block, d), lambda j, bi, h: (bi, 0, h, 0)),
         pl.BlockSpec((None, bk, None, d), lambda j, bi, h: (bi, j, kv_head(h), 0)),
@@ -399,7 +399,7 @@ def _backward(q, k, v, segment_ids, out, lse, do, *, scale, causal, window, tile
             pl.BlockSpec((None, bk), lambda j, bi, h: (bi, j)),
         ]
         args += [segment_ids, segment_ids, end]
-    out_heads, kv_dtype = (hkv, k.dtype) if grouped or group == 1 else (hq, jnp.float32)
+    out_heads, kv_dtype = (hq, jnp.float32) if partials else (hkv, k.dtype)
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, heads=group if grouped else 0, **static),
         grid=(t // bk, b, out_heads),
@@ -413,7 +413,7 @@ def _backward(q, k, v, segment_ids, out, lse, do, *, scale, causal, window, tile
         interpret=interpret,
         name="flash_attention_dkv",
     )(*args)
-    if out_heads != hkv:
+    if partials:
         dk = dk.reshape(b, t, hkv, group, d).sum(axis=3)
         dv = dv.reshape(b, t, hkv, group, d).sum(axis=3)
     return dq, dk.astype(k.dtype), dv.astype(v.dtype)

@@ -236,16 +236,21 @@ def test_kill_9_during_checkpointing_leaves_a_loadable_checkpoint(tiny_tokenizer
     ckpts.close()
 
 
-def test_auto_batch_picks_the_largest_micro_batch_that_fits(tiny_tokenizer):
-    from jaxtune.training.autobatch import MARGIN, choose_micro_batch, step_bytes
+def _auto_batch_step(tokenizer):
+    """(config, step function, LoRA state, optimizer state, frozen state) of the tiny model, batch size auto."""
     from jaxtune.training.step import make_train_step
 
     cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size="auto")
-    model = get_peft_model(_model(tiny_tokenizer), r=4)
-    graphdef, lora, frozen = split_model(model)
+    graphdef, lora, frozen = split_model(get_peft_model(_model(tokenizer), r=4))
     optimizer, schedule = make_optimizer(cfg)
     opt_state = optimizer.init(lora)
-    step_fn = make_train_step(graphdef, optimizer, schedule, cfg)
+    return cfg, make_train_step(graphdef, optimizer, schedule, cfg), lora, opt_state, frozen
+
+
+def test_auto_batch_picks_the_largest_micro_batch_that_fits(tiny_tokenizer):
+    from jaxtune.training.autobatch import MARGIN, choose_micro_batch, step_bytes
+
+    cfg, step_fn, lora, opt_state, frozen = _auto_batch_step(tiny_tokenizer)
     need = {m: step_bytes(step_fn, lora, opt_state, frozen, m, cfg) for m in (1, 2, 4, 8)}
     assert need[1] < need[2] < need[4] < need[8]  # compiled memory grows with the micro-batch
     for fits in (1, 2, 4, 8):
@@ -284,14 +289,8 @@ def test_auto_batch_compiles_the_chosen_size_and_little_else(tiny_tokenizer, mon
     """The size chosen is one the search compiled (the loop's jit reuses that compilation), and the search
     compiles at most two other sizes (micro 1, and one measured point when the first bound is loose)."""
     import jaxtune.training.autobatch as autobatch
-    from jaxtune.training.step import make_train_step
 
-    cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size="auto")
-    model = get_peft_model(_model(tiny_tokenizer), r=4)
-    graphdef, lora, frozen = split_model(model)
-    optimizer, schedule = make_optimizer(cfg)
-    opt_state = optimizer.init(lora)
-    step_fn = make_train_step(graphdef, optimizer, schedule, cfg)
+    cfg, step_fn, lora, opt_state, frozen = _auto_batch_step(tiny_tokenizer)
     need = {m: autobatch.step_bytes(step_fn, lora, opt_state, frozen, m, cfg) for m in (1, 16)}
     compiled, real = [], autobatch._step_memory
 

@@ -63,7 +63,7 @@ def _largest_fitting(cfg, step_fn, lora, opt_state, frozen, budget: float, unit:
 
     def measure(count: int) -> int | None:
         try:
-            return _step_memory(step_fn, lora, opt_state, frozen, count * unit, cfg)[0]
+            return step_bytes(step_fn, lora, opt_state, frozen, count * unit, cfg)
         except Exception as e:  # noqa: BLE001 (compilation itself may run out of memory)
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
@@ -71,7 +71,7 @@ def _largest_fitting(cfg, step_fn, lora, opt_state, frozen, budget: float, unit:
 
     one, temp_one = _step_memory(step_fn, lora, opt_state, frozen, unit, cfg)
     allowed = [c for c in CANDIDATES if c <= most]  # largest first
-    if one > budget or not allowed or allowed[0] == 1:
+    if one > budget or allowed[0] == 1:
         return unit
     guess = next((c for c in allowed if one + (c - 1) * max(temp_one, 1) <= budget), 1)
     guess = max(guess, min(c for c in allowed if c > 1))  # the bound is loose: always try a second point
