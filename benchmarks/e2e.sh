@@ -6,6 +6,7 @@
 #   bash benchmarks/e2e.sh hf        # HF + PEFT + bitsandbytes dense + variable-length
 #   bash benchmarks/e2e.sh dense-jaxtune; bash benchmarks/e2e.sh dense-unsloth   # dense step side by side,
 #                                    # batches 1/2/4/8, both sides profiled at batch 4 (run back to back)
+#   bash benchmarks/e2e.sh dense-cudnn  # plain causal rows: cuDNN vs Pallas attention (then dense-unsloth)
 # Needs .bench (../shared/bench) and .site (its make_site.sh) carried for the baselines; JSON lines go to
 # $OUT/e2e-<stage>.jsonl. All stages read /tmp/base_llama3-8b (bf16 random Llama-3-8B shapes).
 set -uo pipefail
@@ -35,6 +36,19 @@ dense-jaxtune)  # the dense-step comparison, jaxtune side: batches 1/2/4/8 at th
   LIMIT=120 run env XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=. python3 benchmarks/train_qlora.py $jt \
     --batch 4 --remat selective --steps 2 --profile /tmp/trace
   python3 benchmarks/trace_summary.py /tmp/trace 2 60 > "${OUT:-/tmp/out}/profile-jaxtune-bs4.jsonl"
+  ;;
+dense-cudnn)  # plain causal rows (one sequence per row) through cuDNN vs the same rows through Pallas, then
+  # Unsloth at the same batches in the same lease; 50 steps at batch 1 compare the losses of both attentions
+  checkpoint
+  [ -d $jt ] || run env PYTHONPATH=. python3 benchmarks/convert_llama8b.py convert $base $jt
+  jaxtune --batch 1 --remat selective --steps 50
+  jaxtune --batch 1 --remat selective --steps 50 --data dense-segmented
+  jaxtune --batch 4 --remat selective --steps 8
+  jaxtune --batch 4 --remat selective --steps 8 --data dense-segmented
+  jaxtune --batch 8 --remat selective --steps 6
+  LIMIT=120 run env XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=. python3 benchmarks/train_qlora.py $jt \
+    --batch 4 --remat selective --steps 2 --profile /tmp/trace
+  python3 benchmarks/trace_summary.py /tmp/trace 2 60 > "${OUT:-/tmp/out}/profile-jaxtune-cudnn-bs4.jsonl"
   ;;
 dense-unsloth)  # the same batches through Unsloth (no gradient checkpointing: its fastest), bs4 profiled
   checkpoint

@@ -66,7 +66,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--remat", default="none", choices=list(REMAT_POLICIES))
-    ap.add_argument("--data", default="dense", choices=["dense", "varlen"])
+    ap.add_argument("--data", default="dense", choices=["dense", "dense-segmented", "varlen"],
+                    help="dense: one sequence per row, attended plain causal as train() does for unpacked rows "
+                         "(cuDNN); dense-segmented: the same rows through the segment-aware Pallas kernel; "
+                         "varlen: packed variable-length samples")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--profile", help="write a jax.profiler trace of 2 steps to this folder")
     args = ap.parse_args()
@@ -77,6 +80,7 @@ def main() -> None:
     load_s = time.perf_counter() - t0
     jaxtune.get_peft_model(model, r=16, lora_alpha=16)
     model.remat_policy = REMAT_POLICIES[args.remat]
+    model.single_sequence_rows = args.data == "dense"
     cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch if args.batch == "auto" else int(args.batch),
                               max_steps=1000, learning_rate=1e-4, remat=args.remat)
     graphdef, lora, frozen = split_model(model)

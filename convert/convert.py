@@ -6,6 +6,7 @@ import os
 import time
 
 from convert.jaxtune_format import check_quantization, write_checkpoint
+from jaxtune.bundled import resolve_model_path
 from convert.load import from_pretrained
 from jaxtune.errors import CheckpointError
 from jaxtune.qlora import LoRALinear, NF4Linear
@@ -25,5 +26,6 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quantize: str = "
     proj = model.layers.mlp.up_proj
     if isinstance(proj, LoRALinear):
         raise CheckpointError("the model carries LoRA adapters; convert a base checkpoint and save adapters separately")
-    write_checkpoint(model, tokenizer, dst, quantization="nf4" if isinstance(proj, NF4Linear) else "none")
+    write_checkpoint(model, tokenizer, dst, quantization="nf4" if isinstance(proj, NF4Linear) else "none",
+                     source=os.path.abspath(resolve_model_path(os.fspath(src))))
     return time.perf_counter() - start

@@ -44,12 +44,19 @@ def load_run(run_dir: str | os.PathLike, *, dtype: str = "float32") -> tuple[Cau
     return model, tokenizer, base_model
 
 
-def original_weights_dir(base_model: str) -> str | None:
-    """The base model path when it holds original (unquantized) HF weights, else None."""
-    from convert.jaxtune_format import is_jaxtune_checkpoint
+def original_weights(base_model: str) -> str | None:
+    """Where the run's original (not NF4-quantized) weights are: the base model itself when it is an unquantized
+    HF directory or a .gguf, the checkpoint a jaxtune conversion was made from when that still exists, else None."""
+    from convert.jaxtune_format import FORMAT_FILE, is_jaxtune_checkpoint
     from convert.load import bnb_quantization
 
-    if os.path.isdir(base_model) and os.path.isfile(os.path.join(base_model, "config.json")):
-        if not is_jaxtune_checkpoint(base_model) and not bnb_quantization(base_model):
-            return base_model
-    return None
+    if os.path.isfile(base_model) and base_model.endswith(".gguf"):
+        return base_model
+    if not (os.path.isdir(base_model) and os.path.isfile(os.path.join(base_model, "config.json"))):
+        return None
+    if is_jaxtune_checkpoint(base_model):
+        source = read_json_file(os.path.join(base_model, FORMAT_FILE), missing="").get("source")
+        if isinstance(source, str) and os.path.exists(source) and not is_jaxtune_checkpoint(source):
+            return original_weights(source)
+        return None
+    return None if bnb_quantization(base_model) else base_model

@@ -108,3 +108,90 @@ def _sentencepiece(tokens: list[str], merges: list[str] | None, scores: list[flo
     prefix = True if add_space_prefix is None else bool(add_space_prefix)
     return LlamaTokenizer(vocab=vocab, merges=pairs, add_prefix_space=prefix, legacy=False, add_bos_token=False, **special)
 
+
+
+# ---- the reverse: a transformers fast tokenizer -> GGUF tokenizer metadata ----
+
+NORMAL, UNKNOWN, UNUSED, BYTE = 1, 2, 5, 6  # llama.cpp token types (with CONTROL, USER_DEFINED above)
+_GPT2_DEFAULT_SPLIT = "gpt-2"  # llama.cpp's name for GPT-2's own pre-tokenizer regex (ByteLevel use_regex=True)
+
+
+def _pre_tokenizer_name(pre: dict[str, Any] | None) -> str:
+    """llama.cpp's pre-tokenizer name for a tokenizer.json `pre_tokenizer` (inverse of PRE_TOKENIZER_SPLITS)."""
+    steps = (pre or {}).get("pretokenizers", [pre] if pre else [])
+    for step in steps:
+        pattern = (step.get("pattern") or {}).get("Regex") if step.get("type") == "Split" else None
+        if pattern is not None:
+            names = [name for name, split in PRE_TOKENIZER_SPLITS.items() if split == pattern]
+            if names:
+                return names[0] if names[0] != "llama3" else "llama-bpe"
+            raise UnsupportedModelError(
+                "the tokenizer splits text with a regex llama.cpp has no name for; GGUF export covers the Llama 3 "
+                "and Qwen2 splits and GPT-2's own")
+    if any(s.get("type") == "ByteLevel" and s.get("use_regex", True) for s in steps) and len(steps) == 1:
+        return _GPT2_DEFAULT_SPLIT
+    raise UnsupportedModelError("the tokenizer's pre-tokenizer has no llama.cpp equivalent; GGUF export covers the "
+                                "Llama 3, Qwen2 and GPT-2 byte-level pre-tokenizers")
+
+
+def _merge_strings(merges: list[Any]) -> list[str]:
+    return [m if isinstance(m, str) else " ".join(m) for m in merges]
+
+
+def gguf_tokenizer_fields(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
+    """`tokenizer.ggml.*` / `tokenizer.chat_template` values for a transformers fast BPE tokenizer.
+
+    Byte-level BPE (Llama 3, Qwen2, GPT-2 style) is written as llama.cpp's "gpt2" model with merges and the
+    pre-tokenizer's name; SentencePiece-style BPE (byte fallback: Llama 2, Mistral) as its "llama" model with
+    scores (higher merges first) and merges. Ids the tokenizer does not use up to the model's vocabulary size
+    are padding tokens, as llama.cpp's converter writes them.
+    """
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise UnsupportedModelError("GGUF export needs a fast (tokenizers-backed) tokenizer; load it with "
+                                    "AutoTokenizer.from_pretrained(..., use_fast=True)")
+    spec = json.loads(backend.to_str())
+    model = spec["model"]
+    if model.get("type") != "BPE":
+        raise UnsupportedModelError(f"GGUF export covers BPE tokenizers; this one is {model.get('type')!r}")
+    vocab = tokenizer.get_vocab()
+    if max(vocab.values()) >= vocab_size:
+        raise UnsupportedModelError(f"the tokenizer has ids up to {max(vocab.values())} but the model's vocabulary is "
+                                    f"{vocab_size}; export with the tokenizer the model was trained with")
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [UNUSED] * vocab_size
+    for token, i in vocab.items():
+        tokens[i], types[i] = token, NORMAL
+    for i, added in tokenizer.added_tokens_decoder.items():
+        types[i] = CONTROL if added.special else USER_DEFINED
+    if tokenizer.unk_token_id is not None:
+        types[tokenizer.unk_token_id] = UNKNOWN
+    merges = _merge_strings(model.get("merges") or [])
+    fields: dict[str, Any] = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges}
+    if model.get("byte_fallback"):
+        fields["tokenizer.ggml.model"] = "llama"
+        rank = {m.replace(" ", ""): r for r, m in reversed(list(enumerate(merges)))}
+        fields["tokenizer.ggml.scores"] = [-float(rank.get(t, 0)) if ty == NORMAL else 0.0
+                                           for t, ty in zip(tokens, types)]
+        for i, t in enumerate(tokens):  # byte-fallback pieces, whether in the model's vocab or added
+            if types[i] != UNUSED and len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+                types[i] = BYTE
+        normalizer = json.dumps(spec.get("normalizer")) + json.dumps(spec.get("pre_tokenizer"))
+        fields["tokenizer.ggml.add_space_prefix"] = '"Prepend"' in normalizer or '"prepend_scheme": "first"' in normalizer \
+            or '"prepend_scheme": "always"' in normalizer
+    else:
+        fields["tokenizer.ggml.model"] = "gpt2"
+        fields["tokenizer.ggml.pre"] = _pre_tokenizer_name(spec.get("pre_tokenizer"))
+    fields["tokenizer.ggml.token_type"] = types
+    for key, token_id in (("bos_token_id", tokenizer.bos_token_id), ("eos_token_id", tokenizer.eos_token_id),
+                          ("unknown_token_id", tokenizer.unk_token_id), ("padding_token_id", tokenizer.pad_token_id)):
+        if token_id is not None:
+            fields[f"tokenizer.ggml.{key}"] = int(token_id)
+    probe = tokenizer("a")["input_ids"]  # what encode() adds around text, as llama.cpp's add_bos/add_eos flags
+    fields["tokenizer.ggml.add_bos_token"] = tokenizer.bos_token_id is not None and probe[:1] == [tokenizer.bos_token_id]
+    fields["tokenizer.ggml.add_eos_token"] = tokenizer.eos_token_id is not None and probe[-1:] == [tokenizer.eos_token_id]
+    if isinstance(getattr(tokenizer, "chat_template", None), str):
+        fields["tokenizer.chat_template"] = tokenizer.chat_template
+    return fields

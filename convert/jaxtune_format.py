@@ -64,13 +64,19 @@ def _flat_arrays(model: CausalLM) -> dict[str, jax.Array]:
     return {".".join(path): value for path, value in arrays.items()}
 
 
-def write_checkpoint(model: CausalLM, tokenizer: Any, out_dir: str | os.PathLike, *, quantization: str) -> None:
-    """Writes model (+ tokenizer) to out_dir atomically: a temp dir beside it, renamed when complete."""
+def write_checkpoint(model: CausalLM, tokenizer: Any, out_dir: str | os.PathLike, *, quantization: str,
+                     source: str | None = None) -> None:
+    """Writes model (+ tokenizer) to out_dir atomically: a temp dir beside it, renamed when complete.
+
+    `source` (the checkpoint it was converted from) is recorded so exports can merge onto the original weights.
+    """
     with atomic_directory(out_dir) as tmp:
         write_shards(tmp, _flat_arrays(model).items(), metadata={"format": "jaxtune"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(model.config.to_hf(), f, indent=2)
         meta = {"format_version": FORMAT_VERSION, "quantization": quantization, "dtype": str(model.dtype)}
+        if source is not None:
+            meta["source"] = source
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, FORMAT_FILE), "w") as f:  # written last: marks the directory complete

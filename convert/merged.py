@@ -67,6 +67,32 @@ def _tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterator[tupl
         yield "lm_head.weight", np.asarray(model.lm_head.weight[...], np.float32)
 
 
+def open_original(model: CausalLM, base: str | os.PathLike | None):
+    """A tensor source of the ORIGINAL weights `base` (HF directory or .gguf) checked against the model, or None.
+
+    None (no base) warns when the adapters would be merged onto dequantized NF4 weights, which loses quality.
+    """
+    if base is None:
+        if any(isinstance((p.base if isinstance(p, LoRALinear) else p), NF4Linear)
+               for p in (projection(model, n) for n in LORA_TARGETS)):
+            warnings.warn("merging onto dequantized NF4 weights loses quality; pass base=<HF dir or .gguf of the "
+                          "original weights> (--base) to merge onto them", stacklevel=3)
+        return None
+    from convert.jaxtune_format import is_jaxtune_checkpoint
+    from convert.load import bnb_quantization, open_checkpoint
+
+    base = os.fspath(base)
+    if os.path.isdir(base) and (is_jaxtune_checkpoint(base) or bnb_quantization(base)):
+        raise CheckpointError(f"base {base} holds NF4-quantized weights; pass the HF directory (or .gguf) of the "
+                              "original weights, or omit it to merge onto the dequantized weights")
+    base_cfg, source, _ = open_checkpoint(base)
+    if base_cfg != model.config:
+        source.close()
+        raise CheckpointError(f"base {base} is not the checkpoint of this model (its config differs); "
+                              "pass the directory or .gguf the model was converted from")
+    return source
+
+
 def save_merged(
     model: CausalLM,
     out_dir: str | os.PathLike,
@@ -77,32 +103,14 @@ def save_merged(
 ) -> None:
     """Writes a merged HF checkpoint (sharded safetensors, config.json, tokenizer) atomically.
 
-    With `base` (the HF directory of the ORIGINAL weights) the adapters are added onto those; without it, onto
+    With `base` (the HF directory or .gguf of the ORIGINAL weights) the adapters are added onto those; without it, onto
     the dequantized NF4 weights, which loses quality (a warning says so).
     """
     if dtype not in _DTYPES:
         raise CheckpointError(f"unknown dtype {dtype!r}; choose one of: {', '.join(_DTYPES)}")
     if not lora_modules(model):
         raise CheckpointError("the model has no LoRA adapters to merge; call jaxtune.get_peft_model first")
-    source = None
-    if base is not None:
-        from convert.jaxtune_format import is_jaxtune_checkpoint
-        from convert.load import bnb_quantization, open_checkpoint
-
-        base = os.fspath(base)
-        if os.path.isdir(base) and (is_jaxtune_checkpoint(base) or bnb_quantization(base)):
-            raise CheckpointError(f"base {base} holds quantized weights; pass the HF directory of the original "
-                                  "bf16/fp16/fp32 weights, or omit it to merge onto the dequantized weights")
-        base_cfg, source, gguf = open_checkpoint(base)
-        if gguf is not None or base_cfg != model.config:
-            if source is not None:
-                source.close()
-            raise CheckpointError(f"base {base} is not the HF checkpoint of this model (its config differs); "
-                                  "pass the directory the model was converted from")
-    elif any(isinstance((p.base if isinstance(p, LoRALinear) else p), NF4Linear)
-             for p in (projection(model, n) for n in LORA_TARGETS)):
-        warnings.warn("merging onto dequantized NF4 weights loses quality; pass base=<HF dir of the original "
-                      "weights> (--base) to merge onto them", stacklevel=2)
+    source = open_original(model, base)
     out_dtype = _DTYPES[dtype]
     try:
         with atomic_directory(out_dir) as tmp:

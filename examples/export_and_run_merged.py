@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import jaxtune
-from convert.export import load_run, original_weights_dir
+from convert.export import load_run, original_weights
 
 
 def main() -> None:
@@ -28,7 +28,7 @@ def main() -> None:
     jaxtune.save_peft(model, os.path.join(args.out, "adapter"), base_model_name_or_path=base_model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a GGUF/NF4 base has no original weights: merged onto the dequantized ones
-        jaxtune.save_merged(model, os.path.join(args.out, "merged"), base=original_weights_dir(base_model),
+        jaxtune.save_merged(model, os.path.join(args.out, "merged"), base=original_weights(base_model),
                             tokenizer=tokenizer, dtype="float32")
     merged_dir = os.path.join(args.out, "merged")
     hf_tokenizer = AutoTokenizer.from_pretrained(merged_dir)

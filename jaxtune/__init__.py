@@ -22,6 +22,7 @@ _FROM_CONVERT = {
     "save_peft": "convert.peft_io",
     "load_peft": "convert.peft_io",
     "save_merged": "convert.merged",
+    "save_gguf": "convert.gguf_export",
 }
 
 
@@ -51,6 +52,7 @@ __all__ = [
     "load_peft",
     "nf4",
     "quantize_layers",
+    "save_gguf",
     "save_merged",
     "save_peft",
     "set_kernels",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -34,21 +35,32 @@ def _convert(args: argparse.Namespace) -> None:
 
 
 def _export(args: argparse.Namespace) -> None:
-    from convert.export import load_run, original_weights_dir
+    from convert.export import load_run, original_weights
     from convert.merged import save_merged
     from convert.peft_io import save_peft
     from jaxtune.errors import CheckpointError
 
-    if not args.peft and not args.merged:
-        raise CheckpointError("nothing to export: pass --peft DIR and/or --merged DIR")
+    if not args.peft and not args.merged and not args.gguf:
+        raise CheckpointError("nothing to export: pass --peft DIR, --merged DIR and/or --gguf OUT.gguf")
+    for out in filter(None, (args.peft, args.merged, args.gguf)):  # refuse before writing anything
+        if os.path.exists(out):
+            raise CheckpointError(f"{out} already exists; choose a new output path or delete it first")
+    if args.gguf and not args.gguf.endswith(".gguf"):
+        raise CheckpointError(f"{args.gguf} does not end in .gguf; name the output file OUT.gguf")
     model, tokenizer, base_model = load_run(args.run)
+    base = args.base or original_weights(base_model)
+    onto = "onto " + base if base else "onto dequantized NF4 weights"
     if args.peft:
         save_peft(model, args.peft, base_model_name_or_path=base_model)
         print(f"wrote PEFT adapter {args.peft}")
     if args.merged:
-        base = args.base or original_weights_dir(base_model)
         save_merged(model, args.merged, base=base, tokenizer=tokenizer, dtype=args.dtype)
-        print(f"wrote merged checkpoint {args.merged} ({'onto ' + base if base else 'onto dequantized NF4 weights'})")
+        print(f"wrote merged checkpoint {args.merged} ({onto})")
+    if args.gguf:
+        from convert.gguf_export import save_gguf
+
+        save_gguf(model, args.gguf, tokenizer=tokenizer, base=base, gguf_type=args.gguf_type)
+        print(f"wrote GGUF {args.gguf} ({args.gguf_type}, {onto})")
 
 
 _TRAIN_OVERRIDES = {  # CLI flag -> TrainConfig field
@@ -141,12 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="compute dtype (float32 is faster on most CPUs)")
     tr.set_defaults(func=_train)
 
-    ex = sub.add_parser("export", help="export a training run as a PEFT adapter and/or a merged HF checkpoint")
+    ex = sub.add_parser("export", help="export a training run as a PEFT adapter, a merged HF checkpoint and/or a GGUF")
     ex.add_argument("run", help="the --out directory of jaxtune train")
     ex.add_argument("--peft", help="output directory for the PEFT LoRA adapter")
     ex.add_argument("--merged", help="output directory for the merged HF checkpoint")
-    ex.add_argument("--base", help="HF directory of the original weights to merge onto (default: the run's base "
-                                   "model when it is an unquantized HF directory)")
+    ex.add_argument("--gguf", help="output .gguf file of the merged model, for llama.cpp / Ollama (Llama, Mistral)")
+    ex.add_argument("--gguf-type", default="bf16", choices=["bf16", "f16", "q8_0", "f32"],
+                    help="tensor type of the GGUF's matrices (norms stay f32)")
+    ex.add_argument("--base", help="HF directory or .gguf of the original weights to merge onto (default: the run's "
+                                   "base model, or the checkpoint it was converted from, when those are unquantized)")
     ex.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                     help="dtype of the merged weights")
     ex.set_defaults(func=_export)

@@ -1,11 +1,13 @@
 """Which implementation runs the heavy ops: `JAXTUNE_KERNELS=auto|xla|pallas|pallas-interpret|cudnn`.
 
 - `auto` (default): on GPU, per call shape, the implementation measured fastest (table below, from
-  benchmarks/results/2026-11-22-nf4-matmul-h100.md) and the Pallas flash attention; on CPU the XLA reference.
+  benchmarks/results/2026-11-22-nf4-matmul-h100.md); attention through cuDNN for plain causal rows (one
+  sequence per row, no window) and the Pallas flash attention for packed segments and sliding windows;
+  on CPU the XLA reference.
 - `xla`: the pure XLA reference everywhere.
 - `pallas`: the Pallas kernels wherever they apply (fused NF4 matmul for every M, flash attention).
 - `pallas-interpret`: the same kernels run by the Pallas interpreter (CPU; for tests).
-- `cudnn`: attention through cuDNN (`jax.nn.dot_product_attention`) where it supports the case, NF4 as `auto`.
+- `cudnn`: the same as `auto` (kept for scripts that name it).
 
 The choice is made when a function is traced: set it before the first jit of the model
 (`jaxtune.set_kernels("xla")` or the environment variable).
@@ -65,14 +67,14 @@ def nf4_impl(m: int) -> str:
     return next(impl for limit, impl in NF4_TABLE if m <= limit)
 
 
-def attention_impl() -> str:
-    """`xla`, `pallas` or `cudnn` for full-sequence (no KV cache) attention."""
+def attention_impl(plain_causal: bool) -> str:
+    """`xla`, `pallas` or `cudnn` for full-sequence (no KV cache) attention; `plain_causal`: no segments/window."""
     mode = kernel_mode()
     if mode in ("pallas", "pallas-interpret"):
         return "pallas"
     if mode == "xla" or not _on_gpu():
         return "xla"
-    return "cudnn" if mode == "cudnn" else "pallas"
+    return "cudnn" if plain_causal else "pallas"
 
 
 def interpret() -> bool:

@@ -206,6 +206,9 @@ class CausalLM(nnx.Module):
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
         )
         self.remat_policy: str = "none"
+        # Every row holds one sequence (then padding): attention can ignore segment ids and run plain causal,
+        # which cuDNN serves. Exact for every real token, since padding only ever follows it.
+        self.single_sequence_rows: bool = False
 
     def __call__(
         self,
@@ -234,6 +237,8 @@ class CausalLM(nnx.Module):
                 positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
             else:
                 positions = segment_positions(segment_ids)
+        if self.single_sequence_rows:
+            segment_ids = None
         h, _ = self._decode(input_ids, positions, segment_ids, None, None, dropout_rng)
         return h
 
@@ -289,11 +294,22 @@ SELECTIVE_SAVED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
                    "attention_lse", "lora_hidden")
 
 
+# cuDNN's fused attention forward (its output and softmax statistics): kept like the Pallas kernel's residuals
+CUDNN_ATTENTION_FORWARD = "dot_product_attention_fwd_wrapper"
+
+
+def _save_selective(prim, *args, **params) -> bool:
+    return prim.name == CUDNN_ATTENTION_FORWARD or _SAVE_NAMED(prim, *args, **params)
+
+
+_SAVE_NAMED = jax.checkpoint_policies.save_only_these_names(*SELECTIVE_SAVED)
+
+
 def remat_policy(name: str):
     """Named rematerialization policies for the per-layer scan body."""
     policies = {
         "full": jax.checkpoint_policies.nothing_saveable,
-        "selective": jax.checkpoint_policies.save_only_these_names(*SELECTIVE_SAVED),
+        "selective": _save_selective,
         "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         # each layer's input goes to host memory in the forward pass and comes back for its recompute
         "offload": jax.checkpoint_policies.save_and_offload_only_these_names(

@@ -104,8 +104,9 @@ def _fast_attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, sliding_wi
     full_sequence = isinstance(q_offset, int) and q_offset == 0 and kv_segment_ids is None and k.shape[1] == q.shape[1]
     if not full_sequence or q.shape[-1] not in (64, 128):
         return None
-    impl = dispatch.attention_impl()
-    if impl == "cudnn" and q_segment_ids is None and sliding_window is None and q.dtype in (jnp.bfloat16, jnp.float16):
+    plain = q_segment_ids is None and sliding_window is None and q.dtype in (jnp.bfloat16, jnp.float16)
+    impl = dispatch.attention_impl(plain_causal=plain and q.shape[1] % 64 == 0)
+    if impl == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     if impl in ("pallas", "cudnn"):
         from pallas_kernels.flash_attention import flash_attention

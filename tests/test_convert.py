@@ -43,7 +43,8 @@ def test_convert_then_load_gives_identical_params(tmp_path, quantize, capsys):
     with capsys.disabled():
         print(f"\n[convert {quantize}] convert {t_convert:.2f} s, load pre-converted {t_load:.2f} s")
     meta = json.loads((tmp_path / "out" / "jaxtune.json").read_text())
-    assert meta == {"format_version": 1, "quantization": quantize, "dtype": "bfloat16"}
+    assert meta == {"format_version": 1, "quantization": quantize, "dtype": "bfloat16",
+                    "source": str((tmp_path / "hf").resolve())}
 
 
 def test_convert_gguf_keeps_the_tokenizer(tmp_path, smollm2_path):

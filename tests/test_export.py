@@ -166,12 +166,31 @@ def test_cli_export_run(tmp_path, tiny_tokenizer, capsys):
                  "completion", "--out", str(tmp_path / "run"), "--max-steps", "3", "--seq-len", "64",
                  "--batch-size", "2", "--lora-r", "4", "--lr", "0.01", "--dtype", "float32"]) == 0
     assert main(["export", str(tmp_path / "run"), "--peft", str(tmp_path / "p"), "--merged", str(tmp_path / "mg"),
-                 "--dtype", "float32"]) == 0
-    assert "onto " + str(tmp_path / "m") in capsys.readouterr().out
+                 "--dtype", "float32", "--gguf", str(tmp_path / "g" / "tuned.gguf"), "--gguf-type", "f32"]) == 0
+    assert capsys.readouterr().out.count("onto " + str(tmp_path / "m")) == 2
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
     via_peft = _torch_logits(PeftModel.from_pretrained(base, tmp_path / "p").eval())
     merged = _torch_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "mg", dtype=torch.float32).eval())
     _close(via_peft, merged)
+    via_gguf = AutoModelForCausalLM.from_pretrained(tmp_path / "g", gguf_file="tuned.gguf", dtype=torch.float32)
+    _close(via_peft, _torch_logits(via_gguf.eval()))
     assert (tmp_path / "mg" / "tokenizer.json").exists()
     assert main(["export", str(tmp_path / "run"), "--peft", str(tmp_path / "p")]) == 1  # exists: refused
     assert "already exists" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "run"), "--peft", str(tmp_path / "p2"), "--gguf", str(tmp_path / "g" / "tuned.gguf")]) == 1
+    assert "already exists" in capsys.readouterr().err and not (tmp_path / "p2").exists()  # refused before writing
+
+
+def test_export_finds_the_original_weights_behind_a_converted_checkpoint(tmp_path, smollm2_path):
+    """A run on a jaxtune NF4 checkpoint merges onto the checkpoint it was converted from (here the bundled GGUF)."""
+    from convert.export import original_weights
+
+    build_hf_model(LlamaConfig(**COMMON), tmp_path / "hf")
+    jaxtune.convert(tmp_path / "hf", tmp_path / "nf4")
+    assert original_weights(str(tmp_path / "nf4")) == str(tmp_path / "hf")
+    assert original_weights(str(tmp_path / "hf")) == str(tmp_path / "hf")
+    jaxtune.convert(tmp_path / "nf4", tmp_path / "nf4-again")  # a conversion of a conversion: no originals
+    assert original_weights(str(tmp_path / "nf4-again")) is None
+    assert original_weights(smollm2_path) == smollm2_path
+    (tmp_path / "hf").rename(tmp_path / "moved")
+    assert original_weights(str(tmp_path / "nf4")) is None

@@ -41,25 +41,28 @@ def test_mode_from_env_and_setter(monkeypatch):
 
 
 def test_auto_uses_xla_on_cpu_and_the_measured_table_on_gpu(monkeypatch):
-    assert dispatch.nf4_impl(1) == "xla" and dispatch.attention_impl() == "xla"
+    assert dispatch.nf4_impl(1) == "xla" and dispatch.attention_impl(True) == "xla"
     monkeypatch.setattr(dispatch, "_on_gpu", lambda: True)
     assert [dispatch.nf4_impl(m) for m in (1, 16, 17, 2048)] == ["fused", "fused", "dequant+dot", "dequant+dot"]
-    assert dispatch.attention_impl() == "pallas"
+    assert dispatch.attention_impl(plain_causal=True) == "cudnn"  # one sequence per row: cuDNN
+    assert dispatch.attention_impl(plain_causal=False) == "pallas"  # packed segments, windows: Pallas
     jaxtune.set_kernels("cudnn")
-    assert dispatch.attention_impl() == "cudnn"
+    assert dispatch.attention_impl(True) == "cudnn" and dispatch.attention_impl(False) == "pallas"
+    jaxtune.set_kernels("pallas")
+    assert dispatch.attention_impl(True) == "pallas"
     jaxtune.set_kernels("xla")
-    assert dispatch.nf4_impl(1) == "xla" and dispatch.attention_impl() == "xla"
+    assert dispatch.nf4_impl(1) == "xla" and dispatch.attention_impl(True) == "xla"
     jaxtune.set_kernels("pallas")
     assert dispatch.nf4_impl(4096) == "fused"
 
 
-def kernel_model(model_type: str = "llama"):
+def kernel_model(model_type: str = "llama", dtype: str = "float32"):
     """2-layer QLoRA Llama (or Qwen3: q/k norms, head_dim 64 with 4 heads over hidden 128) whose shapes the
     kernels take: head_dim 64, GQA, dims multiples of 64."""
     heads = 4 if model_type == "qwen3" else 2
     cfg = ModelConfig(model_type=model_type, vocab_size=320, hidden_size=128, intermediate_size=192, num_layers=2,
                       num_heads=heads, num_kv_heads=heads // 2, head_dim=64, qk_norm=model_type == "qwen3")
-    model = get_peft_model(quantize_layers(init_model(cfg, dtype="float32", seed=0)), r=4, seed=1)
+    model = get_peft_model(quantize_layers(init_model(cfg, dtype=dtype, seed=0)), r=4, seed=1)
     lora = nnx.state(model, nnx.LoRAParam)
     nnx.update(model, jax.tree.map(lambda p: p + 0.02 * jax.random.normal(jax.random.key(2), p.shape, p.dtype), lora))
     return model
@@ -144,6 +147,56 @@ def test_remat_policies_keep_gradients_and_selective_redoes_no_kernel(policy):
     assert nbytes < 0.7 * none_bytes
     assert live_calls(none_jaxpr, "flash_attention_fwd") == 1
     assert live_calls(jaxpr, "flash_attention_fwd") == (1 if policy == "selective" else 2)
+
+
+def live_primitives(jaxpr, name: str) -> int:
+    """How many equations of primitive `name` have a used output, through sub-jaxprs."""
+    used = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, jax.extend.core.Literal)}
+    used |= {v for v in jaxpr.outvars if not isinstance(v, jax.extend.core.Literal)}
+    count = 0
+    for e in jaxpr.eqns:
+        count += e.primitive.name == name and any(v in used for v in e.outvars)
+        for p in e.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    count += live_primitives(inner, name)
+    return count
+
+
+@pytest.mark.gpu
+def test_single_sequence_rows_run_cudnn_attention_with_pallas_gradients():
+    """Rows of one sequence (then padding) take cuDNN's causal attention; its loss and gradients match the
+    Pallas kernel's on the same rows, and selective remat keeps cuDNN's forward outputs (no recompute)."""
+    from jaxtune.model import CUDNN_ATTENTION_FORWARD
+
+    jaxtune.set_kernels("auto")
+    model = kernel_model(dtype="bfloat16")
+    model.remat_policy = "selective"
+    ids = jax.random.randint(jax.random.key(0), (2, 256), 0, 320)
+    seg = jnp.asarray(np.array([[1] * 256, [1] * 200 + [0] * 56]), jnp.int32)
+    real = np.asarray(seg) > 0
+    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+
+    def loss_of(graphdef):  # over real tokens only: padding attends differently, and carries no loss
+        def loss(lora):
+            logits = nnx.merge(graphdef, lora, rest)(ids, segment_ids=seg).astype(jnp.float32)
+            return jnp.sum(jnp.where(seg > 0, jax.nn.logsumexp(logits, axis=-1), 0.0)) / jnp.sum(seg > 0), logits
+        return loss
+
+    (_, ref_logits), ref_grads = jax.value_and_grad(loss_of(graphdef), has_aux=True)(lora)  # segment ids: Pallas
+    model.single_sequence_rows = True
+    cudnn_graphdef = nnx.split(model, nnx.LoRAParam, ...)[0]
+    (_, logits), grads = jax.value_and_grad(loss_of(cudnn_graphdef), has_aux=True)(lora)
+    assert "pallas_call" in str(jax.make_jaxpr(loss_of(graphdef))(lora))
+    assert CUDNN_ATTENTION_FORWARD in str(jax.make_jaxpr(loss_of(cudnn_graphdef))(lora))
+    diff = np.abs(np.asarray(logits) - np.asarray(ref_logits))[real]
+    assert diff.max() < 0.05 * np.abs(np.asarray(ref_logits)).max()
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.abs(got - want).max() <= 0.05 * np.abs(want).max() + 1e-6
+    _, grad_jaxpr = residuals_and_grad_jaxpr(model, ids, seg)
+    assert live_primitives(grad_jaxpr, CUDNN_ATTENTION_FORWARD) == 1
 
 
 def test_offload_policy_moves_layer_inputs_to_host_and_tiles_the_mlp(monkeypatch):

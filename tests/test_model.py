@@ -80,3 +80,22 @@ def test_gradients_flow_through_scanned_layers():
     model.remat_policy = "full"
     g2 = np.asarray(nnx.grad(loss)(model).layers.mlp.down_proj.weight[...])
     np.testing.assert_allclose(g, g2, rtol=1e-5, atol=1e-7)
+
+
+def test_single_sequence_rows_ignore_segment_ids_with_the_same_result_on_real_tokens():
+    """One sequence per row, then padding: plain causal attention gives every real token what the
+    segment-aware attention gives it (padding only follows the sequence), so the flag is exact."""
+    model = init_model(SMALL, dtype="float32")
+    ids = np.random.default_rng(0).integers(0, SMALL.vocab_size, (3, 16))
+    seg = np.zeros((3, 16), np.int32)
+    for row, n in enumerate((16, 11, 5)):
+        seg[row, :n] = 1
+    want = np.asarray(model.hidden_states(ids, segment_positions(seg), seg))
+    model.single_sequence_rows = True
+    got = np.asarray(model.hidden_states(ids, segment_positions(seg), seg))
+    np.testing.assert_allclose(got[seg > 0], want[seg > 0], atol=1e-5)
+    two = np.where(np.arange(16) < 8, 1, 2)[None].repeat(3, 0).astype(np.int32)
+    flagged = np.asarray(model.hidden_states(ids, segment_positions(two), two))
+    model.single_sequence_rows = False
+    aware = np.asarray(model.hidden_states(ids, segment_positions(two), two))
+    assert not np.allclose(flagged[:, 8:], aware[:, 8:], atol=1e-3)  # two segments a row: the flag must stay off

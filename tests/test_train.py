@@ -304,3 +304,18 @@ def test_auto_batch_compiles_the_chosen_size_and_little_else(tiny_tokenizer, mon
         micro = autobatch.choose_micro_batch(cfg, step_fn, lora, opt_state, frozen, bytes_limit=int(limit / autobatch.MARGIN))
         assert micro in compiled and compiled[0] == 1 and len(compiled) <= 3, (limit, micro, compiled)
         assert real(step_fn, lora, opt_state, frozen, micro, cfg)[0] <= limit  # and it fits
+
+
+@pytest.mark.parametrize("packing, single", [(False, True), (True, False)])
+def test_unpacked_rows_train_with_plain_causal_attention(tiny_tokenizer, monkeypatch, packing, single):
+    """Without packing every row holds one chat: the step's model attends plain causal (cuDNN on GPU); the
+    user's model keeps honouring segment ids afterwards."""
+    import jaxtune.training.loop as loop
+
+    seen = []
+    real_split = loop.split_model
+    monkeypatch.setattr(loop, "split_model", lambda m: seen.append(m.single_sequence_rows) or real_split(m))
+    model = _model(tiny_tokenizer)
+    cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=2, lora_r=4, packing=packing)
+    result = jaxtune.train(model, tiny_tokenizer, ROWS, cfg, progress=False)
+    assert seen == [single] and not model.single_sequence_rows and all(np.isfinite(result.losses))

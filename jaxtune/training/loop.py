@@ -160,7 +160,14 @@ def train(
     mesh = make_mesh(cfg.mesh) if cfg.mesh or jax.device_count() > 1 else None
     unit = 1 if mesh is None else batch_shards(mesh)  # micro-batches split into this many equal parts
     lead = jax.process_index() == 0  # files beside the checkpoints are written by one process
-    graphdef, lora, frozen = split_model(model)
+    # rows of one sequence each (no packing happened): plain causal attention, which cuDNN serves; the flag
+    # lives in the step's graphdef only, so the model keeps honouring segment ids after training
+    model.single_sequence_rows = all(int(r.segment_ids.max(initial=0)) <= 1 for r in (train_rows, eval_rows)
+                                     if r is not None)
+    try:
+        graphdef, lora, frozen = split_model(model)
+    finally:
+        model.single_sequence_rows = False
     optimizer, schedule = make_optimizer(cfg)
     opt_state = optimizer.init(lora)
     if mesh is not None:

@@ -1,0 +1,188 @@
+"""GGUF export of a fine-tuned model for llama.cpp / Ollama: the merged weights as a Llama-architecture GGUF.
+
+The tensors are those of the merged HF checkpoint (LoRA added onto the original weights when they are
+given), renamed to llama.cpp's names, with q/k rows permuted into llama.cpp's interleaved-RoPE order
+(the inverse of what the GGUF importer undoes). Hyperparameters and the tokenizer (vocabulary, merges or
+scores, special ids, chat template) go into the metadata. Written with the `gguf` package's writer and
+quantizers to a temp file beside the output, renamed when complete.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from convert.gguf_source import _LAYER_NAMES, _TOP_NAMES, SUPPORTED_GGUF_ARCHITECTURES
+from convert.gguf_tokenizer import gguf_tokenizer_fields
+from convert.merged import _tensors, open_original
+from convert.peft_io import lora_modules
+from jaxtune.config import ModelConfig
+from jaxtune.errors import CheckpointError, UnsupportedModelError
+from jaxtune.model import CausalLM
+from jaxtune.rope import inverse_frequencies
+
+GGUF_TYPES = ("bf16", "f16", "q8_0", "f32")
+GGUF_MODEL_TYPES = ("llama", "mistral")  # written as llama.cpp's "llama" architecture
+_GGUF_NAMES = {hf: gguf for gguf, hf in _TOP_NAMES.items()}
+_GGUF_LAYER_NAMES = {hf: gguf for gguf, hf in _LAYER_NAMES.items()}
+
+
+def gguf_name(hf_name: str) -> str:
+    """llama.cpp's tensor name for an HF Llama tensor name (inverse of the importer's mapping)."""
+    if hf_name in _GGUF_NAMES:
+        return _GGUF_NAMES[hf_name]
+    prefix, _, rest = hf_name.partition("model.layers.")
+    index, _, module = rest.partition(".")
+    module, _, kind = module.rpartition(".")
+    if prefix or not index.isdigit() or module not in _GGUF_LAYER_NAMES:
+        raise UnsupportedModelError(f"tensor {hf_name} has no llama.cpp counterpart; GGUF export covers Llama models")
+    return f"blk.{index}.{_GGUF_LAYER_NAMES[module]}.{kind}"
+
+
+def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order (rotate_half halves -> interleaved pairs), per head; inverse of unpermute_qk."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def rope_factors(cfg: ModelConfig) -> np.ndarray:
+    """llama.cpp's `rope_freqs` for llama3 RoPE scaling: per-pair divisors of the unscaled frequencies."""
+    plain = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
+    return (plain / inverse_frequencies(cfg)).astype(np.float32)
+
+
+def _check_exportable(model: CausalLM, gguf_type: str) -> ModelConfig:
+    cfg = model.config
+    if gguf_type not in GGUF_TYPES:
+        raise CheckpointError(f"unknown GGUF type {gguf_type!r}; choose one of: {', '.join(GGUF_TYPES)}")
+    if cfg.model_type not in GGUF_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"GGUF export covers {', '.join(GGUF_MODEL_TYPES)} models, not {cfg.model_type!r}; export --merged and "
+            "convert that directory with llama.cpp's convert_hf_to_gguf.py")
+    if cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias:
+        raise UnsupportedModelError("GGUF export covers Llama models without projection biases; export --merged instead")
+    if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_position_embeddings:
+        raise UnsupportedModelError(
+            f"the model attends through a {cfg.sliding_window}-token sliding window, which llama.cpp's llama "
+            "architecture does not apply; export --merged instead")
+    return cfg
+
+
+def _add_hyperparameters(writer: Any, cfg: ModelConfig, name: str, file_type: int) -> None:
+    import gguf
+
+    writer.add_name(name)
+    writer.add_file_type(file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.rope_type == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(cfg.rope_factor)
+
+
+def _add_tokenizer(writer: Any, tokenizer: Any, cfg: ModelConfig) -> None:
+    fields = gguf_tokenizer_fields(tokenizer, cfg.vocab_size)
+    writer.add_tokenizer_model(fields.pop("tokenizer.ggml.model"))
+    if "tokenizer.ggml.pre" in fields:
+        writer.add_tokenizer_pre(fields.pop("tokenizer.ggml.pre"))
+    writer.add_token_list(fields.pop("tokenizer.ggml.tokens"))
+    writer.add_token_types(fields.pop("tokenizer.ggml.token_type"))
+    if "tokenizer.ggml.scores" in fields:
+        writer.add_token_scores(fields.pop("tokenizer.ggml.scores"))
+    merges = fields.pop("tokenizer.ggml.merges")
+    if merges:
+        writer.add_token_merges(merges)
+    if "tokenizer.chat_template" in fields:
+        writer.add_chat_template(fields.pop("tokenizer.chat_template"))
+    for key, value in fields.items():  # special ids and flags, under their GGUF keys
+        (writer.add_bool if isinstance(value, bool) else writer.add_uint32)(key, value)
+
+
+def _encode(w: np.ndarray, gguf_type: str) -> tuple[np.ndarray, Any]:
+    """(stored array, raw GGML type or None) for one float32 tensor; 1-D tensors stay f32, as llama.cpp keeps them."""
+    import gguf
+
+    q = gguf.GGMLQuantizationType
+    if w.ndim == 1 or gguf_type == "f32":
+        return w.astype(np.float32), None
+    if gguf_type == "q8_0" and w.shape[-1] % gguf.GGML_QUANT_SIZES[q.Q8_0][0] == 0:
+        return gguf.quants.quantize(w, q.Q8_0), q.Q8_0
+    if gguf_type == "bf16":
+        return gguf.quants.quantize(w, q.BF16), q.BF16
+    return w.astype(np.float16), None  # f16, and q8_0's fallback for rows that are not whole blocks
+
+
+def save_gguf(
+    model: CausalLM,
+    out_path: str | os.PathLike,
+    *,
+    tokenizer: Any,
+    base: str | os.PathLike | None = None,
+    gguf_type: str = "bf16",
+    name: str | None = None,
+) -> None:
+    """Writes the merged model as a llama.cpp GGUF file (`gguf_type`: bf16, f16, q8_0 or f32).
+
+    With `base` (the HF directory or .gguf of the ORIGINAL weights) the adapters are added onto those; without it,
+    onto the dequantized NF4 weights (a warning says so), exactly as `save_merged`.
+    """
+    import gguf
+
+    cfg = _check_exportable(model, gguf_type)
+    if tokenizer is None:
+        raise CheckpointError("GGUF export needs the model's tokenizer (llama.cpp reads it from the file)")
+    if not lora_modules(model):
+        raise CheckpointError("the model has no LoRA adapters to merge; call jaxtune.get_peft_model first")
+    out_path = os.fspath(out_path)
+    if not out_path.endswith(".gguf"):
+        raise CheckpointError(f"{out_path} does not end in .gguf; name the output file OUT.gguf")
+    if os.path.exists(out_path):
+        raise CheckpointError(f"{out_path} already exists; choose a new output file or delete it first")
+    parent = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(parent, exist_ok=True)
+    file_type = {"bf16": gguf.LlamaFileType.MOSTLY_BF16, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "f32": gguf.LlamaFileType.ALL_F32}[gguf_type]
+    source = open_original(model, base)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out_path)}.partial-", dir=parent)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp, SUPPORTED_GGUF_ARCHITECTURES[0], use_temp_file=True)
+        _add_hyperparameters(writer, cfg, name or os.path.splitext(os.path.basename(out_path))[0], int(file_type))
+        _add_tokenizer(writer, tokenizer, cfg)
+        if cfg.rope_type == "llama3":
+            writer.add_tensor("rope_freqs.weight", rope_factors(cfg))
+        total = 2 + cfg.num_layers * len(_GGUF_LAYER_NAMES) + (0 if model.lm_head is None else 1)
+        for hf_name, w in tqdm(_tensors(model, source), total=total, desc="GGUF tensors", unit="tensor"):
+            if hf_name.endswith("q_proj.weight"):
+                w = permute_qk(w, cfg.num_heads)
+            elif hf_name.endswith("k_proj.weight"):
+                w = permute_qk(w, cfg.num_kv_heads)
+            data, raw_type = _encode(w, gguf_type)
+            writer.add_tensor(gguf_name(hf_name), data, raw_dtype=raw_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, out_path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    finally:
+        if source is not None:
+            source.close()

@@ -1,0 +1,206 @@
+"""GGUF export reads back equal two independent ways: transformers' GGUF loader and jaxtune's importer (CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
+
+import jaxtune
+from conftest import build_hf_model
+from test_export import _randomize_lora
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+TEXT = 'Paris is the capital of France. {"age": 31} 0123456789\n<|im_start|>user hello<|im_end|>'
+
+
+def _trained_like(tmp_path, hf_config, tokenizer):
+    """A random HF model (original weights in tmp/base) and its QLoRA model with random adapters."""
+    build_hf_model(hf_config, tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    model, tok = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=True)
+    jaxtune.get_peft_model(model, r=8, lora_alpha=16)
+    return _randomize_lora(model), tok
+
+
+def _logits(model, ids) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.as_tensor(ids)).logits.float().numpy()
+
+
+def _rounded(w: np.ndarray, gguf_type: str) -> np.ndarray:
+    """What a float32 matrix becomes when stored as `gguf_type` and read back (round to nearest even)."""
+    import ml_dtypes
+
+    if w.ndim == 1 or gguf_type == "f32":
+        return w
+    return w.astype({"bf16": ml_dtypes.bfloat16, "f16": np.float16}[gguf_type]).astype(np.float32)
+
+
+@pytest.mark.parametrize("make_config, gguf_type, tol", [
+    (lambda v: LlamaConfig(vocab_size=v, **SMALL), "f32", 1e-4),
+    (lambda v: LlamaConfig(vocab_size=v, **SMALL), "bf16", 3e-2),  # logits span about +-2
+    (lambda v: LlamaConfig(vocab_size=v, **SMALL, tie_word_embeddings=True, head_dim=32), "f16", 5e-3),
+    (lambda v: MistralConfig(vocab_size=v, **SMALL, sliding_window=None), "bf16", 3e-2),
+    (lambda v: LlamaConfig(vocab_size=v, **{**SMALL, "num_hidden_layers": 3}), "q8_0", 5e-2),
+])
+def test_gguf_reads_back_like_the_merged_checkpoint(tmp_path, tiny_tokenizer, make_config, gguf_type, tol):
+    from safetensors.numpy import load_file
+
+    from convert.gguf_source import GGUFSource
+
+    model, tok = _trained_like(tmp_path, make_config(len(tiny_tokenizer)), tiny_tokenizer)
+    jaxtune.save_merged(model, tmp_path / "merged", base=tmp_path / "base", dtype="float32")
+    jaxtune.save_gguf(model, tmp_path / "out" / "model.gguf", tokenizer=tok, base=tmp_path / "base", gguf_type=gguf_type)
+    assert [f.name for f in (tmp_path / "out").iterdir()] == ["model.gguf"]
+    merged_tensors = {k: v for f in (tmp_path / "merged").glob("*.safetensors") for k, v in load_file(f).items()}
+    with GGUFSource(tmp_path / "out" / "model.gguf") as source:
+        assert sorted(source.names()) == sorted(merged_tensors)
+        if gguf_type != "q8_0":  # every tensor is the merged one, rounded once
+            for name, want in merged_tensors.items():
+                np.testing.assert_array_equal(source.get(name), _rounded(want, gguf_type), err_msg=name)
+    ids = np.random.default_rng(0).integers(0, len(tiny_tokenizer), size=(2, 12))
+    merged = _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval(), ids)
+    via_transformers = AutoModelForCausalLM.from_pretrained(tmp_path / "out", gguf_file="model.gguf",
+                                                            dtype=torch.float32).eval()
+    reimported, gguf_tok = jaxtune.from_pretrained(tmp_path / "out" / "model.gguf", dtype="float32")
+    assert np.abs(_logits(via_transformers, ids) - merged).max() < tol
+    assert np.abs(np.asarray(reimported(ids)) - merged).max() < tol
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "out", gguf_file="model.gguf")
+    want = tok(TEXT)["input_ids"]
+    assert gguf_tok(TEXT)["input_ids"] == want and hf_tok(TEXT)["input_ids"] == want
+    assert gguf_tok.chat_template == tok.chat_template == hf_tok.chat_template
+
+
+def test_rope_scaling_is_written_as_llama_cpp_reads_it(tmp_path, tiny_tokenizer):
+    """llama3 scaling as the `rope_freqs` tensor (per-pair frequency divisors), linear as rope.scaling.* keys."""
+    import gguf
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}
+    hf_config = LlamaConfig(vocab_size=len(tiny_tokenizer), **SMALL, rope_scaling=rope, max_position_embeddings=1024)
+    model, tok = _trained_like(tmp_path / "llama3", hf_config, tiny_tokenizer)
+    jaxtune.save_gguf(model, tmp_path / "llama3.gguf", tokenizer=tok, base=tmp_path / "llama3" / "base")
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    plain = 1.0 / (hf_config.rope_parameters["rope_theta"] ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16))
+    stored = {t.name: t for t in gguf.GGUFReader(tmp_path / "llama3.gguf").tensors}["rope_freqs.weight"]
+    np.testing.assert_allclose(np.asarray(stored.data), (plain / scaled.double()).numpy(), rtol=1e-5)
+    assert not np.allclose(np.asarray(stored.data), 1.0)
+
+    linear = LlamaConfig(vocab_size=len(tiny_tokenizer), **SMALL, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    model, tok = _trained_like(tmp_path / "linear", linear, tiny_tokenizer)
+    jaxtune.save_merged(model, tmp_path / "merged", base=tmp_path / "linear" / "base", dtype="float32")
+    jaxtune.save_gguf(model, tmp_path / "linear.gguf", tokenizer=tok, base=tmp_path / "linear" / "base",
+                      gguf_type="f32")
+    fields = gguf.GGUFReader(tmp_path / "linear.gguf").fields
+    assert fields["llama.rope.scaling.type"].contents() == "linear"
+    assert fields["llama.rope.scaling.factor"].contents() == 2.0
+    ids = np.random.default_rng(0).integers(0, len(tiny_tokenizer), size=(2, 40))
+    merged = _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval(), ids)
+    reimported, _ = jaxtune.from_pretrained(tmp_path / "linear.gguf", dtype="float32")
+    assert np.abs(np.asarray(reimported(ids)) - merged).max() < 1e-4
+
+
+def _sentencepiece_style_tokenizer(path):
+    """A Llama-2 style tokenizer: BPE over "▁"-spaced text with byte fallback, <s> prepended, trained offline."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    corpus = ["The quick brown fox jumps over the lazy dog. " * 3, "Paris is the capital of France.", "hello 0123"]
+    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *bytes_]))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+    fast.save_pretrained(path)
+    return PreTrainedTokenizerFast.from_pretrained(path)
+
+
+def test_sentencepiece_style_tokenizer_reads_back_equal(tmp_path):
+    import gguf
+
+    sp = _sentencepiece_style_tokenizer(tmp_path / "tok")
+    model, tok = _trained_like(tmp_path, LlamaConfig(vocab_size=len(sp) + 5, **SMALL), sp)  # 5 unused ids
+    jaxtune.save_gguf(model, tmp_path / "out" / "m.gguf", tokenizer=tok, base=tmp_path / "base", gguf_type="f16")
+    fields = gguf.GGUFReader(tmp_path / "out" / "m.gguf").fields
+    assert fields["tokenizer.ggml.model"].contents() == "llama"
+    types = fields["tokenizer.ggml.token_type"].contents()
+    assert types[sp.convert_tokens_to_ids("<0x41>")] == 6 and types[sp.bos_token_id] == 3 and types[-1] == 5
+    _, gguf_tok = jaxtune.from_pretrained(tmp_path / "out" / "m.gguf", dtype="float32")
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "out", gguf_file="m.gguf")
+    for text in ("Paris ünïcode 42", "hello  world\nThe fox", "The lazy dog."):
+        want = tok(text)["input_ids"]
+        assert want[0] == sp.bos_token_id and gguf_tok(text)["input_ids"] == want and hf_tok(text)["input_ids"] == want
+        assert gguf_tok.decode(want, skip_special_tokens=True) == text
+    assert gguf_tok.chat_template == tok.chat_template
+
+
+def test_smollm2_fine_tune_round_trips_through_gguf(tmp_path, smollm2_path):
+    model, tokenizer = jaxtune.from_pretrained(smollm2_path, dtype="float32")
+    rows = [{"messages": [{"role": "user", "content": f"Say {i}"}, {"role": "assistant", "content": f"{i}!"}]}
+            for i in range(16)]
+    jaxtune.train(model, tokenizer, rows, jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=2, lora_r=8,
+                                                              learning_rate=1e-2), progress=False)
+    prompts = [[{"role": "user", "content": c}] for c in ("Say 3", "What is the capital of France?",
+                                                          "Write a haiku about rain.")]
+    want = jaxtune.generate(model, tokenizer, prompts, max_new_tokens=12)
+    jaxtune.save_gguf(model, tmp_path / "tuned.gguf", tokenizer=tokenizer, base=smollm2_path)  # bf16
+    reimported, gguf_tok = jaxtune.from_pretrained(tmp_path / "tuned.gguf", dtype="float32")
+    assert jaxtune.generate(reimported, gguf_tok, prompts, max_new_tokens=12) == want
+    assert gguf_tok("Hello 12345 world")["input_ids"] == tokenizer("Hello 12345 world")["input_ids"]
+    assert gguf_tok.chat_template == tokenizer.chat_template
+
+
+def test_gguf_export_refusals_are_clear_and_leave_no_file(tmp_path, tiny_tokenizer, monkeypatch):
+    import convert.gguf_export as gguf_export
+
+    model, tok = _trained_like(tmp_path, LlamaConfig(vocab_size=len(tiny_tokenizer), **SMALL), tiny_tokenizer)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(jaxtune.CheckpointError, match="end in .gguf"):
+        jaxtune.save_gguf(model, out / "model.bin", tokenizer=tok)
+    with pytest.raises(jaxtune.CheckpointError, match="unknown GGUF type 'q4_k'"):
+        jaxtune.save_gguf(model, out / "m.gguf", tokenizer=tok, gguf_type="q4_k")
+    calls = []
+
+    def fail_on_third(w, gguf_type):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError("disk full")
+        return real_encode(w, gguf_type)
+
+    real_encode = gguf_export._encode
+    monkeypatch.setattr(gguf_export, "_encode", fail_on_third)
+    with pytest.raises(OSError, match="disk full"):
+        jaxtune.save_gguf(model, out / "m.gguf", tokenizer=tok, base=tmp_path / "base")
+    assert list(out.iterdir()) == []  # neither the file nor its partial
+    (out / "m.gguf").write_bytes(b"x")
+    with pytest.raises(jaxtune.CheckpointError, match="already exists"):
+        jaxtune.save_gguf(model, out / "m.gguf", tokenizer=tok)
+
+    build_hf_model(Qwen2Config(vocab_size=len(tiny_tokenizer), **SMALL), tmp_path / "qwen")
+    qwen, _ = jaxtune.from_pretrained(tmp_path / "qwen", dtype="float32")
+    jaxtune.get_peft_model(qwen, r=4, lora_alpha=8)
+    with pytest.raises(jaxtune.UnsupportedModelError, match="GGUF export covers llama, mistral models, not 'qwen2'"):
+        jaxtune.save_gguf(qwen, out / "q.gguf", tokenizer=tok)
+
+
+def test_gguf_names_and_qk_permutation_invert_the_importer():
+    from convert.gguf_export import gguf_name, permute_qk
+    from convert.gguf_source import _hf_name, unpermute_qk
+
+    for name in ("token_embd.weight", "output.weight", "output_norm.weight", "blk.7.attn_q.weight",
+                 "blk.0.ffn_down.weight", "blk.12.attn_norm.weight", "blk.3.ffn_norm.weight"):
+        assert gguf_name(_hf_name(name)) == name
+    w = np.random.default_rng(0).standard_normal((6 * 8, 5))
+    np.testing.assert_array_equal(unpermute_qk(permute_qk(w, 6), 6), w)
+    # llama.cpp's interleaved order: within a head, row 2i is the first half's row i, row 2i+1 the second half's
+    head = permute_qk(w, 6)[:8]
+    np.testing.assert_array_equal(head[0::2], w[:4])
+    np.testing.assert_array_equal(head[1::2], w[4:8])
