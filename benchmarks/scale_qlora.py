@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 
 from jaxtune.distributed import initialize_from_env
@@ -37,6 +38,7 @@ from jaxtune.training.loop import PEAK_BF16_FLOPS, flops_per_token
 from jaxtune.training.step import REMAT_POLICIES, make_optimizer, make_train_step, split_model
 
 MODELS = {
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=2, num_kv_heads=1),  # smoke tests
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8),
     "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8),
 }
@@ -73,6 +75,11 @@ def main() -> None:
     ap.add_argument("--remat", default="selective", choices=list(REMAT_POLICIES))
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps after the first (compiling) one")
+    ap.add_argument("--aot", action="store_true",
+                    help="compile ahead (compile_s and the memory plan printed first), so the first step is run alone; "
+                         "with --steps 0 that one step is the measurement (long sequences)")
+    ap.add_argument("--segments", action="store_true",
+                    help="attend through the segment-aware kernel (Pallas) instead of plain causal rows (cuDNN)")
     ap.add_argument("--stop-flag", action="store_true", help="carry the training loop's agreed-stop flag in the batch")
     ap.add_argument("--profile", help="trace 2 more steps to this folder and print GPU time by op class")
     args = ap.parse_args()
@@ -83,6 +90,7 @@ def main() -> None:
     model = random_model(args.model, mesh)
     jaxtune.get_peft_model(model, r=16, lora_alpha=16)
     model.remat_policy = REMAT_POLICIES[args.remat]
+    model.single_sequence_rows = not args.segments  # one sequence per row, as train() attends unpacked rows
     build_s = time.perf_counter() - t0
     cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch_per_gpu * args.gpus, max_steps=1000,
                               learning_rate=1e-4, remat=args.remat)
@@ -96,10 +104,23 @@ def main() -> None:
     if args.stop_flag:  # what jaxtune.train adds to every batch: each process's stop request, maxed in the step
         host["stop"] = np.zeros((1, rows, 1), np.int32)
     batch = global_batch(mesh, host)
+    compile_s, plan = None, {}
+    if args.aot:
+        t0 = time.perf_counter()
+        compiled = step_fn.lower(lora, opt_state, frozen, batch, jnp.int32(0)).compile()
+        compile_s = time.perf_counter() - t0
+        mem = compiled.memory_analysis()
+        plan = {"planned_device_gib": round((mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                             + mem.temp_size_in_bytes - mem.alias_size_in_bytes) / 2**30, 2),
+                "planned_host_gib": round(getattr(mem, "host_temp_size_in_bytes", 0) / 2**30, 2)}
+        if not jax.process_index():
+            print(json.dumps({"seq": args.seq, "compile_s": round(compile_s, 1), **plan}), flush=True)
+        step_fn = compiled
     t0 = time.perf_counter()
     lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jnp.int32(0))
     jax.block_until_ready(m)
     first_s = time.perf_counter() - t0
+    first_loss = m["loss"]
     for i in range(args.warmup):
         lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jnp.int32(1 + i))
     jax.block_until_ready(m)
@@ -109,7 +130,8 @@ def main() -> None:
         lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jnp.int32(1 + args.warmup + i))
         losses.append(m["loss"])
     jax.block_until_ready(m)
-    dt = (time.perf_counter() - t0) / args.steps
+    dt = (time.perf_counter() - t0) / args.steps if args.steps else first_s
+    losses = losses or [first_loss]
     tok_s = rows * args.seq / dt
     if args.profile:
         jax.profiler.start_trace(args.profile)
@@ -126,7 +148,11 @@ def main() -> None:
         "mfu": round(tok_s / args.gpus * flops_per_token(model, args.seq) / PEAK_BF16_FLOPS, 3),
         "peak_gib_per_gpu": round(peak_memory_gib() or 0.0, 2), "processes": jax.process_count(),
         "stop_flag": args.stop_flag, "build_s": round(build_s, 1), "first_step_s": round(first_s, 1),
+        "compile_s": compile_s and round(compile_s, 1), **plan, "attention": "segments" if args.segments else "plain",
+        "host_rss_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "losses": [round(float(x), 5) for x in losses],
+        "lora_b_abs_max": float(max(jnp.abs(v).max() for path, v in jax.tree_util.tree_leaves_with_path(lora)
+                                    if "lora_b" in jax.tree_util.keystr(path))),
     }), flush=True)
     if args.profile:
         from benchmarks.trace_summary import main as summarize

@@ -319,3 +319,19 @@ def test_unpacked_rows_train_with_plain_causal_attention(tiny_tokenizer, monkeyp
     cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=2, lora_r=4, packing=packing)
     result = jaxtune.train(model, tiny_tokenizer, ROWS, cfg, progress=False)
     assert seen == [single] and not model.single_sequence_rows and all(np.isfinite(result.losses))
+
+
+def test_importing_jaxtune_raises_the_pinned_host_cap_unless_the_user_set_it():
+    """Offloaded long-context steps need more pinned host memory than XLA's 64 GB default allows."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, jaxtune; print(os.environ['XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'])"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"}
+    ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert int(out) == max(64, int(0.9 * ram_gb))
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "7"},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "7"
