@@ -209,6 +209,9 @@ class CausalLM(nnx.Module):
         # Every row holds one sequence (then padding): attention can ignore segment ids and run plain causal,
         # which cuDNN serves. Exact for every real token, since padding only ever follows it.
         self.single_sequence_rows: bool = False
+        # remat "offload": one layer input in every `offload_group` goes to host memory; the layers between are
+        # recomputed from it (one more forward each) when host memory cannot hold every layer's input
+        self.offload_group: int = 1
 
     def __call__(
         self,
@@ -279,10 +282,36 @@ class CausalLM(nnx.Module):
             h = checkpoint_name(h, "layer_input")  # what the "offload" policy moves to host memory
             return layer(h, cos, sin, segment_ids, layer_cache, cache_seg, cache_index, rng, mlp_token_tile)
 
+        group = self.offload_group if self.remat_policy == "offload" and cache is None else 1
+        if group > 1:
+            return self.norm(self._grouped_offload_scan(body, h, layer_state, layer_rngs, group)), None
         if self.remat_policy != "none":
             body = jax.checkpoint(body, policy=remat_policy(self.remat_policy), prevent_cse=False)
         h, new_cache = jax.lax.scan(body, h, (layer_state, cache, layer_rngs))
         return self.norm(h), new_cache
+
+    def _grouped_offload_scan(self, layer_body, h, layer_state, layer_rngs, group: int) -> jax.Array:
+        """Layers in groups of `group`: each group's input is offloaded to host, each layer inside the group is
+        rematerialized from its own input, kept on device only while its group's backward runs."""
+        layers = self.config.num_layers
+        if layers % group:
+            raise ValueError(f"offload_group={group} does not divide the {layers} layers")
+        by_group = lambda a: a.reshape(layers // group, group, *a.shape[1:])  # noqa: E731
+        inner = jax.checkpoint(lambda h, xs: layer_body(h, (xs[0], None, xs[1])),
+                               policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+
+        def group_body(h, xs):
+            h = checkpoint_name(h, "group_input")
+            h, _ = jax.lax.scan(inner, h, xs)
+            return h, None
+
+        offload_group_inputs = jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=(), names_which_can_be_offloaded=("group_input",),
+            offload_src="device", offload_dst="pinned_host")
+        group_body = jax.checkpoint(group_body, policy=offload_group_inputs, prevent_cse=False)
+        xs = (jax.tree.map(by_group, layer_state), None if layer_rngs is None else by_group(layer_rngs))
+        h, _ = jax.lax.scan(group_body, h, xs)
+        return h
 
 
 OFFLOAD_MLP_TOKEN_TILE = 16384

@@ -221,3 +221,26 @@ def test_offload_policy_moves_layer_inputs_to_host_and_tiles_the_mlp(monkeypatch
     on_host = [aval for aval, _ in saved if "<host>" in aval.str_short()]
     assert [a.shape for a in on_host] == [(2, 2, 64, 128)]  # [layers, B, T, hidden]
     assert "length=3" in str(jaxpr)  # the MLP ran as a map over 3 token tiles
+
+
+def test_grouped_offload_keeps_gradients_and_offloads_one_input_per_group():
+    """When host memory cannot hold every layer's input, one per group of layers goes there and the layers in
+    between are recomputed from it: gradients unchanged, host residuals divided by the group size."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    jaxtune.set_kernels("pallas-interpret")
+    model = kernel_model()
+    ids = jax.random.randint(jax.random.key(0), (2, 64), 0, 320)
+    seg = jnp.asarray(np.array([[1] * 40 + [2] * 24, [1] * 64]), jnp.int32)
+    ref_logits, ref_grads, _ = logits_and_grads(model, ids, seg)
+    model.remat_policy, model.offload_group = "offload", 2
+    logits, grads, _ = logits_and_grads(model, ids, seg)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=2e-5, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-5)
+    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+    saved = saved_residuals(lambda l: jnp.mean(nnx.merge(graphdef, l, rest)(ids, segment_ids=seg)), lora)
+    assert [a.shape for a, _ in saved if "<host>" in a.str_short()] == [(1, 2, 64, 128)]  # [layers / 2, B, T, H]
+    model.offload_group = 3
+    with pytest.raises(ValueError, match="does not divide the 2 layers"):
+        logits_and_grads(model, ids, seg)

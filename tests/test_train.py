@@ -335,3 +335,32 @@ def test_importing_jaxtune_raises_the_pinned_host_cap_unless_the_user_set_it():
     out = subprocess.run([sys.executable, "-c", code], env={**env, "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "7"},
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "7"
+
+
+def test_offload_group_is_the_smallest_that_host_memory_holds():
+    from jaxtune.errors import JaxtuneError
+    from jaxtune.training.host_memory import available_host_bytes, offload_group
+
+    gib = 2**30
+    assert offload_group(32, 2 * gib, 100 * gib) == 1  # 64 GiB of inputs fit in 80
+    assert offload_group(32, 4 * gib, 100 * gib) == 2  # 128 GiB do not: every other input, 64 GiB
+    assert offload_group(32, 4 * gib, 40 * gib) == 4
+    assert offload_group(30, 4 * gib, 40 * gib) == 5  # groups divide the layers
+    with pytest.raises(JaxtuneError, match="shorten seq_len"):
+        offload_group(32, 50 * gib, 40 * gib)
+    assert 0 < available_host_bytes()
+
+
+def test_offloading_training_groups_layers_when_host_memory_is_short(tiny_tokenizer, monkeypatch, capsys):
+    import jaxtune.training.loop as loop
+
+    seen = []
+    real_split = loop.split_model
+    monkeypatch.setattr(loop, "split_model", lambda m: seen.append(m.offload_group) or real_split(m))
+    monkeypatch.setattr(loop, "offloads_to_host", lambda: True)  # the GPU-only planning, on CPU
+    monkeypatch.setattr(loop, "available_host_bytes", lambda: 50 * 1024)  # 2 layer inputs of 32 KiB do not fit
+    model = _model(tiny_tokenizer)
+    cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=2, lora_r=4, remat="offload")
+    result = jaxtune.train(model, tiny_tokenizer, ROWS, cfg, progress=False)
+    assert seen == [2] and model.offload_group == 1 and all(np.isfinite(result.losses))
+    assert "host memory holds the input of one layer in 2" in capsys.readouterr().out

@@ -28,6 +28,7 @@ from jaxtune.sharding import batch_shards, make_mesh, shard_state
 from jaxtune.training.autobatch import choose_micro_batch
 from jaxtune.training.checkpoint import RunCheckpoints
 from jaxtune.training.config import TrainConfig
+from jaxtune.training.host_memory import available_host_bytes, offload_group, offloads_to_host
 from jaxtune.training.step import (REMAT_POLICIES, make_eval_step, make_optimizer, make_train_step, split_model,
                                 to_device_batch)
 
@@ -164,10 +165,17 @@ def train(
     # lives in the step's graphdef only, so the model keeps honouring segment ids after training
     model.single_sequence_rows = all(int(r.segment_ids.max(initial=0)) <= 1 for r in (train_rows, eval_rows)
                                      if r is not None)
+    if cfg.remat == "offload" and offloads_to_host():  # host memory must hold the layer inputs
+        rows = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 1
+        per_layer = rows * cfg.seq_len * model.config.hidden_size * model.dtype.itemsize
+        model.offload_group = offload_group(model.config.num_layers, per_layer, available_host_bytes())
+        if model.offload_group > 1 and jax.process_index() == 0:
+            print(f"remat offload: host memory holds the input of one layer in {model.offload_group}; the layers "
+                  "between are recomputed from it (one more forward each)", flush=True)
     try:
         graphdef, lora, frozen = split_model(model)
     finally:
-        model.single_sequence_rows = False
+        model.single_sequence_rows, model.offload_group = False, 1
     optimizer, schedule = make_optimizer(cfg)
     opt_state = optimizer.init(lora)
     if mesh is not None:
