@@ -60,6 +60,19 @@ def smollm2_path():
         pytest.skip(f"bundled SmolLM2 unavailable: {e}")
 
 
+@pytest.fixture
+def tuned_smollm2(smollm2_path):
+    """The bundled SmolLM2 (float32, unquantized base) after 2 LoRA training steps on tiny chats."""
+    import jaxtune
+
+    model, tokenizer = jaxtune.from_pretrained(smollm2_path, dtype="float32")
+    rows = [{"messages": [{"role": "user", "content": f"Say {i}"}, {"role": "assistant", "content": f"{i}!"}]}
+            for i in range(16)]
+    jaxtune.train(model, tokenizer, rows, jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=2, lora_r=8,
+                                                              learning_rate=1e-2), progress=False)
+    return model, tokenizer
+
+
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

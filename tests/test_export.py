@@ -132,14 +132,10 @@ def test_adapter_for_another_shape_is_a_clear_error(tmp_path):
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no partial outputs anywhere
 
 
-def test_smollm2_after_training_round_trips_through_peft(tmp_path, smollm2_path):
+def test_smollm2_after_training_round_trips_through_peft(tmp_path, tuned_smollm2, smollm2_path):
     from peft import PeftModel
 
-    model, tokenizer = jaxtune.from_pretrained(smollm2_path, dtype="float32")
-    rows = [{"messages": [{"role": "user", "content": f"Say {i}"}, {"role": "assistant", "content": f"{i}!"}]}
-            for i in range(16)]
-    jaxtune.train(model, tokenizer, rows, jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=2, lora_r=8,
-                                                              learning_rate=1e-2), progress=False)
+    model, tokenizer = tuned_smollm2
     jaxtune.save_peft(model, tmp_path / "adapter")
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path),
                                               dtype=torch.float32)

@@ -141,12 +141,8 @@ def test_sentencepiece_style_tokenizer_reads_back_equal(tmp_path):
     assert gguf_tok.chat_template == tok.chat_template
 
 
-def test_smollm2_fine_tune_round_trips_through_gguf(tmp_path, smollm2_path):
-    model, tokenizer = jaxtune.from_pretrained(smollm2_path, dtype="float32")
-    rows = [{"messages": [{"role": "user", "content": f"Say {i}"}, {"role": "assistant", "content": f"{i}!"}]}
-            for i in range(16)]
-    jaxtune.train(model, tokenizer, rows, jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=2, lora_r=8,
-                                                              learning_rate=1e-2), progress=False)
+def test_smollm2_fine_tune_round_trips_through_gguf(tmp_path, tuned_smollm2, smollm2_path):
+    model, tokenizer = tuned_smollm2
     prompts = [[{"role": "user", "content": c}] for c in ("Say 3", "What is the capital of France?",
                                                           "Write a haiku about rain.")]
     want = jaxtune.generate(model, tokenizer, prompts, max_new_tokens=12)

@@ -111,22 +111,32 @@ def residuals_and_grad_jaxpr(model, ids, seg):
     return nbytes, jax.make_jaxpr(jax.grad(loss))(lora).jaxpr
 
 
-def live_calls(jaxpr, name: str) -> int:
-    """How many pallas_calls of kernel `name` have a used output (dead ones XLA removes), through sub-jaxprs."""
+def live_eqns(jaxpr, matches) -> int:
+    """How many equations `matches(eqn)` accepts have a used output (dead ones XLA removes), through sub-jaxprs."""
     used = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, jax.extend.core.Literal)}
     used |= {v for v in jaxpr.outvars if not isinstance(v, jax.extend.core.Literal)}
     count = 0
     for e in jaxpr.eqns:
-        if e.primitive.name == "pallas_call":
-            kernel = str(e.params.get("name_and_src_info", e.params.get("name", "")))
-            count += kernel.split(" ")[0] == name and any(v in used for v in e.outvars)
-            continue
+        count += matches(e) and any(v in used for v in e.outvars)
         for p in e.params.values():
             for sub in p if isinstance(p, (tuple, list)) else (p,):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    count += live_calls(inner, name)
+                    count += live_eqns(inner, matches)
     return count
+
+
+def live_calls(jaxpr, name: str) -> int:
+    """Live pallas_calls of kernel `name`."""
+    def is_kernel(e):
+        kernel = str(e.params.get("name_and_src_info", e.params.get("name", "")))
+        return e.primitive.name == "pallas_call" and kernel.split(" ")[0] == name
+    return live_eqns(jaxpr, is_kernel)
+
+
+def live_primitives(jaxpr, name: str) -> int:
+    """Live equations of primitive `name`."""
+    return live_eqns(jaxpr, lambda e: e.primitive.name == name)
 
 
 @pytest.mark.parametrize("policy", ["selective", "full"])
@@ -147,21 +157,6 @@ def test_remat_policies_keep_gradients_and_selective_redoes_no_kernel(policy):
     assert nbytes < 0.7 * none_bytes
     assert live_calls(none_jaxpr, "flash_attention_fwd") == 1
     assert live_calls(jaxpr, "flash_attention_fwd") == (1 if policy == "selective" else 2)
-
-
-def live_primitives(jaxpr, name: str) -> int:
-    """How many equations of primitive `name` have a used output, through sub-jaxprs."""
-    used = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, jax.extend.core.Literal)}
-    used |= {v for v in jaxpr.outvars if not isinstance(v, jax.extend.core.Literal)}
-    count = 0
-    for e in jaxpr.eqns:
-        count += e.primitive.name == name and any(v in used for v in e.outvars)
-        for p in e.params.values():
-            for sub in p if isinstance(p, (tuple, list)) else (p,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    count += live_primitives(inner, name)
-    return count
 
 
 @pytest.mark.gpu
@@ -199,8 +194,10 @@ def test_single_sequence_rows_run_cudnn_attention_with_pallas_gradients():
     assert live_primitives(grad_jaxpr, CUDNN_ATTENTION_FORWARD) == 1
 
 
-def test_offload_policy_moves_layer_inputs_to_host_and_tiles_the_mlp(monkeypatch):
-    """Long-context mode: layer inputs saved in host memory, MLP run in token tiles; gradients unchanged."""
+@pytest.mark.parametrize("group", [1, 2])
+def test_offload_policy_moves_layer_inputs_to_host_and_tiles_the_mlp(monkeypatch, group):
+    """Long-context mode: layer inputs saved in host memory (one per group of layers when host memory is short,
+    the layers between recomputed), MLP run in token tiles; gradients unchanged."""
     from jax._src.ad_checkpoint import saved_residuals
 
     import jaxtune.model
@@ -211,7 +208,7 @@ def test_offload_policy_moves_layer_inputs_to_host_and_tiles_the_mlp(monkeypatch
     seg = jnp.asarray(np.array([[1] * 40 + [2] * 24, [1] * 64]), jnp.int32)
     jaxtune.set_kernels("pallas-interpret")
     ref_logits, ref_grads, _ = logits_and_grads(model, ids, seg)
-    model.remat_policy = "offload"
+    model.remat_policy, model.offload_group = "offload", group
     logits, grads, jaxpr = logits_and_grads(model, ids, seg)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=2e-5, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
@@ -219,28 +216,8 @@ def test_offload_policy_moves_layer_inputs_to_host_and_tiles_the_mlp(monkeypatch
     graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
     saved = saved_residuals(lambda l: jnp.mean(nnx.merge(graphdef, l, rest)(ids, segment_ids=seg)), lora)
     on_host = [aval for aval, _ in saved if "<host>" in aval.str_short()]
-    assert [a.shape for a in on_host] == [(2, 2, 64, 128)]  # [layers, B, T, hidden]
+    assert [a.shape for a in on_host] == [(2 // group, 2, 64, 128)]  # [layers / group, B, T, hidden]
     assert "length=3" in str(jaxpr)  # the MLP ran as a map over 3 token tiles
-
-
-def test_grouped_offload_keeps_gradients_and_offloads_one_input_per_group():
-    """When host memory cannot hold every layer's input, one per group of layers goes there and the layers in
-    between are recomputed from it: gradients unchanged, host residuals divided by the group size."""
-    from jax._src.ad_checkpoint import saved_residuals
-
-    jaxtune.set_kernels("pallas-interpret")
-    model = kernel_model()
-    ids = jax.random.randint(jax.random.key(0), (2, 64), 0, 320)
-    seg = jnp.asarray(np.array([[1] * 40 + [2] * 24, [1] * 64]), jnp.int32)
-    ref_logits, ref_grads, _ = logits_and_grads(model, ids, seg)
-    model.remat_policy, model.offload_group = "offload", 2
-    logits, grads, _ = logits_and_grads(model, ids, seg)
-    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=2e-5, rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-5)
-    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
-    saved = saved_residuals(lambda l: jnp.mean(nnx.merge(graphdef, l, rest)(ids, segment_ids=seg)), lora)
-    assert [a.shape for a, _ in saved if "<host>" in a.str_short()] == [(1, 2, 64, 128)]  # [layers / 2, B, T, H]
     model.offload_group = 3
     with pytest.raises(ValueError, match="does not divide the 2 layers"):
         logits_and_grads(model, ids, seg)
