@@ -6,8 +6,8 @@ import os
 import time
 
 from convert.jaxtune_format import check_quantization, write_checkpoint
-from jaxtune.bundled import resolve_model_path
 from convert.load import from_pretrained
+from jaxtune.bundled import resolve_model_path
 from jaxtune.errors import CheckpointError
 from jaxtune.qlora import LoRALinear, NF4Linear
 

@@ -47,7 +47,7 @@ def load_run(run_dir: str | os.PathLike, *, dtype: str = "float32") -> tuple[Cau
 def original_weights(base_model: str) -> str | None:
     """Where the run's original (not NF4-quantized) weights are: the base model itself when it is an unquantized
     HF directory or a .gguf, the checkpoint a jaxtune conversion was made from when that still exists, else None."""
-    from convert.jaxtune_format import FORMAT_FILE, is_jaxtune_checkpoint
+    from convert.jaxtune_format import converted_from, is_jaxtune_checkpoint
     from convert.load import bnb_quantization
 
     if os.path.isfile(base_model) and base_model.endswith(".gguf"):
@@ -55,8 +55,6 @@ def original_weights(base_model: str) -> str | None:
     if not (os.path.isdir(base_model) and os.path.isfile(os.path.join(base_model, "config.json"))):
         return None
     if is_jaxtune_checkpoint(base_model):
-        source = read_json_file(os.path.join(base_model, FORMAT_FILE), missing="").get("source")
-        if isinstance(source, str) and os.path.exists(source) and not is_jaxtune_checkpoint(source):
-            return original_weights(source)
-        return None
+        source = converted_from(base_model)
+        return original_weights(source) if source and not is_jaxtune_checkpoint(source) else None
     return None if bnb_quantization(base_model) else base_model

@@ -55,6 +55,16 @@ def rope_factors(cfg: ModelConfig) -> np.ndarray:
     return (plain / inverse_frequencies(cfg)).astype(np.float32)
 
 
+def check_gguf_output(out_path: str | os.PathLike) -> str:
+    """The output path as a string, or a clear error when it is not a new .gguf file."""
+    out_path = os.fspath(out_path)
+    if not out_path.endswith(".gguf"):
+        raise CheckpointError(f"{out_path} does not end in .gguf; name the output file OUT.gguf")
+    if os.path.exists(out_path):
+        raise CheckpointError(f"{out_path} already exists; choose a new output file or delete it first")
+    return out_path
+
+
 def _check_exportable(model: CausalLM, gguf_type: str) -> ModelConfig:
     cfg = model.config
     if gguf_type not in GGUF_TYPES:
@@ -148,11 +158,7 @@ def save_gguf(
         raise CheckpointError("GGUF export needs the model's tokenizer (llama.cpp reads it from the file)")
     if not lora_modules(model):
         raise CheckpointError("the model has no LoRA adapters to merge; call jaxtune.get_peft_model first")
-    out_path = os.fspath(out_path)
-    if not out_path.endswith(".gguf"):
-        raise CheckpointError(f"{out_path} does not end in .gguf; name the output file OUT.gguf")
-    if os.path.exists(out_path):
-        raise CheckpointError(f"{out_path} already exists; choose a new output file or delete it first")
+    out_path = check_gguf_output(out_path)
     parent = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(parent, exist_ok=True)
     file_type = {"bf16": gguf.LlamaFileType.MOSTLY_BF16, "f16": gguf.LlamaFileType.MOSTLY_F16,

@@ -109,7 +109,6 @@ def _sentencepiece(tokens: list[str], merges: list[str] | None, scores: list[flo
     return LlamaTokenizer(vocab=vocab, merges=pairs, add_prefix_space=prefix, legacy=False, add_bos_token=False, **special)
 
 
-
 # ---- the reverse: a transformers fast tokenizer -> GGUF tokenizer metadata ----
 
 NORMAL, UNKNOWN, UNUSED, BYTE = 1, 2, 5, 6  # llama.cpp token types (with CONTROL, USER_DEFINED above)

@@ -43,6 +43,17 @@ def is_jaxtune_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, FORMAT_FILE))
 
 
+def read_meta(path: str) -> dict:
+    """The checkpoint's jaxtune.json (format version, quantization, dtype, source)."""
+    return read_json_file(os.path.join(path, FORMAT_FILE), missing=f"{path} is not a jaxtune checkpoint (no {FORMAT_FILE})")
+
+
+def converted_from(path: str) -> str | None:
+    """The checkpoint a jaxtune checkpoint was converted from, as recorded by `convert`, if it still exists."""
+    source = read_meta(path).get("source")
+    return source if isinstance(source, str) and os.path.exists(source) else None
+
+
 def check_quantization(name: str) -> str:
     if name not in QUANTIZATIONS:
         raise CheckpointError(f"unknown quantization {name!r}; supported: {', '.join(QUANTIZATIONS)}")
@@ -106,7 +117,7 @@ def write_shards(directory: str, tensors: Iterable[tuple[str, Any]], *, metadata
 
 def read_checkpoint(path: str, *, dtype: str | None = None) -> CausalLM:
     """Loads a jaxtune checkpoint: each stored array goes straight to the device (no quantization work)."""
-    meta = read_json_file(os.path.join(path, FORMAT_FILE), missing=f"{path} is not a jaxtune checkpoint (no {FORMAT_FILE})")
+    meta = read_meta(path)
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{path} has jaxtune format version {meta.get('format_version')}; this jaxtune reads version "

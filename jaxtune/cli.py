@@ -42,11 +42,13 @@ def _export(args: argparse.Namespace) -> None:
 
     if not args.peft and not args.merged and not args.gguf:
         raise CheckpointError("nothing to export: pass --peft DIR, --merged DIR and/or --gguf OUT.gguf")
-    for out in filter(None, (args.peft, args.merged, args.gguf)):  # refuse before writing anything
+    for out in filter(None, (args.peft, args.merged)):  # refuse before writing anything
         if os.path.exists(out):
-            raise CheckpointError(f"{out} already exists; choose a new output path or delete it first")
-    if args.gguf and not args.gguf.endswith(".gguf"):
-        raise CheckpointError(f"{args.gguf} does not end in .gguf; name the output file OUT.gguf")
+            raise CheckpointError(f"{out} already exists; choose a new output directory or delete it first")
+    if args.gguf:
+        from convert.gguf_export import check_gguf_output
+
+        check_gguf_output(args.gguf)
     model, tokenizer, base_model = load_run(args.run)
     base = args.base or original_weights(base_model)
     onto = "onto " + base if base else "onto dequantized NF4 weights"

@@ -305,10 +305,7 @@ class CausalLM(nnx.Module):
             h, _ = jax.lax.scan(inner, h, xs)
             return h, None
 
-        offload_group_inputs = jax.checkpoint_policies.save_and_offload_only_these_names(
-            names_which_can_be_saved=(), names_which_can_be_offloaded=("group_input",),
-            offload_src="device", offload_dst="pinned_host")
-        group_body = jax.checkpoint(group_body, policy=offload_group_inputs, prevent_cse=False)
+        group_body = jax.checkpoint(group_body, policy=_offload_only("group_input"), prevent_cse=False)
         xs = (jax.tree.map(by_group, layer_state), None if layer_rngs is None else by_group(layer_rngs))
         h, _ = jax.lax.scan(group_body, h, xs)
         return h
@@ -327,11 +324,18 @@ SELECTIVE_SAVED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 CUDNN_ATTENTION_FORWARD = "dot_product_attention_fwd_wrapper"
 
 
+_SAVE_NAMED = jax.checkpoint_policies.save_only_these_names(*SELECTIVE_SAVED)
+
+
 def _save_selective(prim, *args, **params) -> bool:
     return prim.name == CUDNN_ATTENTION_FORWARD or _SAVE_NAMED(prim, *args, **params)
 
 
-_SAVE_NAMED = jax.checkpoint_policies.save_only_these_names(*SELECTIVE_SAVED)
+def _offload_only(name: str):
+    """Saves nothing but the values named `name`, which go to pinned host memory."""
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=(name,),
+        offload_src="device", offload_dst="pinned_host")
 
 
 def remat_policy(name: str):
@@ -341,9 +345,7 @@ def remat_policy(name: str):
         "selective": _save_selective,
         "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         # each layer's input goes to host memory in the forward pass and comes back for its recompute
-        "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
-            names_which_can_be_saved=(), names_which_can_be_offloaded=("layer_input",),
-            offload_src="device", offload_dst="pinned_host"),
+        "offload": _offload_only("layer_input"),
     }
     if name not in policies:
         raise ValueError(f"unknown remat policy {name!r}; choose one of: none, {', '.join(policies)}")
