@@ -82,6 +82,7 @@ def main() -> None:
                     help="with --remat offload: offload one layer input per group of this many layers")
     ap.add_argument("--segments", action="store_true",
                     help="attend through the segment-aware kernel (Pallas) instead of plain causal rows (cuDNN)")
+    ap.add_argument("--compute", default="bf16", choices=["bf16", "fp8"], help="frozen projections in bf16 or FP8")
     ap.add_argument("--stop-flag", action="store_true", help="carry the training loop's agreed-stop flag in the batch")
     ap.add_argument("--profile", help="trace 2 more steps to this folder and print GPU time by op class")
     args = ap.parse_args()
@@ -94,6 +95,7 @@ def main() -> None:
     model.remat_policy = REMAT_POLICIES[args.remat]
     model.single_sequence_rows = not args.segments  # one sequence per row, as train() attends unpacked rows
     model.offload_group = args.offload_group
+    model.compute = args.compute
     build_s = time.perf_counter() - t0
     cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch_per_gpu * args.gpus, max_steps=1000,
                               learning_rate=1e-4, remat=args.remat)
@@ -150,7 +152,7 @@ def main() -> None:
     print(json.dumps({
         "system": "jaxtune", "device": devices[0].device_kind, "model": args.model, "gpus": args.gpus,
         "mesh": dict(mesh.shape), "batch_per_gpu": args.batch_per_gpu, "seq": args.seq, "remat": args.remat,
-        "step_s": round(dt, 4), "tok_s": round(tok_s), "tok_s_per_gpu": round(tok_s / args.gpus),
+        "compute": args.compute, "step_s": round(dt, 4), "tok_s": round(tok_s), "tok_s_per_gpu": round(tok_s / args.gpus),
         "mfu": round(tok_s / args.gpus * flops_per_token(model, args.seq) / PEAK_BF16_FLOPS, 3),
         "peak_gib_per_gpu": round(peak_memory_gib() or 0.0, 2), "processes": jax.process_count(),
         "stop_flag": args.stop_flag, "build_s": round(build_s, 1), "first_step_s": round(first_s, 1),

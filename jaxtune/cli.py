@@ -70,7 +70,7 @@ _TRAIN_OVERRIDES = {  # CLI flag -> TrainConfig field
     "grad_accum": "grad_accum", "lr": "learning_rate", "schedule": "schedule", "warmup_steps": "warmup_steps",
     "lora_r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout", "remat": "remat",
     "eval_fraction": "eval_fraction", "eval_steps": "eval_steps", "save_steps": "save_steps", "seed": "seed",
-    "mesh": "mesh",
+    "mesh": "mesh", "compute": "compute",
 }
 
 
@@ -149,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--eval-steps", type=int)
     tr.add_argument("--save-steps", type=int)
     tr.add_argument("--seed", type=int)
+    tr.add_argument("--compute", choices=["bf16", "fp8"],
+                    help="fp8: the frozen projections as block-scaled FP8 GEMMs on Hopper (opt-in; default bf16)")
     tr.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=4 (default: every device on data)")
     tr.add_argument("--no-packing", action="store_true", help="pad each example to --seq-len instead of packing")
     tr.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],

@@ -67,6 +67,16 @@ def nf4_impl(m: int) -> str:
     return next(impl for limit, impl in NF4_TABLE if m <= limit)
 
 
+def fp8_impl() -> str:
+    """`xla` (the jnp reference: dequantize, f32 dot), `cublas` (XLA's FP8 dot: cuBLASLt) or `pallas` (the
+    FP8 kernel) for FP8 projections. On GPU cuBLASLt, measured 2x bf16 where the Pallas kernel is 0.45x
+    (benchmarks/results/2026-11-23-fp8-h200.md)."""
+    mode = kernel_mode()
+    if mode in ("pallas", "pallas-interpret"):
+        return "pallas"
+    return "cublas" if mode != "xla" and _on_gpu() else "xla"
+
+
 def attention_impl(plain_causal: bool) -> str:
     """`xla`, `pallas` or `cudnn` for full-sequence (no KV cache) attention; `plain_causal`: no segments/window."""
     mode = kernel_mode()

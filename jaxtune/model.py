@@ -212,6 +212,9 @@ class CausalLM(nnx.Module):
         # remat "offload": one layer input in every `offload_group` goes to host memory; the layers between are
         # recomputed from it (one more forward each) when host memory cannot hold every layer's input
         self.offload_group: int = 1
+        # "fp8": the frozen NF4 projections run as block-scaled FP8 GEMMs (forward and input gradient); set by
+        # train() in the step's graphdef only, like the two flags above
+        self.compute: str = "bf16"
 
     def __call__(
         self,
@@ -242,7 +245,8 @@ class CausalLM(nnx.Module):
                 positions = segment_positions(segment_ids)
         if self.single_sequence_rows:
             segment_ids = None
-        h, _ = self._decode(input_ids, positions, segment_ids, None, None, dropout_rng)
+        with ops.frozen_compute(self.compute):
+            h, _ = self._decode(input_ids, positions, segment_ids, None, None, dropout_rng)
         return h
 
     def head_weight(self) -> jax.Array:

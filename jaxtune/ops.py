@@ -7,6 +7,8 @@ plug in without touching the model. The functions below are the XLA reference; `
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -121,12 +123,19 @@ def _fast_attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, sliding_wi
 
 def _per_batch_shard(fn, *args: jax.Array) -> jax.Array:
     """fn (a Pallas kernel, which XLA cannot partition) on each device's slice of the batch (dim 0) on a mesh."""
+    return _per_batch_shard_with(fn, args, ())
+
+
+def _per_batch_shard_with(fn, sharded: tuple[jax.Array, ...], replicated: tuple[jax.Array, ...]) -> jax.Array:
+    """fn(*sharded, *replicated) per device on a mesh: `sharded` split on dim 0 over the batch axes (when it
+    divides), `replicated` whole on every device (FSDP-sharded weights are all-gathered going in)."""
     mesh = current_mesh()
     if mesh is None:
-        return fn(*args)
+        return fn(*sharded, *replicated)
     axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
-    lead = axes if args[0].shape[0] % batch_shards(mesh) == 0 else None
-    return jax.shard_map(fn, in_specs=tuple(P(lead) for _ in args), out_specs=P(lead), check_vma=False)(*args)
+    lead = axes if sharded[0].shape[0] % batch_shards(mesh) == 0 else None
+    specs = tuple(P(lead) for _ in sharded) + tuple(P() for _ in replicated)
+    return jax.shard_map(fn, in_specs=specs, out_specs=P(lead), check_vma=False)(*sharded, *replicated)
 
 
 def _replicated(fn, *args: jax.Array) -> jax.Array:
@@ -220,13 +229,110 @@ def _nf4_kernel_matmul_bwd(impl, interpret, weight, dy):
 _nf4_kernel_matmul.defvjp(_nf4_kernel_matmul_fwd, _nf4_kernel_matmul_bwd)
 
 
+COMPUTE_MODES = ("bf16", "fp8")
+_frozen_compute: contextvars.ContextVar[str] = contextvars.ContextVar("frozen_compute", default="bf16")
+
+
+@contextlib.contextmanager
+def frozen_compute(mode: str):
+    """Within the block, NF4 projections traced compute in `mode`: "bf16" (the model's dtype) or "fp8"."""
+    if mode not in COMPUTE_MODES:
+        raise ValueError(f"unknown compute mode {mode!r}; use one of {', '.join(COMPUTE_MODES)}")
+    token = _frozen_compute.set(mode)
+    try:
+        yield
+    finally:
+        _frozen_compute.reset(token)
+
+
+def _fp8_weight(weight, kernel: bool, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """(wq e4m3 [out, in], scale float32 [out]): W ≈ wq * scale per output row, the scale the power of two
+    that brings the row's largest |w| (its largest NF4 absmax) to e4m3's range. One rounding of bnb's
+    float32 value NF4[code] * absmax; on GPU by the Pallas NF4 dequant kernel writing e4m3 directly."""
+    from jaxtune.nf4 import dequantize, dequantize_absmax
+    from pallas_kernels.fp8_matmul import E4M3, pow2_scale
+
+    n, k = weight.shape
+    absmax = dequantize_absmax(weight).reshape(n, k // 64)
+    scale = pow2_scale(jnp.max(absmax, axis=1), E4M3)
+    if kernel:
+        from pallas_kernels.nf4_matmul import nf4_dequantize
+
+        dequant = lambda c, a: nf4_dequantize(c, a, E4M3, interpret=interpret)  # noqa: E731
+        return _replicated(dequant, jnp.asarray(weight.codes), absmax / scale[:, None]), scale
+    return (dequantize(weight, jnp.float32) / scale[:, None]).astype(E4M3), scale
+
+
+def _fp8_gemm(aq, a_scale, bq, b_scale, out_dtype, impl: str, interpret: bool, contract_b: int = 1):
+    """dequant(aq) @ dequant(bq) contracting bq's axis `contract_b`; one scale per row of aq ([..., 1]) and
+    per output column (b_scale [out])."""
+    from pallas_kernels import fp8_matmul as fp8
+
+    if impl == "pallas":
+        bk = bq if contract_b == 1 else bq.T  # the kernel takes K-major operands
+        gemm = lambda a, s, b, t: fp8.fp8_matmul(a, s, b, t[:, None], out_dtype=out_dtype, interpret=interpret)  # noqa: E731
+        return _per_batch_shard_with(gemm, (aq, a_scale), (bk, b_scale))
+    dims = (((aq.ndim - 1,), (contract_b,)), ((), ()))
+    if impl == "cublas":  # cuBLASLt's FP8 GEMM; the power-of-two scales then multiply exactly (XLA fuses them)
+        y = jax.lax.dot_general(aq, bq, dims, preferred_element_type=jnp.bfloat16)
+        return (y.astype(jnp.float32) * a_scale * b_scale).astype(out_dtype)
+    a = aq.astype(jnp.float32) * a_scale
+    y = jax.lax.dot_general(a, bq.astype(jnp.float32), dims, preferred_element_type=jnp.float32,
+                            precision=jax.lax.Precision.HIGHEST)
+    return (y * b_scale).astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _fp8_nf4_matmul(x, weight, impl: str, interpret: bool):
+    from pallas_kernels.fp8_matmul import quantize_blocks
+
+    xq, x_scale = quantize_blocks(x)
+    wq, w_scale = _fp8_weight(weight, impl != "xla", interpret)
+    return _fp8_gemm(xq, x_scale, wq, w_scale, x.dtype, impl, interpret)
+
+
+def _fp8_nf4_matmul_fwd(x, weight, impl, interpret):
+    # like the bf16 path: only the 4-bit arrays are kept; the FP8 weight is re-derived in the backward pass
+    return _fp8_nf4_matmul(x, weight, impl, interpret), weight
+
+
+def _fp8_nf4_matmul_bwd(impl, interpret, weight, dy):
+    from pallas_kernels.fp8_matmul import quantize_blocks
+
+    wq, w_scale = _fp8_weight(weight, impl != "xla", interpret)
+    # dx = dy @ W = (dy * w_scale) @ wq: the weight's row scales fold into the output gradient before it is
+    # quantized per row, so the backward GEMM reads the forward's e4m3 weight as it is
+    gq, g_scale = quantize_blocks(dy.astype(jnp.float32) * w_scale, None, FP8_GRAD_FORMAT)
+    ones = jnp.ones((wq.shape[1],), jnp.float32)
+    dx = _fp8_gemm(gq, g_scale, wq, ones, dy.dtype, impl, interpret, contract_b=0)
+    return dx, jax.tree.map(_zero_cotangent, weight)
+
+
+_fp8_nf4_matmul.defvjp(_fp8_nf4_matmul_fwd, _fp8_nf4_matmul_bwd)
+
+# output gradients in FP8: e4m3 (3 mantissa bits) measured more accurate than e5m2 (benchmarks/fp8_matmul.py);
+# power-of-two scales per row give e4m3 the range gradients need
+FP8_GRAD_FORMAT = "e4m3"
+
+
+def _fp8_applies(weight) -> bool:
+    n, k = weight.shape
+    return jnp.asarray(weight.codes).ndim == 2 and n % 64 == 0 and k % 64 == 0
+
+
 def nf4_linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array:
     """y = x @ dequant(W).T (+ bias) for a frozen NF4 weight [out, in].
 
     XLA reference: dequantize then dot. On GPU (per `dispatch`) the fused Pallas kernel or the Pallas
     dequant kernel + cuBLAS. Either way the VJP gives dx only (W is frozen) and saves just the 4-bit
-    arrays for the backward pass, re-dequantizing there.
+    arrays for the backward pass, re-dequantizing there. Under `frozen_compute("fp8")` the forward and the
+    input gradient are FP8 GEMMs (e4m3, power-of-two scales per token row and per weight row; see
+    `_fp8_nf4_matmul`), through cuBLASLt or the Pallas kernel per `dispatch`.
     """
+    if _frozen_compute.get() == "fp8" and _fp8_applies(weight):
+        impl = dispatch.fp8_impl()
+        y = _fp8_nf4_matmul(x, weight, impl, dispatch.interpret())
+        return y if bias is None else (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
     impl = dispatch.nf4_impl(_rows(x))
     n, k = weight.shape
     if impl != "xla" and jnp.asarray(weight.codes).ndim == 2 and n % 64 == 0 and k % 64 == 0:

@@ -10,6 +10,7 @@ from jaxtune.errors import JaxtuneError
 
 SCHEDULES = ("constant", "linear", "cosine")
 REMAT = ("none", "selective", "per-layer", "offload")
+COMPUTE = ("bf16", "fp8")
 
 
 class ConfigError(JaxtuneError, ValueError):
@@ -45,6 +46,9 @@ class TrainConfig:
     use_rslora: bool = False
     remat: str = "selective"  # measured faster and leaner than "none" at every batch (benchmarks/results)
     ce_chunk_size: int = 1024
+    # "fp8": the frozen projections (forward and input gradient) as block-scaled FP8 GEMMs; LoRA, norms,
+    # attention and the loss keep the model's dtype. Opt-in: see benchmarks/results for speed and accuracy
+    compute: str = "bf16"
     # devices: "data=2,fsdp=4" (see jaxtune.sharding); None = every device on the data axis
     mesh: str | None = None
     # loop
@@ -59,6 +63,8 @@ class TrainConfig:
             raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
         if self.remat not in REMAT:
             raise ConfigError(f"unknown remat {self.remat!r}; choose one of: {', '.join(REMAT)}")
+        if self.compute not in COMPUTE:
+            raise ConfigError(f"unknown compute {self.compute!r}; choose one of: {', '.join(COMPUTE)}")
         if self.micro_batch_size != "auto" and (not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1):
             raise ConfigError(f"micro_batch_size must be a positive integer or 'auto', got {self.micro_batch_size!r}")
         for name in ("seq_len", "grad_accum", "max_steps", "lora_r", "ce_chunk_size", "max_bad_steps"):

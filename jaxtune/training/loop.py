@@ -165,6 +165,7 @@ def train(
     # lives in the step's graphdef only, so the model keeps honouring segment ids after training
     model.single_sequence_rows = all(int(r.segment_ids.max(initial=0)) <= 1 for r in (train_rows, eval_rows)
                                      if r is not None)
+    model.compute = cfg.compute
     if cfg.remat == "offload" and offloads_to_host():  # host memory must hold the layer inputs
         rows = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 1
         per_layer = rows * cfg.seq_len * model.config.hidden_size * model.dtype.itemsize
@@ -175,7 +176,7 @@ def train(
     try:
         graphdef, lora, frozen = split_model(model)
     finally:
-        model.single_sequence_rows, model.offload_group = False, 1
+        model.single_sequence_rows, model.offload_group, model.compute = False, 1, "bf16"
     optimizer, schedule = make_optimizer(cfg)
     opt_state = optimizer.init(lora)
     if mesh is not None:
