@@ -245,10 +245,11 @@ def frozen_compute(mode: str):
         _frozen_compute.reset(token)
 
 
-def _fp8_weight(weight, kernel: bool, interpret: bool) -> tuple[jax.Array, jax.Array]:
+def _fp8_weight(weight, kernel: bool, interpret: bool, transpose: bool = False) -> tuple[jax.Array, jax.Array]:
     """(wq e4m3 [out, in], scale float32 [out]): W ≈ wq * scale per output row, the scale the power of two
     that brings the row's largest |w| (its largest NF4 absmax) to e4m3's range. One rounding of bnb's
-    float32 value NF4[code] * absmax; on GPU by the Pallas NF4 dequant kernel writing e4m3 directly."""
+    float32 value NF4[code] * absmax; on GPU by the Pallas NF4 dequant kernel writing e4m3 directly.
+    `transpose`: wq as [in, out] (K-major for the input gradient's GEMM), written so by the kernel."""
     from jaxtune.nf4 import dequantize, dequantize_absmax
     from pallas_kernels.fp8_matmul import E4M3, pow2_scale
 
@@ -258,21 +259,21 @@ def _fp8_weight(weight, kernel: bool, interpret: bool) -> tuple[jax.Array, jax.A
     if kernel:
         from pallas_kernels.nf4_matmul import nf4_dequantize
 
-        dequant = lambda c, a: nf4_dequantize(c, a, E4M3, interpret=interpret)  # noqa: E731
+        dequant = lambda c, a: nf4_dequantize(c, a, E4M3, transpose=transpose, interpret=interpret)  # noqa: E731
         return _replicated(dequant, jnp.asarray(weight.codes), absmax / scale[:, None]), scale
-    return (dequantize(weight, jnp.float32) / scale[:, None]).astype(E4M3), scale
+    wq = (dequantize(weight, jnp.float32) / scale[:, None]).astype(E4M3)
+    return (wq.T if transpose else wq), scale
 
 
-def _fp8_gemm(aq, a_scale, bq, b_scale, out_dtype, impl: str, interpret: bool, contract_b: int = 1):
-    """dequant(aq) @ dequant(bq) contracting bq's axis `contract_b`; one scale per row of aq ([..., 1]) and
+def _fp8_gemm(aq, a_scale, bq, b_scale, out_dtype, impl: str, interpret: bool):
+    """dequant(aq) [..., K] @ dequant(bq)ᵀ for K-major bq [out, K]; one scale per row of aq ([..., 1]) and
     per output column (b_scale [out])."""
     from pallas_kernels import fp8_matmul as fp8
 
     if impl == "pallas":
-        bk = bq if contract_b == 1 else bq.T  # the kernel takes K-major operands
         gemm = lambda a, s, b, t: fp8.fp8_matmul(a, s, b, t[:, None], out_dtype=out_dtype, interpret=interpret)  # noqa: E731
-        return _per_batch_shard_with(gemm, (aq, a_scale), (bk, b_scale))
-    dims = (((aq.ndim - 1,), (contract_b,)), ((), ()))
+        return _per_batch_shard_with(gemm, (aq, a_scale), (bq, b_scale))
+    dims = (((aq.ndim - 1,), (1,)), ((), ()))
     if impl == "cublas":  # cuBLASLt's FP8 GEMM; the power-of-two scales then multiply exactly (XLA fuses them)
         y = jax.lax.dot_general(aq, bq, dims, preferred_element_type=jnp.bfloat16)
         return (y.astype(jnp.float32) * a_scale * b_scale).astype(out_dtype)
@@ -299,12 +300,12 @@ def _fp8_nf4_matmul_fwd(x, weight, impl, interpret):
 def _fp8_nf4_matmul_bwd(impl, interpret, weight, dy):
     from pallas_kernels.fp8_matmul import quantize_blocks
 
-    wq, w_scale = _fp8_weight(weight, impl != "xla", interpret)
+    wtq, w_scale = _fp8_weight(weight, impl != "xla", interpret, transpose=True)
     # dx = dy @ W = (dy * w_scale) @ wq: the weight's row scales fold into the output gradient before it is
-    # quantized per row, so the backward GEMM reads the forward's e4m3 weight as it is
+    # quantized per row, so the backward GEMM reads the forward's e4m3 values (transposed: K-major)
     gq, g_scale = quantize_blocks(dy.astype(jnp.float32) * w_scale, None, FP8_GRAD_FORMAT)
-    ones = jnp.ones((wq.shape[1],), jnp.float32)
-    dx = _fp8_gemm(gq, g_scale, wq, ones, dy.dtype, impl, interpret, contract_b=0)
+    ones = jnp.ones((wtq.shape[0],), jnp.float32)
+    dx = _fp8_gemm(gq, g_scale, wtq, ones, dy.dtype, impl, interpret)
     return dx, jax.tree.map(_zero_cotangent, weight)
 
 

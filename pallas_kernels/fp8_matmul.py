@@ -68,10 +68,14 @@ def quantize_blocks(a: jax.Array, block: int | None = None, fmt: str = "e4m3") -
 
 
 def pow2_scale(amax: jax.Array, dtype=E4M3) -> jax.Array:
-    """The smallest power of two s with amax / s <= the format's largest finite value (1 where amax is 0)."""
+    """The smallest power of two s with amax / s <= the format's largest finite value (1 where amax is 0).
+
+    Built from the exponent bits (frexp/ldexp), never exp2/log2, whose results are not exact powers of two
+    on every backend."""
     fmax = float(jnp.finfo(dtype).max)
-    exponent = jnp.ceil(jnp.log2(jnp.maximum(amax, jnp.finfo(jnp.float32).tiny) / fmax))
-    return jnp.where(amax > 0, jnp.exp2(exponent), 1.0).astype(jnp.float32)
+    mantissa, exponent = jnp.frexp(jnp.maximum(amax.astype(jnp.float32), jnp.finfo(jnp.float32).tiny) / fmax)
+    exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)  # x = 2^(e-1) exactly: that power itself
+    return jnp.where(amax > 0, jnp.ldexp(jnp.float32(1.0), exponent), 1.0).astype(jnp.float32)
 
 
 def dequantize_blocks(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:

@@ -151,14 +151,16 @@ def _matmul_t_kernel(dy_ref, codes_ref, absmax_ref, *refs, block_n, block_bytes,
     dx_odd_ref[...] = acc_odd.astype(dx_odd_ref.dtype)
 
 
-def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave):
+def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, transpose):
     """W tile [bn, 2 * block_bytes] in memory order: the planes go to even/odd columns, either interleaved in
-    registers and stored contiguously (`interleave`), or by two strided stores."""
+    registers and stored contiguously (`interleave`), or by two strided stores; `transpose`: the Wᵀ tile."""
     lut_ref, w_ref = refs if len(refs) == 2 else (None, refs[0])
     j = pl.program_id(1)
     w_hi, w_lo = _planes(codes_ref[...], _tile_scale(absmax_ref, j * block_bytes, slice(None), block_bytes),
                          w_ref.dtype, lut_ref)
-    if interleave:
+    if transpose:
+        w_ref[...] = jnp.stack([w_hi, w_lo], axis=-1).reshape(w_hi.shape[0], 2 * block_bytes).T
+    elif interleave:
         w_ref[...] = jnp.stack([w_hi, w_lo], axis=-1).reshape(w_hi.shape[0], 2 * block_bytes)
     else:
         w_ref[:, pl.ds(0, block_bytes, stride=2)] = w_hi
@@ -292,8 +294,9 @@ def nf4_matmul_dx(dy: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: 
 
 def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, block_n: int = 128,
                    block_bytes: int = 64, num_warps: int = 8, lut: str = "gather", interleave: bool = True,
-                   interpret: bool = False) -> jax.Array:
-    """W [N, K] in dtype from NF4 codes and float32 absmax (for "dequantize, then cuBLAS").
+                   transpose: bool = False, interpret: bool = False) -> jax.Array:
+    """W [N, K] (or Wᵀ [K, N] with `transpose`) in dtype from NF4 codes and float32 absmax (for "dequantize,
+    then cuBLAS"; float8 dtypes give the FP8 path its operand, Wᵀ the K-major one its input gradient needs).
 
     Defaults from benchmarks/results/2026-11-22-dense-step-round2-h200.md: planes interleaved in registers and
     stored contiguously run 1.4-1.5x faster than two strided stores on the 8B shapes."""
@@ -303,15 +306,16 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
     bn, bb = tiles.block_n, tiles.block_bytes
     lut_specs, lut_args = _lut_args(lut, 2)
     return pl.pallas_call(
-        functools.partial(_dequant_kernel, block_bytes=bb, interleave=interleave),
+        functools.partial(_dequant_kernel, block_bytes=bb, interleave=interleave, transpose=transpose),
         grid=(n // bn, half // bb),
         in_specs=[
             pl.BlockSpec((bn, bb), lambda i, j: (i, j)),
             pl.BlockSpec((k // BLOCK, bn), lambda i, j: (0, i)),
             *lut_specs,
         ],
-        out_specs=pl.BlockSpec((bn, 2 * bb), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((n, k), dtype),
+        out_specs=(pl.BlockSpec((2 * bb, bn), lambda i, j: (j, i)) if transpose
+                   else pl.BlockSpec((bn, 2 * bb), lambda i, j: (i, j))),
+        out_shape=jax.ShapeDtypeStruct((k, n) if transpose else (n, k), dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="nf4_dequantize",

@@ -1,0 +1,195 @@
+"""FP8 compute: the quantizer against ml_dtypes' float8 rounding, the Pallas FP8 GEMM (interpret mode) and the
+NF4 -> e4m3 weight kernel against float64 numpy, CUDA lowering, the FP8 projection's forward and input gradient
+in every dispatch mode, and training with `compute="fp8"`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.experimental.pallas.triton import CUSTOM_CALL_TARGET_NAME as CUSTOM_CALL
+
+import jaxtune
+from jaxtune import dispatch, nf4, ops
+from jaxtune.training.config import ConfigError
+from pallas_kernels.fp8_matmul import Fp8Tiles, fp8_matmul, fp8_matmul_reference, quantize_blocks
+from pallas_kernels.nf4_matmul import nf4_dequantize
+
+NP_FP8 = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
+
+
+def numpy_quantize(a: np.ndarray, block: int | None, fmt: str) -> tuple[np.ndarray, np.ndarray]:
+    """float64 numpy: power-of-two scale per block >= amax / max finite, values rounded by ml_dtypes."""
+    dtype, fmax = NP_FP8[fmt]
+    k = a.shape[-1]
+    block = block or k
+    blocks = a.astype(np.float64).reshape(*a.shape[:-1], k // block, block)
+    amax = np.abs(blocks).max(-1)
+    scale = np.where(amax > 0, 2.0 ** np.ceil(np.log2(np.maximum(amax, 1e-300) / fmax)), 1.0)
+    q = (blocks / scale[..., None]).astype(dtype)
+    return q.reshape(a.shape), scale
+
+
+def numpy_dequant(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    k = q.shape[-1]
+    block = k // scale.shape[-1]
+    return (q.astype(np.float64).reshape(*q.shape[:-1], -1, block) * scale[..., None]).reshape(q.shape)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("block", [None, 64, 128])
+def test_quantizer_rounds_like_ml_dtypes_with_power_of_two_scales(fmt, block):
+    rng = np.random.default_rng(7)
+    a = (rng.standard_normal((5, 384)) * np.exp(rng.uniform(-6, 6, (5, 1)))).astype(np.float32)
+    a[2] = 0.0  # an all-zero row: scale 1, values 0
+    a[3, :64] *= 1e3  # an outlier block
+    q, scale = quantize_blocks(jnp.asarray(a), block, fmt)
+    q_ref, scale_ref = numpy_quantize(a, block, fmt)
+    np.testing.assert_array_equal(np.asarray(scale, np.float64), scale_ref)
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), q_ref.view(np.uint8))
+    mantissa = {"e4m3": 3, "e5m2": 2}[fmt]
+    big = np.abs(a) > np.abs(a).max(-1, keepdims=True) * 2.0**-5  # well inside the normal range
+    rel = np.abs(numpy_dequant(np.asarray(q), np.asarray(scale)) - a)[big] / np.abs(a)[big]
+    assert rel.max() <= 2.0 ** -(mantissa + 1) * 1.0001
+
+
+SHAPES = [(64, 128), (192, 576), (128, 1024)]
+
+
+@pytest.mark.parametrize("m", [1, 7, 130])
+@pytest.mark.parametrize("shape_index", range(len(SHAPES)))
+@pytest.mark.parametrize("block", [None, 64])
+def test_fp8_kernel_matches_float64(m, shape_index, block):
+    n, k = SHAPES[shape_index]
+    rng = np.random.default_rng(m + n + k)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    aq, sa = quantize_blocks(jnp.asarray(a), block)
+    bq, sb = quantize_blocks(jnp.asarray(b), block)
+    tiles = Fp8Tiles(block_m=64, block_n=64 if n % 128 else 128, block_k=64, num_warps=4, num_stages=2)
+    y = fp8_matmul(aq, sa, bq, sb, tiles=tiles, out_dtype=jnp.float32, interpret=True)
+    exact = numpy_dequant(np.asarray(aq), np.asarray(sa)) @ numpy_dequant(np.asarray(bq), np.asarray(sb)).T
+    scale = np.abs(numpy_dequant(np.asarray(aq), np.asarray(sa))).max() * np.abs(np.asarray(b)).sum(1).max()
+    np.testing.assert_allclose(np.asarray(y, np.float64), exact, atol=2e-6 * scale)
+    ref = fp8_matmul_reference(aq, sa, bq, sb, jnp.float32)
+    np.testing.assert_allclose(np.asarray(ref, np.float64), exact, atol=2e-6 * scale)
+    # bf16 output: the product rounded once
+    y16 = fp8_matmul(aq, sa, bq, sb, tiles=tiles, interpret=True)
+    assert y16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y16, np.float64), exact, atol=2e-6 * scale, rtol=2**-8)
+
+
+def test_fp8_kernel_leading_axes_and_refusals():
+    a = jax.random.normal(jax.random.key(0), (2, 3, 128))
+    aq, sa = quantize_blocks(a)
+    bq, sb = quantize_blocks(jax.random.normal(jax.random.key(1), (64, 128)))
+    assert fp8_matmul(aq, sa, bq, sb, interpret=True).shape == (2, 3, 64)
+    with pytest.raises(ValueError, match="float8"):
+        fp8_matmul(a, sa, bq, sb, interpret=True)
+    with pytest.raises(ValueError, match="K=128"):
+        fp8_matmul(aq[..., :64], sa, bq, sb, interpret=True)
+
+
+def quantized(n, k, seed):
+    rng = np.random.default_rng(seed)
+    return nf4.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
+
+
+def numpy_weight(q) -> np.ndarray:
+    """float64 W [N, K] from the NF4 arrays (bnb's arithmetic: NF4[code] * absmax, per 64-block)."""
+    codes = np.asarray(q.codes)
+    idx = np.stack([codes >> 4, codes & 15], axis=-1).reshape(codes.shape[0], -1)
+    absmax = np.asarray(nf4.dequantize_absmax(q), np.float64).reshape(codes.shape[0], -1)
+    return nf4.NF4_CODE.astype(np.float64)[idx] * np.repeat(absmax, 64, axis=1)
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_nf4_to_e4m3_weight_kernel_is_one_rounding_of_the_bnb_value(transpose):
+    q = quantized(192, 576, seed=3)
+    w = numpy_weight(q)
+    scale = 2.0 ** np.ceil(np.log2(np.abs(w).max(1) / 448.0))  # per output row
+    expect = (w.astype(np.float32) / scale[:, None]).astype(ml_dtypes.float8_e4m3fn)
+    for kernel in (True, False):
+        wq, s = ops._fp8_weight(q, kernel, interpret=True, transpose=transpose)
+        np.testing.assert_array_equal(np.asarray(s, np.float64), scale)
+        np.testing.assert_array_equal(np.asarray(wq).view(np.uint8), (expect.T if transpose else expect).view(np.uint8))
+
+
+@pytest.mark.parametrize("mode", ["xla", "pallas-interpret"])
+def test_fp8_projection_forward_and_input_gradient_match_float64(mode):
+    """y = quant(x) @ quant(W)ᵀ and dx = quant(dy * s_w) @ quant(W) with per-row power-of-two scales, computed
+    independently in float64 numpy; and FP8-level close to the exact products."""
+    q = quantized(192, 576, seed=5)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, 5, 576)).astype(np.float32)
+    dy = rng.standard_normal((2, 5, 192)).astype(np.float32)
+    dispatch.set_kernels(mode)
+    try:
+        def f(x):
+            with ops.frozen_compute("fp8"):
+                return ops.nf4_linear(x, q)
+
+        y, vjp = jax.vjp(f, jnp.asarray(x))
+        (dx,) = vjp(jnp.asarray(dy))
+    finally:
+        dispatch.set_kernels(None)
+    w = numpy_weight(q)
+    w_scale = 2.0 ** np.ceil(np.log2(np.abs(w).max(1) / 448.0))
+    wq = (w.astype(np.float32) / w_scale[:, None]).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    xq, x_scale = numpy_quantize(x, None, "e4m3")
+    y_ref = (xq.astype(np.float64) @ wq.T) * x_scale * w_scale
+    gq, g_scale = numpy_quantize(dy.astype(np.float64) * w_scale, None, "e4m3")
+    dx_ref = (gq.astype(np.float64) @ wq) * g_scale
+    np.testing.assert_allclose(np.asarray(y, np.float64), y_ref, rtol=1e-5, atol=1e-5 * np.abs(y_ref).max())
+    np.testing.assert_allclose(np.asarray(dx, np.float64), dx_ref, rtol=1e-5, atol=1e-5 * np.abs(dx_ref).max())
+    exact_y, exact_dx = x.astype(np.float64) @ w.T, dy.astype(np.float64) @ w
+    for got, exact in ((y, exact_y), (dx, exact_dx)):
+        rel = np.linalg.norm(np.asarray(got, np.float64) - exact) / np.linalg.norm(exact)
+        assert 1e-3 < rel < 0.08  # quantized to FP8 (not the bf16 path), and FP8-accurate
+
+
+@pytest.mark.parametrize("m, n, k", [(8192, 4096, 14336), (300, 192, 576)])
+def test_fp8_kernels_lower_for_cuda(cuda_export, m, n, k):
+    f8, f32 = jnp.float8_e4m3fn, jnp.float32
+    S = jax.ShapeDtypeStruct
+    for block in (k, 64):
+        text = cuda_export(lambda a, sa, b, sb: fp8_matmul(a, sa, b, sb),
+                           S((m, k), f8), S((m, k // block), f32), S((n, k), f8), S((n, k // block), f32))
+        assert text.count(f"@{CUSTOM_CALL}(") == 1
+    for transpose in (False, True):
+        text = cuda_export(lambda c, a: nf4_dequantize(c, a, f8, transpose=transpose),
+                           S((n, k // 2), jnp.uint8), S((n, k // 64), f32))
+        assert text.count(f"@{CUSTOM_CALL}(") == 1
+
+
+ROWS = [{"messages": [{"role": "user", "content": f"hello {i}"},
+                      {"role": "assistant", "content": f"world {i % 5} fox"}]} for i in range(48)]
+
+
+def test_training_in_fp8_follows_the_bf16_run(tiny_tokenizer):
+    from jaxtune.config import ModelConfig
+    from jaxtune.model import init_model
+    from jaxtune.qlora import quantize_layers
+
+    cfg = ModelConfig(model_type="llama", vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, eos_token_id=tiny_tokenizer.eos_token_id)
+    losses = {}
+    for compute in ("bf16", "fp8"):
+        model = quantize_layers(init_model(cfg, dtype="float32", seed=0))
+        cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=30, learning_rate=3e-3,
+                                  schedule="constant", lora_r=8, compute=compute)
+        losses[compute] = np.asarray(jaxtune.train(model, tiny_tokenizer, ROWS, cfg, progress=False).losses)
+        assert model.compute == "bf16"  # the flag lives in the step's graph only
+    assert not np.array_equal(losses["bf16"], losses["fp8"])  # the FP8 path ran
+    assert np.mean(losses["fp8"][-5:]) < np.mean(losses["fp8"][:5]) - 0.5
+    np.testing.assert_allclose(losses["fp8"], losses["bf16"], rtol=0.05)
+
+
+def test_unknown_compute_mode_is_refused():
+    with pytest.raises(ConfigError, match="compute"):
+        jaxtune.TrainConfig(compute="fp16")
+    with pytest.raises(ValueError, match="compute mode"):
+        with ops.frozen_compute("int8"):
+            pass
