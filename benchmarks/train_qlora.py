@@ -70,6 +70,7 @@ def main() -> None:
                     help="dense: one sequence per row, attended plain causal as train() does for unpacked rows "
                          "(cuDNN); dense-segmented: the same rows through the segment-aware Pallas kernel; "
                          "varlen: packed variable-length samples")
+    ap.add_argument("--compute", default="bf16", choices=["bf16", "fp8"], help="frozen projections in bf16 or FP8")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--profile", help="write a jax.profiler trace of 2 steps to this folder")
     args = ap.parse_args()
@@ -81,6 +82,7 @@ def main() -> None:
     jaxtune.get_peft_model(model, r=16, lora_alpha=16)
     model.remat_policy = REMAT_POLICIES[args.remat]
     model.single_sequence_rows = args.data == "dense"
+    model.compute = args.compute
     cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch if args.batch == "auto" else int(args.batch),
                               max_steps=1000, learning_rate=1e-4, remat=args.remat)
     graphdef, lora, frozen = split_model(model)
@@ -91,7 +93,7 @@ def main() -> None:
     micro = choose_micro_batch(cfg, step_fn, lora, opt_state, frozen) if args.batch == "auto" else int(args.batch)
     choose_s = time.perf_counter() - t0
     base = {"system": "jaxtune", "device": jax.local_devices()[0].device_kind, "batch": micro, "batch_arg": args.batch,
-            "seq": args.seq, "remat": args.remat, "data": args.data}
+            "seq": args.seq, "remat": args.remat, "data": args.data, "compute": args.compute}
 
     if args.compile_only:
         shape = (1, micro, args.seq)
