@@ -20,21 +20,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.nf4_matmul import REPEAT, SHAPES, time_us
 from jaxtune import nf4, ops
 from pallas_kernels.fp8_matmul import Fp8Tiles, fp8_matmul, fp8_matmul_reference, quantize_blocks
 
-SHAPES = {"q_proj/o_proj": (4096, 4096), "k_proj/v_proj": (1024, 4096), "gate_proj/up_proj": (14336, 4096),
-          "down_proj": (4096, 14336)}
-REPEAT = 20
 
 
-def repeated(op, n_args: int):
+def repeated(op):
     """jit running op(*args) REPEAT times; the carry feeds the last argument so nothing is hoisted."""
 
     def run(*args):
@@ -46,16 +43,6 @@ def repeated(op, n_args: int):
         return jax.lax.fori_loop(0, REPEAT, body, jnp.zeros((1,), jnp.float32))
 
     return jax.jit(run)
-
-
-def time_us(fn, *args, iters: int = 5) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return round(1e6 * best / REPEAT, 1)
 
 
 def parse_tiles(spec: str) -> Fp8Tiles:
@@ -90,8 +77,8 @@ def projection_errors(m: int, names) -> None:
             (dx,) = vjp(jnp.asarray(dy, jnp.bfloat16))
             x16 = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
             dy16 = np.asarray(jnp.asarray(dy, jnp.bfloat16), np.float64)
-            row[f"rel_err_fwd_{mode}"] = round(rel_err(y, x16 @ w.T), 5)
-            row[f"rel_err_dx_{mode}"] = round(rel_err(dx, dy16 @ w), 5)
+            row[f"rel_err_fwd_{mode}"] = round(rel_err(y, x16 @ w.T))
+            row[f"rel_err_dx_{mode}"] = round(rel_err(dx, dy16 @ w))
         print(json.dumps(row), flush=True)
 
 
@@ -117,11 +104,11 @@ def main() -> None:
             b = wd if direction == "fwd" else wd.T
             row = {"shape": name, "direction": direction, "m": m, "n": n, "k": k}
             dense_b = jnp.asarray(b)
-            row["bf16"] = time_us(repeated(lambda b, a: jnp.dot(a, b.T, preferred_element_type=jnp.bfloat16), 2),
+            row["bf16"] = time_us(repeated(lambda b, a: jnp.dot(a, b.T, preferred_element_type=jnp.bfloat16)),
                                   dense_b, a)
             a8, b8 = a.astype(jnp.float8_e4m3fn), dense_b.astype(jnp.float8_e4m3fn)
             row["xla-fp8"] = time_us(repeated(
-                lambda b, s: (jnp.dot(a8, b.T, preferred_element_type=jnp.bfloat16) * s[0]).astype(jnp.bfloat16), 2),
+                lambda b, s: (jnp.dot(a8, b.T, preferred_element_type=jnp.bfloat16) * s[0]).astype(jnp.bfloat16)),
                 b8, jnp.ones((1,), jnp.bfloat16))
             for block in (None, 128):
                 aq, sa = quantize_blocks(a, block)
@@ -131,14 +118,14 @@ def main() -> None:
                     tiles = parse_tiles(spec)
                     try:
                         row[f"kernel-{spec}-{block or 'row'}"] = time_us(repeated(
-                            lambda aq, bq, sb, sa: fp8_matmul(aq, sa, bq, sb, tiles=tiles), 4), aq, bq, sb, sa)
+                            lambda aq, bq, sb, sa: fp8_matmul(aq, sa, bq, sb, tiles=tiles)), aq, bq, sb, sa)
                     except Exception as e:  # a tile that does not compile: say why, keep going
                         row[f"kernel-{spec}-{block or 'row'}"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
-            row["quant-act"] = time_us(repeated(lambda a: quantize_blocks(a)[0], 1), a)
+            row["quant-act"] = time_us(repeated(lambda a: quantize_blocks(a)[0]), a)
             if direction == "fwd":
                 row["quant-weight"] = time_us(repeated(
                     lambda c, x: ops._fp8_weight(nf4.NF4Weight(c, q.absmax_codes, q.nested_absmax, q.offset + x[0],
-                                                               q.nested_map), True, False)[0], 2),
+                                                               q.nested_map), True, False)[0]),
                     jnp.asarray(q.codes), jnp.zeros((1,), jnp.float32))
             # accuracy of the product vs float32 of the same bf16 inputs: per row and per 128-block scales,
             # e4m3 and e5m2 for the left operand (activations or output gradients)
@@ -149,7 +136,7 @@ def main() -> None:
                     bq, sb = quantize_blocks(dense_b, block, "e4m3")
                     err = rel_err(fp8_matmul_reference(aq, sa, bq, sb, jnp.float32), ref)
                     row[f"rel_err_{fmt}_{block or 'row'}"] = round(err, 5)
-            row["rel_err_bf16"] = round(rel_err(jnp.dot(a, dense_b.T, preferred_element_type=jnp.bfloat16), ref), 5)
+            row["rel_err_bf16"] = round(rel_err(jnp.dot(a, dense_b.T, preferred_element_type=jnp.bfloat16), ref))
             print(json.dumps(row), flush=True)
         # the frozen projection as the model runs it: forward + input gradient
         x = jax.random.normal(key, (m, k_in), jnp.bfloat16)
@@ -160,7 +147,7 @@ def main() -> None:
                     y, vjp = jax.vjp(lambda x: ops.nf4_linear(x, weight), x)
                 return vjp(y)[0]
             print(json.dumps({"shape": name, "op": mode, "m": m,
-                              "fwd_dx_us": time_us(repeated(fwd_bwd, 2), jnp.asarray(q.codes), x)}), flush=True)
+                              "fwd_dx_us": time_us(repeated(fwd_bwd), jnp.asarray(q.codes), x)}), flush=True)
 
 
 if __name__ == "__main__":

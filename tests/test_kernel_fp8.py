@@ -173,18 +173,18 @@ def test_training_in_fp8_follows_the_bf16_run(tiny_tokenizer):
     from jaxtune.model import init_model
     from jaxtune.qlora import quantize_layers
 
-    cfg = ModelConfig(model_type="llama", vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, eos_token_id=tiny_tokenizer.eos_token_id)
+    shape = ModelConfig(model_type="llama", vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128,
+                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, eos_token_id=tiny_tokenizer.eos_token_id)
     losses = {}
     for compute in ("bf16", "fp8"):
-        model = quantize_layers(init_model(cfg, dtype="float32", seed=0))
+        model = quantize_layers(init_model(shape, dtype="float32", seed=0))
         cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=30, learning_rate=3e-3,
                                   schedule="constant", lora_r=8, compute=compute)
         losses[compute] = np.asarray(jaxtune.train(model, tiny_tokenizer, ROWS, cfg, progress=False).losses)
         assert model.compute == "bf16"  # the flag lives in the step's graph only
     assert not np.array_equal(losses["bf16"], losses["fp8"])  # the FP8 path ran
     assert np.mean(losses["fp8"][-5:]) < np.mean(losses["fp8"][:5]) - 0.5
-    np.testing.assert_allclose(losses["fp8"], losses["bf16"], rtol=0.05)
+    np.testing.assert_allclose(losses["fp8"], losses["bf16"], rtol=0.01)  # measured 0.12% at most
 
 
 def test_unknown_compute_mode_is_refused():
@@ -193,3 +193,27 @@ def test_unknown_compute_mode_is_refused():
     with pytest.raises(ValueError, match="compute mode"):
         with ops.frozen_compute("int8"):
             pass
+
+
+@pytest.mark.gpu
+def test_fp8_on_gpu_cublas_and_pallas_agree_with_the_reference():
+    """On a GPU: the FP8 projection through cuBLASLt (auto) and through the Pallas kernels gives the reference's
+    forward and input gradient up to the bf16 rounding of the output (same quantized operands)."""
+    q = quantized(1024, 4096, seed=2)
+    x = jax.random.normal(jax.random.key(0), (4, 512, 4096), jnp.bfloat16)
+    dy = jax.random.normal(jax.random.key(1), (4, 512, 1024), jnp.bfloat16)
+    results = {}
+    for mode in ("xla", "auto", "pallas"):
+        dispatch.set_kernels(mode)
+        try:
+            def f(x):
+                with ops.frozen_compute("fp8"):
+                    return ops.nf4_linear(x, q)
+
+            y, vjp = jax.vjp(jax.jit(f), x)
+            results[mode] = (np.asarray(y, np.float64), np.asarray(vjp(dy)[0], np.float64))
+        finally:
+            dispatch.set_kernels(None)
+    for mode in ("auto", "pallas"):
+        for got, ref in zip(results[mode], results["xla"]):
+            np.testing.assert_allclose(got, ref, rtol=2**-7, atol=2**-7 * np.abs(ref).max())

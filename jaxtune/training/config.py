@@ -10,7 +10,6 @@ from jaxtune.errors import JaxtuneError
 
 SCHEDULES = ("constant", "linear", "cosine")
 REMAT = ("none", "selective", "per-layer", "offload")
-COMPUTE = ("bf16", "fp8")
 
 
 class ConfigError(JaxtuneError, ValueError):
@@ -63,8 +62,10 @@ class TrainConfig:
             raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
         if self.remat not in REMAT:
             raise ConfigError(f"unknown remat {self.remat!r}; choose one of: {', '.join(REMAT)}")
-        if self.compute not in COMPUTE:
-            raise ConfigError(f"unknown compute {self.compute!r}; choose one of: {', '.join(COMPUTE)}")
+        from jaxtune.ops import COMPUTE_MODES
+
+        if self.compute not in COMPUTE_MODES:
+            raise ConfigError(f"unknown compute {self.compute!r}; choose one of: {', '.join(COMPUTE_MODES)}")
         if self.micro_batch_size != "auto" and (not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1):
             raise ConfigError(f"micro_batch_size must be a positive integer or 'auto', got {self.micro_batch_size!r}")
         for name in ("seq_len", "grad_accum", "max_steps", "lora_r", "ce_chunk_size", "max_bad_steps"):
