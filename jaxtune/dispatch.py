@@ -77,6 +77,17 @@ def fp8_impl() -> str:
     return "cublas" if mode != "xla" and _on_gpu() else "xla"
 
 
+def check_fp8_device() -> None:
+    """FP8 GEMMs need compute capability 8.9+ (Ada, Hopper); on a CPU the jnp reference emulates them."""
+    if not _on_gpu():
+        return
+    device = jax.local_devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if capability is not None and tuple(int(p) for p in str(capability).split(".")[:2]) < (8, 9):
+        raise JaxtuneError(f"compute='fp8' needs an FP8 GPU (compute capability 8.9+: Ada, Hopper); "
+                           f"{device.device_kind} has {capability}: train with compute='bf16'")
+
+
 def attention_impl(plain_causal: bool) -> str:
     """`xla`, `pallas` or `cudnn` for full-sequence (no KV cache) attention; `plain_causal`: no segments/window."""
     mode = kernel_mode()

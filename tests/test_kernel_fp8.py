@@ -187,6 +187,21 @@ def test_training_in_fp8_follows_the_bf16_run(tiny_tokenizer):
     np.testing.assert_allclose(losses["fp8"], losses["bf16"], rtol=0.01)  # measured 0.12% at most
 
 
+def test_fp8_on_a_gpu_without_fp8_is_refused(monkeypatch):
+    class A100:
+        device_kind, compute_capability = "NVIDIA A100-SXM4-80GB", "8.0"
+
+    class H100:
+        device_kind, compute_capability = "NVIDIA H100 80GB HBM3", "9.0"
+
+    monkeypatch.setattr(dispatch, "_on_gpu", lambda: True)
+    monkeypatch.setattr(jax, "local_devices", lambda: [A100()])
+    with pytest.raises(jaxtune.JaxtuneError, match="compute capability 8.9"):
+        dispatch.check_fp8_device()
+    monkeypatch.setattr(jax, "local_devices", lambda: [H100()])
+    dispatch.check_fp8_device()
+
+
 def test_unknown_compute_mode_is_refused():
     with pytest.raises(ConfigError, match="compute"):
         jaxtune.TrainConfig(compute="fp16")

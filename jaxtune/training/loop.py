@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from jaxtune.data import BatchStream, PackedRows, encode_rows, pack_examples, read_rows
 from jaxtune.data.packing import IGNORE
 from jaxtune.data.sources import DataError, Row
+from jaxtune.dispatch import check_fp8_device
 from jaxtune.distributed import catch_stop_signals, clear_stop_request, local_device, peak_memory_gib, stop_requested
 from jaxtune.errors import JaxtuneError
 from jaxtune.model import CausalLM
@@ -165,6 +166,8 @@ def train(
     # lives in the step's graphdef only, so the model keeps honouring segment ids after training
     model.single_sequence_rows = all(int(r.segment_ids.max(initial=0)) <= 1 for r in (train_rows, eval_rows)
                                      if r is not None)
+    if cfg.compute == "fp8":
+        check_fp8_device()
     model.compute = cfg.compute
     if cfg.remat == "offload" and offloads_to_host():  # host memory must hold the layer inputs
         rows = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 1
