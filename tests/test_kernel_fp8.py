@@ -117,36 +117,45 @@ def test_nf4_to_e4m3_weight_kernel_is_one_rounding_of_the_bnb_value(transpose):
         np.testing.assert_array_equal(np.asarray(wq).view(np.uint8), (expect.T if transpose else expect).view(np.uint8))
 
 
-@pytest.mark.parametrize("mode", ["xla", "pallas-interpret"])
-def test_fp8_projection_forward_and_input_gradient_match_float64(mode):
-    """y = quant(x) @ quant(W)ᵀ and dx = quant(dy * s_w) @ quant(W) with per-row power-of-two scales, computed
-    independently in float64 numpy; and FP8-level close to the exact products."""
-    q = quantized(192, 576, seed=5)
-    rng = np.random.default_rng(11)
-    x = rng.standard_normal((2, 5, 576)).astype(np.float32)
-    dy = rng.standard_normal((2, 5, 192)).astype(np.float32)
+def fp8_projection(q, x: np.ndarray, dy: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """(y, dx) of the FP8 projection (jitted) in kernel mode `mode`, inputs in x's dtype."""
     dispatch.set_kernels(mode)
     try:
         def f(x):
             with ops.frozen_compute("fp8"):
                 return ops.nf4_linear(x, q)
 
-        y, vjp = jax.vjp(f, jnp.asarray(x))
+        y, vjp = jax.vjp(jax.jit(f), jnp.asarray(x))
         (dx,) = vjp(jnp.asarray(dy))
     finally:
         dispatch.set_kernels(None)
+    return np.asarray(y, np.float64), np.asarray(dx, np.float64)
+
+
+def numpy_fp8_projection(q, x: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float64 numpy: y = quant(x) @ quant(W)ᵀ, dx = quant(dy * s_w) @ quant(W), per-row power-of-two scales."""
     w = numpy_weight(q)
     w_scale = 2.0 ** np.ceil(np.log2(np.abs(w).max(1) / 448.0))
     wq = (w.astype(np.float32) / w_scale[:, None]).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    xq, x_scale = numpy_quantize(x, None, "e4m3")
-    y_ref = (xq.astype(np.float64) @ wq.T) * x_scale * w_scale
-    gq, g_scale = numpy_quantize(dy.astype(np.float64) * w_scale, None, "e4m3")
-    dx_ref = (gq.astype(np.float64) @ wq) * g_scale
-    np.testing.assert_allclose(np.asarray(y, np.float64), y_ref, rtol=1e-5, atol=1e-5 * np.abs(y_ref).max())
-    np.testing.assert_allclose(np.asarray(dx, np.float64), dx_ref, rtol=1e-5, atol=1e-5 * np.abs(dx_ref).max())
-    exact_y, exact_dx = x.astype(np.float64) @ w.T, dy.astype(np.float64) @ w
-    for got, exact in ((y, exact_y), (dx, exact_dx)):
-        rel = np.linalg.norm(np.asarray(got, np.float64) - exact) / np.linalg.norm(exact)
+    xq, x_scale = numpy_quantize(np.asarray(x, np.float32), None, "e4m3")
+    gq, g_scale = numpy_quantize(np.asarray(dy, np.float64) * w_scale, None, "e4m3")
+    return (xq.astype(np.float64) @ wq.T) * x_scale * w_scale, (gq.astype(np.float64) @ wq) * g_scale
+
+
+@pytest.mark.parametrize("mode", ["xla", "pallas-interpret"])
+def test_fp8_projection_forward_and_input_gradient_match_float64(mode):
+    """The FP8 projection equals its float64 numpy emulation, and is FP8-level close to the exact products."""
+    q = quantized(192, 576, seed=5)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, 5, 576)).astype(np.float32)
+    dy = rng.standard_normal((2, 5, 192)).astype(np.float32)
+    y, dx = fp8_projection(q, x, dy, mode)
+    y_ref, dx_ref = numpy_fp8_projection(q, x, dy)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5 * np.abs(y_ref).max())
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-5, atol=1e-5 * np.abs(dx_ref).max())
+    w = numpy_weight(q)
+    for got, exact in ((y, x.astype(np.float64) @ w.T), (dx, dy.astype(np.float64) @ w)):
+        rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
         assert 1e-3 < rel < 0.08  # quantized to FP8 (not the bf16 path), and FP8-accurate
 
 
@@ -214,31 +223,10 @@ def test_unknown_compute_mode_is_refused():
 @pytest.mark.parametrize("mode", ["auto", "pallas"])
 def test_fp8_on_gpu_matches_float64_of_the_quantized_operands(mode):
     """On a GPU, through cuBLASLt (auto) or the Pallas kernels: the FP8 projection's forward and input gradient
-    equal float64 products of the same e4m3 operands (quantized here with ml_dtypes) up to the bf16 output and
-    FP8 accumulation."""
+    equal float64 products of the same e4m3 operands up to the bf16 output and FP8 accumulation."""
     q = quantized(1024, 4096, seed=2)
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((4, 512, 4096)).astype(np.float32)
-    dy = rng.standard_normal((4, 512, 1024)).astype(np.float32)
-    dispatch.set_kernels(mode)
-    try:
-        def f(x):
-            with ops.frozen_compute("fp8"):
-                return ops.nf4_linear(x, q)
-
-        y, vjp = jax.vjp(jax.jit(f), jnp.asarray(x, jnp.bfloat16))
-        (dx,) = vjp(jnp.asarray(dy, jnp.bfloat16))
-    finally:
-        dispatch.set_kernels(None)
-    w = numpy_weight(q)
-    w_scale = 2.0 ** np.ceil(np.log2(np.abs(w).max(1) / 448.0))
-    wq = (w.astype(np.float32) / w_scale[:, None]).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    x16 = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
-    dy16 = np.asarray(jnp.asarray(dy, jnp.bfloat16), np.float64)
-    xq, x_scale = numpy_quantize(x16, None, "e4m3")
-    y_ref = (xq.astype(np.float64) @ wq.T) * x_scale * w_scale
-    gq, g_scale = numpy_quantize(dy16 * w_scale, None, "e4m3")
-    dx_ref = (gq.astype(np.float64) @ wq) * g_scale
-    for got, ref in ((y, y_ref), (dx, dx_ref)):
-        got = np.asarray(got, np.float64)
+    x = np.asarray(jnp.asarray(rng.standard_normal((4, 512, 4096)), jnp.bfloat16))
+    dy = np.asarray(jnp.asarray(rng.standard_normal((4, 512, 1024)), jnp.bfloat16))
+    for got, ref in zip(fp8_projection(q, x, dy, mode), numpy_fp8_projection(q, x, dy)):
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 5e-3
