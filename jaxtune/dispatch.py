@@ -3,9 +3,9 @@
 - `auto` (default): on GPU, per call shape, the implementation measured fastest (table below, from
   benchmarks/results/2026-11-22-nf4-matmul-h100.md); attention through cuDNN for plain causal rows (one
   sequence per row, no window) and the Pallas flash attention for packed segments and sliding windows;
-  on CPU the XLA reference.
+  FP8 projections (`compute="fp8"`) through cuBLASLt; on CPU the XLA reference.
 - `xla`: the pure XLA reference everywhere.
-- `pallas`: the Pallas kernels wherever they apply (fused NF4 matmul for every M, flash attention).
+- `pallas`: the Pallas kernels wherever they apply (fused NF4 matmul for every M, flash attention, FP8 GEMM).
 - `pallas-interpret`: the same kernels run by the Pallas interpreter (CPU; for tests).
 - `cudnn`: the same as `auto` (kept for scripts that name it).
 
