@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--save-steps", type=int)
     tr.add_argument("--seed", type=int)
     tr.add_argument("--compute", choices=["bf16", "fp8"],
-                    help="fp8: the frozen projections as block-scaled FP8 GEMMs on Hopper (opt-in; default bf16)")
+                    help="fp8: the frozen projections but q/k as FP8 GEMMs on Ada/Hopper (opt-in; default bf16)")
     tr.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=4 (default: every device on data)")
     tr.add_argument("--no-packing", action="store_true", help="pad each example to --seq-len instead of packing")
     tr.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],

@@ -69,7 +69,7 @@ def nf4_impl(m: int) -> str:
 
 def fp8_impl() -> str:
     """`xla` (the jnp reference: dequantize, f32 dot), `cublas` (XLA's FP8 dot: cuBLASLt) or `pallas` (the
-    FP8 kernel) for FP8 projections. On GPU cuBLASLt, measured 2x bf16 where the Pallas kernel is 0.45x
+    FP8 kernel) for FP8 projections. On GPU cuBLASLt, measured 2x bf16 where the Pallas kernel is 0.64x
     (benchmarks/results/2026-11-23-fp8-h200.md)."""
     mode = kernel_mode()
     if mode in ("pallas", "pallas-interpret"):

@@ -215,7 +215,7 @@ class CausalLM(nnx.Module):
         # remat "offload": one layer input in every `offload_group` goes to host memory; the layers between are
         # recomputed from it (one more forward each) when host memory cannot hold every layer's input
         self.offload_group: int = 1
-        # "fp8": the frozen NF4 projections run as block-scaled FP8 GEMMs (forward and input gradient); set by
+        # "fp8": the frozen NF4 projections run as FP8 GEMMs (forward and input gradient; q/k excepted); set by
         # train() in the step's graphdef only, like the two flags above
         self.compute: str = "bf16"
 

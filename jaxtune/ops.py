@@ -184,6 +184,12 @@ def _kernel_tiles(m: int, direction: str):
     return MatmulTiles(256, 128, 64, 1, 8, 3) if direction == "fwd" else MatmulTiles(128, 128, 64, 1, 8, 3)
 
 
+def _kernel_shaped(weight) -> bool:
+    """One (unstacked) weight whose out and in dims the kernels' 64-wide tiles divide."""
+    n, k = weight.shape
+    return jnp.asarray(weight.codes).ndim == 2 and n % 64 == 0 and k % 64 == 0
+
+
 def _kernel_operands(weight):
     from jaxtune.nf4 import dequantize_absmax
 
@@ -245,22 +251,26 @@ def frozen_compute(mode: str):
         _frozen_compute.reset(token)
 
 
+# output gradients in FP8: e4m3 (3 mantissa bits) measured more accurate than e5m2 (benchmarks/fp8_matmul.py);
+# power-of-two scales per row give e4m3 the range gradients need
+FP8_GRAD_FORMAT = "e4m3"
+
+
 def _fp8_weight(weight, kernel: bool, interpret: bool, transpose: bool = False) -> tuple[jax.Array, jax.Array]:
     """(wq e4m3 [out, in], scale float32 [out]): W ≈ wq * scale per output row, the scale the power of two
     that brings the row's largest |w| (its largest NF4 absmax) to e4m3's range. One rounding of bnb's
     float32 value NF4[code] * absmax; on GPU by the Pallas NF4 dequant kernel writing e4m3 directly.
     `transpose`: wq as [in, out] (K-major for the input gradient's GEMM), written so by the kernel."""
-    from jaxtune.nf4 import dequantize, dequantize_absmax
+    from jaxtune.nf4 import dequantize
     from pallas_kernels.fp8_matmul import E4M3, pow2_scale
 
-    n, k = weight.shape
-    absmax = dequantize_absmax(weight).reshape(n, k // 64)
+    codes, absmax = _kernel_operands(weight)
     scale = pow2_scale(jnp.max(absmax, axis=1), E4M3)
     if kernel:
         from pallas_kernels.nf4_matmul import nf4_dequantize
 
         dequant = lambda c, a: nf4_dequantize(c, a, E4M3, transpose=transpose, interpret=interpret)  # noqa: E731
-        return _replicated(dequant, jnp.asarray(weight.codes), absmax / scale[:, None]), scale
+        return _replicated(dequant, codes, absmax / scale[:, None]), scale
     wq = (dequantize(weight, jnp.float32) / scale[:, None]).astype(E4M3)
     return (wq.T if transpose else wq), scale
 
@@ -273,14 +283,10 @@ def _fp8_gemm(aq, a_scale, bq, b_scale, out_dtype, impl: str, interpret: bool):
     if impl == "pallas":
         gemm = lambda a, s, b, t: fp8.fp8_matmul(a, s, b, t[:, None], out_dtype=out_dtype, interpret=interpret)  # noqa: E731
         return _per_batch_shard_with(gemm, (aq, a_scale), (bq, b_scale))
-    dims = (((aq.ndim - 1,), (1,)), ((), ()))
     if impl == "cublas":  # cuBLASLt's FP8 GEMM; the power-of-two scales then multiply exactly (XLA fuses them)
-        y = jax.lax.dot_general(aq, bq, dims, preferred_element_type=jnp.bfloat16)
+        y = jax.lax.dot_general(aq, bq, (((aq.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
         return (y.astype(jnp.float32) * a_scale * b_scale).astype(out_dtype)
-    a = aq.astype(jnp.float32) * a_scale
-    y = jax.lax.dot_general(a, bq.astype(jnp.float32), dims, preferred_element_type=jnp.float32,
-                            precision=jax.lax.Precision.HIGHEST)
-    return (y * b_scale).astype(out_dtype)
+    return fp8.fp8_matmul_reference(aq, a_scale, bq, b_scale[:, None], out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -311,15 +317,6 @@ def _fp8_nf4_matmul_bwd(impl, interpret, weight, dy):
 
 _fp8_nf4_matmul.defvjp(_fp8_nf4_matmul_fwd, _fp8_nf4_matmul_bwd)
 
-# output gradients in FP8: e4m3 (3 mantissa bits) measured more accurate than e5m2 (benchmarks/fp8_matmul.py);
-# power-of-two scales per row give e4m3 the range gradients need
-FP8_GRAD_FORMAT = "e4m3"
-
-
-def _fp8_applies(weight) -> bool:
-    n, k = weight.shape
-    return jnp.asarray(weight.codes).ndim == 2 and n % 64 == 0 and k % 64 == 0
-
 
 def nf4_linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array:
     """y = x @ dequant(W).T (+ bias) for a frozen NF4 weight [out, in].
@@ -330,13 +327,10 @@ def nf4_linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array
     input gradient are FP8 GEMMs (e4m3, power-of-two scales per token row and per weight row; see
     `_fp8_nf4_matmul`), through cuBLASLt or the Pallas kernel per `dispatch`.
     """
-    if _frozen_compute.get() == "fp8" and _fp8_applies(weight):
-        impl = dispatch.fp8_impl()
-        y = _fp8_nf4_matmul(x, weight, impl, dispatch.interpret())
-        return y if bias is None else (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
     impl = dispatch.nf4_impl(_rows(x))
-    n, k = weight.shape
-    if impl != "xla" and jnp.asarray(weight.codes).ndim == 2 and n % 64 == 0 and k % 64 == 0:
+    if _frozen_compute.get() == "fp8" and _kernel_shaped(weight):
+        y = _fp8_nf4_matmul(x, weight, dispatch.fp8_impl(), dispatch.interpret())
+    elif impl != "xla" and _kernel_shaped(weight):
         y = _nf4_kernel_matmul(x, weight, impl, dispatch.interpret())
     else:
         y = _nf4_matmul(x, weight)

@@ -158,10 +158,9 @@ def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, trans
     j = pl.program_id(1)
     w_hi, w_lo = _planes(codes_ref[...], _tile_scale(absmax_ref, j * block_bytes, slice(None), block_bytes),
                          w_ref.dtype, lut_ref)
-    if transpose:
-        w_ref[...] = jnp.stack([w_hi, w_lo], axis=-1).reshape(w_hi.shape[0], 2 * block_bytes).T
-    elif interleave:
-        w_ref[...] = jnp.stack([w_hi, w_lo], axis=-1).reshape(w_hi.shape[0], 2 * block_bytes)
+    if interleave or transpose:
+        w = jnp.stack([w_hi, w_lo], axis=-1).reshape(w_hi.shape[0], 2 * block_bytes)
+        w_ref[...] = w.T if transpose else w
     else:
         w_ref[:, pl.ds(0, block_bytes, stride=2)] = w_hi
         w_ref[:, pl.ds(1, block_bytes, stride=2)] = w_lo

@@ -45,7 +45,7 @@ class TrainConfig:
     use_rslora: bool = False
     remat: str = "selective"  # measured faster and leaner than "none" at every batch (benchmarks/results)
     ce_chunk_size: int = 1024
-    # "fp8": the frozen projections (forward and input gradient) as block-scaled FP8 GEMMs; LoRA, norms,
+    # "fp8": the frozen projections but q/k (forward and input gradient) as FP8 GEMMs; LoRA, norms,
     # attention and the loss keep the model's dtype. Opt-in: see benchmarks/results for speed and accuracy
     compute: str = "bf16"
     # devices: "data=2,fsdp=4" (see jaxtune.sharding); None = every device on the data axis
