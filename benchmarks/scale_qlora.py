@@ -78,6 +78,8 @@ def main() -> None:
     ap.add_argument("--aot", action="store_true",
                     help="compile ahead (compile_s and the memory plan printed first), so the first step is run alone; "
                          "with --steps 0 that one step is the measurement (long sequences)")
+    ap.add_argument("--offload-device-layers", type=int, default=0,
+                    help="with --remat offload: the last this many layers keep their inputs in device memory")
     ap.add_argument("--offload-group", type=int, default=1,
                     help="with --remat offload: offload one layer input per group of this many layers")
     ap.add_argument("--segments", action="store_true",
@@ -94,7 +96,7 @@ def main() -> None:
     jaxtune.get_peft_model(model, r=16, lora_alpha=16)
     model.remat_policy = REMAT_POLICIES[args.remat]
     model.single_sequence_rows = not args.segments  # one sequence per row, as train() attends unpacked rows
-    model.offload_group = args.offload_group
+    model.offload_group, model.offload_device_layers = args.offload_group, args.offload_device_layers
     model.compute = args.compute
     build_s = time.perf_counter() - t0
     cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch_per_gpu * args.gpus, max_steps=1000,
@@ -158,6 +160,7 @@ def main() -> None:
         "stop_flag": args.stop_flag, "build_s": round(build_s, 1), "first_step_s": round(first_s, 1),
         "compile_s": compile_s and round(compile_s, 1), **plan, "attention": "segments" if args.segments else "plain",
         "offload_group": args.offload_group,
+        "offload_device_layers": args.offload_device_layers,
         "host_rss_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "losses": [round(float(x), 5) for x in losses],
         "lora_b_abs_max": lora_b_abs_max,

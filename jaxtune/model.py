@@ -215,6 +215,9 @@ class CausalLM(nnx.Module):
         # remat "offload": one layer input in every `offload_group` goes to host memory; the layers between are
         # recomputed from it (one more forward each) when host memory cannot hold every layer's input
         self.offload_group: int = 1
+        # remat "offload": the inputs of the last `offload_device_layers` layers stay in device memory instead
+        # (the alternative to recomputing more when host memory is short and the device has room)
+        self.offload_device_layers: int = 0
         # "fp8": the frozen NF4 projections run as FP8 GEMMs (forward and input gradient; q/k excepted); set by
         # train() in the step's graphdef only, like the two flags above
         self.compute: str = "bf16"
@@ -289,32 +292,43 @@ class CausalLM(nnx.Module):
             h = checkpoint_name(h, "layer_input")  # what the "offload" policy moves to host memory
             return layer(h, cos, sin, segment_ids, layer_cache, cache_seg, cache_index, rng, mlp_token_tile)
 
-        group = self.offload_group if self.remat_policy == "offload" and cache is None else 1
-        if group > 1:
-            return self.norm(self._grouped_offload_scan(body, h, layer_state, layer_rngs, group)), None
+        offloading = self.remat_policy == "offload" and cache is None
+        group, on_device = (self.offload_group, self.offload_device_layers) if offloading else (1, 0)
+        if group > 1 or on_device:
+            return self.norm(self._split_offload_scan(body, h, layer_state, layer_rngs, group, on_device)), None
         if self.remat_policy != "none":
             body = jax.checkpoint(body, policy=remat_policy(self.remat_policy), prevent_cse=False)
         h, new_cache = jax.lax.scan(body, h, (layer_state, cache, layer_rngs))
         return self.norm(h), new_cache
 
-    def _grouped_offload_scan(self, layer_body, h, layer_state, layer_rngs, group: int) -> jax.Array:
-        """Layers in groups of `group`: each group's input is offloaded to host, each layer inside the group is
-        rematerialized from its own input, kept on device only while its group's backward runs."""
+    def _split_offload_scan(self, layer_body, h, layer_state, layer_rngs, group: int, on_device: int) -> jax.Array:
+        """Long-context layout: the inputs of the first layers go to host memory, one per `group` layers (the
+        layers inside a group rematerialized from its input while its backward runs); the last `on_device`
+        layers keep their inputs in device memory."""
         layers = self.config.num_layers
-        if layers % group:
-            raise ValueError(f"offload_group={group} does not divide the {layers} layers")
-        by_group = lambda a: a.reshape(layers // group, group, *a.shape[1:])  # noqa: E731
-        inner = jax.checkpoint(lambda h, xs: layer_body(h, (xs[0], None, xs[1])),
-                               policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+        offloaded = layers - on_device
+        if not 0 <= on_device <= layers or offloaded % group:
+            raise ValueError(f"offload_group={group} does not divide the {offloaded} offloaded layers "
+                             f"({layers} layers, {on_device} kept on device)")
+        head = lambda a: a[:offloaded]  # noqa: E731
+        tail = lambda a: a[offloaded:]  # noqa: E731
+        per_layer = lambda h, xs: layer_body(h, (xs[0], None, xs[1]))  # noqa: E731
+        if offloaded:
+            by_group = lambda a: a.reshape(offloaded // group, group, *a.shape[1:])  # noqa: E731
+            inner = jax.checkpoint(per_layer, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
 
-        def group_body(h, xs):
-            h = checkpoint_name(h, "group_input")
-            h, _ = jax.lax.scan(inner, h, xs)
-            return h, None
+            def group_body(h, xs):
+                h = checkpoint_name(h, "group_input")
+                h, _ = jax.lax.scan(inner, h, xs)
+                return h, None
 
-        group_body = jax.checkpoint(group_body, policy=_offload_only("group_input"), prevent_cse=False)
-        xs = (jax.tree.map(by_group, layer_state), None if layer_rngs is None else by_group(layer_rngs))
-        h, _ = jax.lax.scan(group_body, h, xs)
+            group_body = jax.checkpoint(group_body, policy=_offload_only("group_input"), prevent_cse=False)
+            xs = jax.tree.map(lambda a: by_group(head(a)), (layer_state, layer_rngs))
+            h, _ = jax.lax.scan(group_body, h, xs)
+        if on_device:
+            kept = jax.checkpoint(per_layer, policy=jax.checkpoint_policies.save_only_these_names("layer_input"),
+                                  prevent_cse=False)
+            h, _ = jax.lax.scan(kept, h, jax.tree.map(tail, (layer_state, layer_rngs)))
         return h
 
 

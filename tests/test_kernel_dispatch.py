@@ -194,10 +194,11 @@ def test_single_sequence_rows_run_cudnn_attention_with_pallas_gradients():
     assert live_primitives(grad_jaxpr, CUDNN_ATTENTION_FORWARD) == 1
 
 
-@pytest.mark.parametrize("group", [1, 2])
-def test_offload_policy_moves_layer_inputs_to_host_and_tiles_the_mlp(monkeypatch, group):
+@pytest.mark.parametrize("group, on_device", [(1, 0), (2, 0), (1, 1)])
+def test_offload_policy_moves_layer_inputs_to_host_and_tiles_the_mlp(monkeypatch, group, on_device):
     """Long-context mode: layer inputs saved in host memory (one per group of layers when host memory is short,
-    the layers between recomputed), MLP run in token tiles; gradients unchanged."""
+    the layers between recomputed; or the last layers' inputs kept on device), MLP run in token tiles; gradients
+    unchanged."""
     from jax._src.ad_checkpoint import saved_residuals
 
     import jaxtune.model
@@ -208,7 +209,7 @@ def test_offload_policy_moves_layer_inputs_to_host_and_tiles_the_mlp(monkeypatch
     seg = jnp.asarray(np.array([[1] * 40 + [2] * 24, [1] * 64]), jnp.int32)
     jaxtune.set_kernels("pallas-interpret")
     ref_logits, ref_grads, _ = logits_and_grads(model, ids, seg)
-    model.remat_policy, model.offload_group = "offload", group
+    model.remat_policy, model.offload_group, model.offload_device_layers = "offload", group, on_device
     logits, grads, jaxpr = logits_and_grads(model, ids, seg)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=2e-5, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
@@ -216,8 +217,10 @@ def test_offload_policy_moves_layer_inputs_to_host_and_tiles_the_mlp(monkeypatch
     graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
     saved = saved_residuals(lambda l: jnp.mean(nnx.merge(graphdef, l, rest)(ids, segment_ids=seg)), lora)
     on_host = [aval for aval, _ in saved if "<host>" in aval.str_short()]
-    assert [a.shape for a in on_host] == [(2 // group, 2, 64, 128)]  # [layers / group, B, T, hidden]
+    assert [a.shape for a in on_host] == [((2 - on_device) // group, 2, 64, 128)]  # [layers / group, B, T, hidden]
+    if on_device:  # and the kept layer's input stays on device, stacked like a scan output
+        assert any(a.shape == (on_device, 2, 64, 128) and "<host>" not in a.str_short() for a, _ in saved)
     assert "length=3" in str(jaxpr)  # the MLP ran as a map over 3 token tiles
-    model.offload_group = 3
-    with pytest.raises(ValueError, match="does not divide the 2 layers"):
+    model.offload_group, model.offload_device_layers = 3, 0
+    with pytest.raises(ValueError, match="does not divide the 2 offloaded layers"):
         logits_and_grads(model, ids, seg)

@@ -351,16 +351,35 @@ def test_offload_group_is_the_smallest_that_host_memory_holds():
     assert 0 < available_host_bytes()
 
 
-def test_offloading_training_groups_layers_when_host_memory_is_short(tiny_tokenizer, monkeypatch, capsys):
+def test_offload_layouts_keep_what_host_memory_cannot_hold_on_device_then_group():
+    from jaxtune.training.host_memory import offload_layouts
+
+    gib = 2**30
+    assert offload_layouts(32, 2 * gib, 100 * gib) == [(0, 1)]  # 64 GiB of inputs fit in 80
+    assert offload_layouts(32, 3 * gib, 100 * gib) == [(6, 1), (0, 2)]  # 26 inputs fit; else every other one
+    assert offload_layouts(32, 50 * gib, 70 * gib) == [(31, 1), (0, 32)]
+
+
+@pytest.mark.parametrize("device_fits, layout", [(True, (1, 1)), (False, (0, 2))])
+def test_offloading_training_keeps_inputs_on_device_or_groups_layers_when_host_memory_is_short(
+        tiny_tokenizer, monkeypatch, capsys, device_fits, layout):
     import jaxtune.training.loop as loop
 
     seen = []
     real_split = loop.split_model
-    monkeypatch.setattr(loop, "split_model", lambda m: seen.append(m.offload_group) or real_split(m))
+    monkeypatch.setattr(loop, "split_model",
+                        lambda m: seen.append((m.offload_device_layers, m.offload_group)) or real_split(m))
     monkeypatch.setattr(loop, "offloads_to_host", lambda: True)  # the GPU-only planning, on CPU
     monkeypatch.setattr(loop, "available_host_bytes", lambda: 50 * 1024)  # 2 layer inputs of 32 KiB do not fit
+    limit = 2**40 if device_fits else 2**20  # the compiled step needs a few MiB
+    monkeypatch.setattr(loop, "memory_stats", lambda: {"bytes_limit": limit})
     model = _model(tiny_tokenizer)
     cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=2, lora_r=4, remat="offload")
     result = jaxtune.train(model, tiny_tokenizer, ROWS, cfg, progress=False)
-    assert seen == [2] and model.offload_group == 1 and all(np.isfinite(result.losses))
-    assert "host memory holds the input of one layer in 2" in capsys.readouterr().out
+    assert seen[-1] == layout and seen == [(1, 1)] + ([] if device_fits else [(0, 2)])
+    assert (model.offload_group, model.offload_device_layers) == (1, 0) and all(np.isfinite(result.losses))
+    out = capsys.readouterr().out
+    assert ("inputs of 1 of 2 layers stay in device memory" if device_fits
+            else "host memory holds the input of one layer in 2") in out
+
+

@@ -46,3 +46,17 @@ def offload_group(num_layers: int, bytes_per_layer_input: int, host_bytes: int) 
     raise JaxtuneError(
         f"one layer input takes {bytes_per_layer_input / 2**30:.1f} GiB but only {budget / 2**30:.1f} GiB of host "
         "memory is available for offloading; shorten seq_len or free host memory")
+
+
+def offload_layouts(num_layers: int, bytes_per_layer_input: int, host_bytes: int) -> list[tuple[int, int]]:
+    """The (layers kept on device, offload group) layouts to try, best first.
+
+    Every input on the host when it fits: [(0, 1)]. Otherwise the inputs that do not fit stay in device memory
+    (no extra compute; the caller checks the compiled step still fits the device), and failing that, one input
+    per group of layers goes to host and the layers between are recomputed (`offload_group`).
+    """
+    on_host = min(int(FRACTION * host_bytes // bytes_per_layer_input), num_layers)
+    if on_host == num_layers:
+        return [(0, 1)]
+    fallback = [(0, offload_group(num_layers, bytes_per_layer_input, host_bytes))]
+    return ([(num_layers - on_host, 1)] if on_host else []) + fallback

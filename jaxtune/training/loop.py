@@ -21,15 +21,16 @@ from jaxtune.data import BatchStream, PackedRows, encode_rows, pack_examples, re
 from jaxtune.data.packing import IGNORE
 from jaxtune.data.sources import DataError, Row
 from jaxtune.dispatch import check_fp8_device
-from jaxtune.distributed import catch_stop_signals, clear_stop_request, local_device, peak_memory_gib, stop_requested
+from jaxtune.distributed import (agree_min, catch_stop_signals, clear_stop_request, local_device, memory_stats,
+                                 peak_memory_gib, stop_requested)
 from jaxtune.errors import JaxtuneError
 from jaxtune.model import CausalLM
 from jaxtune.qlora import get_peft_model
 from jaxtune.sharding import batch_shards, make_mesh, shard_state
-from jaxtune.training.autobatch import choose_micro_batch
+from jaxtune.training.autobatch import MARGIN, choose_micro_batch, step_bytes
 from jaxtune.training.checkpoint import RunCheckpoints
 from jaxtune.training.config import TrainConfig
-from jaxtune.training.host_memory import available_host_bytes, offload_group, offloads_to_host
+from jaxtune.training.host_memory import available_host_bytes, offload_layouts, offloads_to_host
 from jaxtune.training.step import (REMAT_POLICIES, make_eval_step, make_optimizer, make_train_step, split_model,
                                 to_device_batch)
 
@@ -164,27 +165,41 @@ def train(
     lead = jax.process_index() == 0  # files beside the checkpoints are written by one process
     # rows of one sequence each (no packing happened): plain causal attention, which cuDNN serves; the flag
     # lives in the step's graphdef only, so the model keeps honouring segment ids after training
-    model.single_sequence_rows = all(int(r.segment_ids.max(initial=0)) <= 1 for r in (train_rows, eval_rows)
-                                     if r is not None)
+    single_sequence_rows = all(int(r.segment_ids.max(initial=0)) <= 1 for r in (train_rows, eval_rows)
+                               if r is not None)
     if cfg.compute == "fp8":
         check_fp8_device()
-    model.compute = cfg.compute
+    layouts = [(0, 1)]  # remat "offload": (layers whose inputs stay on device, offload group)
     if cfg.remat == "offload" and offloads_to_host():  # host memory must hold the layer inputs
         rows = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 1
         per_layer = rows * cfg.seq_len * model.config.hidden_size * model.dtype.itemsize
-        model.offload_group = offload_group(model.config.num_layers, per_layer, available_host_bytes())
-        if model.offload_group > 1 and jax.process_index() == 0:
-            print(f"remat offload: host memory holds the input of one layer in {model.offload_group}; the layers "
-                  "between are recomputed from it (one more forward each)", flush=True)
-    try:
-        graphdef, lora, frozen = split_model(model)
-    finally:
-        model.single_sequence_rows, model.offload_group, model.compute = False, 1, "bf16"
+        layouts = offload_layouts(model.config.num_layers, per_layer, available_host_bytes())
+
+    def split_with(layout: tuple[int, int]):
+        """The step's graphdef carries these flags; the user's model gets its defaults back."""
+        model.single_sequence_rows, model.compute = single_sequence_rows, cfg.compute
+        model.offload_device_layers, model.offload_group = layout
+        try:
+            return split_model(model)
+        finally:
+            model.single_sequence_rows, model.compute, model.offload_device_layers, model.offload_group = (
+                False, "bf16", 0, 1)
+
+    graphdef, lora, frozen = split_with(layouts[0])
     optimizer, schedule = make_optimizer(cfg)
     opt_state = optimizer.init(lora)
     if mesh is not None:
         lora, frozen, opt_state = (shard_state(mesh, tree) for tree in (lora, frozen, opt_state))
     step_fn = make_train_step(graphdef, optimizer, schedule, cfg, mesh)
+    layout = layouts[0]
+    if len(layouts) > 1 and not _fits_device(step_fn, lora, opt_state, frozen, cfg, unit):
+        layout = layouts[1]
+        step_fn = make_train_step(split_with(layout)[0], optimizer, schedule, cfg, mesh)
+    if layout != (0, 1) and lead:
+        on_device, group = layout
+        print("remat offload: " + (f"the inputs of {on_device} of {model.config.num_layers} layers stay in device "
+              "memory (host memory holds the rest)" if on_device else f"host memory holds the input of one layer in "
+              f"{group}; the layers between are recomputed from it (one more forward each)"), flush=True)
     if cfg.micro_batch_size == "auto":
         micro = choose_micro_batch(cfg, step_fn, lora, opt_state, frozen, rows=len(train_rows))
         if lead:
@@ -300,6 +315,22 @@ def train(
         _plot_losses(os.path.join(run_dir, "loss.png"), losses, eval_losses)
     return TrainResult(step, losses, eval_losses, train_rows.efficiency, tokens_per_s, skipped_total, interrupted,
                        run_dir, stream.micro_batch)
+
+
+def _fits_device(step_fn, lora, opt_state, frozen, cfg: TrainConfig, unit: int) -> bool:
+    """Whether the compiled step fits device memory with autobatch's margin (true where the size is unknown), the
+    same answer on every process."""
+    bytes_limit = memory_stats().get("bytes_limit")
+    if bytes_limit is None:
+        return True
+    micro = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else unit
+    try:
+        fits = step_bytes(step_fn, lora, opt_state, frozen, micro, cfg) <= MARGIN * bytes_limit
+    except Exception as e:  # noqa: BLE001 (compilation itself may run out of memory)
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        fits = False
+    return bool(agree_min(int(fits)))
 
 
 def _can_step_down(error: Exception, stream: BatchStream, lora, unit: int = 1) -> bool:
