@@ -383,3 +383,24 @@ def test_offloading_training_keeps_inputs_on_device_or_groups_layers_when_host_m
             else "host memory holds the input of one layer in 2") in out
 
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bytes_limit, layout", [(None, (1, 1)), (2**20, (0, 2))])
+def test_offloading_on_a_gpu_runs_the_layout_host_and_device_memory_allow(tiny_tokenizer, monkeypatch, bytes_limit,
+                                                                         layout):
+    """On a GPU (pinned-host offload for real): with host memory short, the device keeps the inputs the host
+    cannot hold when the compiled step fits; with too little device memory it groups layers instead."""
+    import jaxtune.training.loop as loop
+
+    seen = []
+    real_split = loop.split_model
+    monkeypatch.setattr(loop, "split_model",
+                        lambda m: seen.append((m.offload_device_layers, m.offload_group)) or real_split(m))
+    monkeypatch.setattr(loop, "available_host_bytes", lambda: 50 * 1024)  # 1 of the 2 layer inputs fits
+    if bytes_limit is not None:
+        monkeypatch.setattr(loop, "memory_stats", lambda: {"bytes_limit": bytes_limit})
+    model = _model(tiny_tokenizer)
+    cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=3, lora_r=4, remat="offload")
+    result = jaxtune.train(model, tiny_tokenizer, ROWS, cfg, progress=False)
+    assert seen[-1] == layout and result.steps == 3 and all(np.isfinite(result.losses))
