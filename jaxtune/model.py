@@ -310,25 +310,27 @@ class CausalLM(nnx.Module):
         if not 0 <= on_device <= layers or offloaded % group:
             raise ValueError(f"offload_group={group} does not divide the {offloaded} offloaded layers "
                              f"({layers} layers, {on_device} kept on device)")
-        head = lambda a: a[:offloaded]  # noqa: E731
-        tail = lambda a: a[offloaded:]  # noqa: E731
-        per_layer = lambda h, xs: layer_body(h, (xs[0], None, xs[1]))  # noqa: E731
+        # the scans run over layer indices and read the stacked weights in place: slicing the stack into the
+        # two parts would copy every layer's weights
+        def per_layer(h, index):
+            pick = lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False)  # noqa: E731
+            return layer_body(h, (jax.tree.map(pick, layer_state), None,
+                                  None if layer_rngs is None else pick(layer_rngs)))
+
         if offloaded:
-            by_group = lambda a: a.reshape(offloaded // group, group, *a.shape[1:])  # noqa: E731
             inner = jax.checkpoint(per_layer, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
 
-            def group_body(h, xs):
+            def group_body(h, indices):
                 h = checkpoint_name(h, "group_input")
-                h, _ = jax.lax.scan(inner, h, xs)
+                h, _ = jax.lax.scan(inner, h, indices)
                 return h, None
 
             group_body = jax.checkpoint(group_body, policy=_offload_only("group_input"), prevent_cse=False)
-            xs = jax.tree.map(lambda a: by_group(head(a)), (layer_state, layer_rngs))
-            h, _ = jax.lax.scan(group_body, h, xs)
+            h, _ = jax.lax.scan(group_body, h, jnp.arange(offloaded).reshape(offloaded // group, group))
         if on_device:
             kept = jax.checkpoint(per_layer, policy=jax.checkpoint_policies.save_only_these_names("layer_input"),
                                   prevent_cse=False)
-            h, _ = jax.lax.scan(kept, h, jax.tree.map(tail, (layer_state, layer_rngs)))
+            h, _ = jax.lax.scan(kept, h, jnp.arange(offloaded, layers))
         return h
 
 
