@@ -360,6 +360,29 @@ def test_offload_layouts_keep_what_host_memory_cannot_hold_on_device_then_group(
     assert offload_layouts(32, 50 * gib, 80 * gib) == [(31, 1), (0, 32)]
 
 
+def test_host_memory_guard_stops_offloading_runs_before_host_memory_runs_out():
+    import subprocess
+    import sys
+    import threading
+
+    from jaxtune.training.host_memory import HOST_EXHAUSTED_EXIT, HostMemoryGuard
+
+    gib = 2**30
+    seen = []
+    readings = iter([10 * gib, 3 * gib, None, gib // 2])
+    guard = HostMemoryGuard(2 * gib, available=lambda: next(readings), on_exhausted=seen.append)
+    assert [guard.check() for _ in range(4)] == [True, True, True, False] and seen == [gib // 2]
+    hit = threading.Event()
+    with HostMemoryGuard(2 * gib, available=lambda: gib, on_exhausted=lambda a: hit.set(), interval_s=0.01):
+        assert hit.wait(5)  # the watching thread fires on its own
+    # the default action, against this machine's real /proc/meminfo: a one-line reason and a distinct exit status
+    code = ("from jaxtune.training.host_memory import HostMemoryGuard; HostMemoryGuard(2**62).check(); "
+            "print('not stopped')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == HOST_EXHAUSTED_EXIT and "not stopped" not in proc.stdout
+    assert "host memory nearly exhausted" in proc.stderr and "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in proc.stderr
+
+
 @pytest.mark.parametrize("device_fits, layout", [(True, (1, 1)), (False, (0, 2))])
 def test_offloading_training_keeps_inputs_on_device_or_groups_layers_when_host_memory_is_short(
         tiny_tokenizer, monkeypatch, capsys, device_fits, layout):

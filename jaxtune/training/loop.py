@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -30,7 +31,7 @@ from jaxtune.sharding import batch_shards, make_mesh, shard_state
 from jaxtune.training.autobatch import MARGIN, choose_micro_batch, step_bytes
 from jaxtune.training.checkpoint import RunCheckpoints
 from jaxtune.training.config import TrainConfig
-from jaxtune.training.host_memory import available_host_bytes, offload_layouts, offloads_to_host
+from jaxtune.training.host_memory import HostMemoryGuard, available_host_bytes, offload_layouts, offloads_to_host
 from jaxtune.training.step import (REMAT_POLICIES, make_eval_step, make_optimizer, make_train_step, split_model,
                                 to_device_batch)
 
@@ -170,7 +171,8 @@ def train(
     if cfg.compute == "fp8":
         check_fp8_device()
     layouts = [(0, 1)]  # remat "offload": (layers whose inputs stay on device, offload group)
-    if cfg.remat == "offload" and offloads_to_host():  # host memory must hold the layer inputs
+    offloading = cfg.remat == "offload" and offloads_to_host()
+    if offloading:  # host memory must hold the layer inputs
         rows = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 1
         per_layer = rows * cfg.seq_len * model.config.hidden_size * model.dtype.itemsize
         layouts = offload_layouts(model.config.num_layers, per_layer, available_host_bytes())
@@ -245,7 +247,7 @@ def train(
     step, bad_in_row, collapsed_in_row, interrupted, tokens_per_s = start_step, 0, 0, False, 0.0
     bar = tqdm(total=cfg.max_steps, initial=start_step, desc="training", unit="step", disable=not progress)
     try:
-        with _StopSignal() as stop:
+        with _StopSignal() as stop, (HostMemoryGuard() if offloading else contextlib.nullcontext()):
             while step < cfg.max_steps:
                 t0 = time.perf_counter()
                 stop.rearm()
