@@ -307,7 +307,9 @@ class CausalLM(nnx.Module):
         layers keep their inputs in device memory."""
         layers = self.config.num_layers
         offloaded = layers - on_device
-        if not 0 <= on_device <= layers or offloaded % group:
+        if not 0 <= on_device <= layers:
+            raise ValueError(f"offload_device_layers={on_device} is not between 0 and the {layers} layers")
+        if offloaded % group:
             raise ValueError(f"offload_group={group} does not divide the {offloaded} offloaded layers "
                              f"({layers} layers, {on_device} kept on device)")
         # the scans run over layer indices and read the stacked weights in place: slicing the stack into the

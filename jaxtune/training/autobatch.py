@@ -26,6 +26,16 @@ def step_bytes(step_fn, lora, opt_state, frozen, micro: int, cfg: TrainConfig) -
     return _step_memory(step_fn, lora, opt_state, frozen, micro, cfg)[0]
 
 
+def step_bytes_or_none(step_fn, lora, opt_state, frozen, micro: int, cfg: TrainConfig) -> int | None:
+    """`step_bytes`, or None when compiling the step itself runs out of device memory."""
+    try:
+        return step_bytes(step_fn, lora, opt_state, frozen, micro, cfg)
+    except Exception as e:  # noqa: BLE001 (compilation itself may run out of memory)
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return None
+
+
 def _step_memory(step_fn, lora, opt_state, frozen, micro: int, cfg: TrainConfig) -> tuple[int, int]:
     """(total bytes, temporary bytes) of the step compiled for this micro-batch. On CPU the compilation is the one
     the training loop then runs (jit reuses it for the same shapes); on GPU it skips autotuning (fast), and the size
@@ -67,12 +77,7 @@ def _largest_fitting(cfg, step_fn, lora, opt_state, frozen, budget: float, unit:
     only when the measured line shows a larger candidate fits is that one compiled too."""
 
     def measure(count: int) -> int | None:
-        try:
-            return step_bytes(step_fn, lora, opt_state, frozen, count * unit, cfg)
-        except Exception as e:  # noqa: BLE001 (compilation itself may run out of memory)
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            return None
+        return step_bytes_or_none(step_fn, lora, opt_state, frozen, count * unit, cfg)
 
     one, temp_one = _step_memory(step_fn, lora, opt_state, frozen, unit, cfg)
     allowed = [c for c in CANDIDATES if c <= most]  # largest first

@@ -28,7 +28,7 @@ from jaxtune.errors import JaxtuneError
 from jaxtune.model import CausalLM
 from jaxtune.qlora import get_peft_model
 from jaxtune.sharding import batch_shards, make_mesh, shard_state
-from jaxtune.training.autobatch import MARGIN, choose_micro_batch, step_bytes
+from jaxtune.training.autobatch import MARGIN, choose_micro_batch, step_bytes_or_none
 from jaxtune.training.checkpoint import RunCheckpoints
 from jaxtune.training.config import TrainConfig
 from jaxtune.training.host_memory import HostMemoryGuard, available_host_bytes, offload_layouts, offloads_to_host
@@ -197,11 +197,13 @@ def train(
     if len(layouts) > 1 and not _fits_device(step_fn, lora, opt_state, frozen, cfg, unit):
         layout = layouts[1]
         step_fn = make_train_step(split_with(layout)[0], optimizer, schedule, cfg, mesh)
-    if layout != (0, 1) and lead:
-        on_device, group = layout
-        print("remat offload: " + (f"the inputs of {on_device} of {model.config.num_layers} layers stay in device "
-              "memory (host memory holds the rest)" if on_device else f"host memory holds the input of one layer in "
-              f"{group}; the layers between are recomputed from it (one more forward each)"), flush=True)
+    on_device, group = layout
+    if on_device and lead:
+        print(f"remat offload: the inputs of {on_device} of {model.config.num_layers} layers stay in device memory "
+              "(host memory holds the rest)", flush=True)
+    if group > 1 and lead:
+        print(f"remat offload: host memory holds the input of one layer in {group}; the layers between are "
+              "recomputed from it (one more forward each)", flush=True)
     if cfg.micro_batch_size == "auto":
         micro = choose_micro_batch(cfg, step_fn, lora, opt_state, frozen, rows=len(train_rows))
         if lead:
@@ -326,12 +328,8 @@ def _fits_device(step_fn, lora, opt_state, frozen, cfg: TrainConfig, unit: int) 
     if bytes_limit is None:
         return True
     micro = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else unit
-    try:
-        fits = step_bytes(step_fn, lora, opt_state, frozen, micro, cfg) <= MARGIN * bytes_limit
-    except Exception as e:  # noqa: BLE001 (compilation itself may run out of memory)
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        fits = False
+    need = step_bytes_or_none(step_fn, lora, opt_state, frozen, micro, cfg)
+    fits = need is not None and need <= MARGIN * bytes_limit
     return bool(agree_min(int(fits)))
 
 
