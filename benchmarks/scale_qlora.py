@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import threading
 import time
 
 from jaxtune.distributed import initialize_from_env
@@ -33,8 +34,10 @@ from jaxtune.config import ModelConfig
 from jaxtune.distributed import peak_memory_gib
 from jaxtune.model import CausalLM
 from jaxtune.qlora import quantize_layers
+from jaxtune.host_info import available_ram_bytes, pinned_cap_bytes
 from jaxtune.sharding import global_batch, make_mesh, shard_state, state_shardings
 from jaxtune.training.loop import PEAK_BF16_FLOPS, flops_per_token
+from jaxtune.training.host_memory import HostBudget, offload_layouts
 from jaxtune.training.step import REMAT_POLICIES, make_optimizer, make_train_step, split_model
 
 MODELS = {
@@ -65,6 +68,27 @@ def random_model(name: str, mesh):
     return nnx.merge(graphdef, state)
 
 
+class HostLow:
+    """Samples available host memory on a thread: its value at start and the lowest it reaches."""
+
+    def __init__(self, interval_s: float = 0.25):
+        self.before = self.low = available_ram_bytes()
+        self._interval, self._done = interval_s, threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._done.wait(self._interval):
+            self.low = min(self.low, available_ram_bytes())
+
+    def start(self) -> HostLow:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama3-8b", choices=list(MODELS))
@@ -78,8 +102,9 @@ def main() -> None:
     ap.add_argument("--aot", action="store_true",
                     help="compile ahead (compile_s and the memory plan printed first), so the first step is run alone; "
                          "with --steps 0 that one step is the measurement (long sequences)")
-    ap.add_argument("--offload-device-layers", type=int, default=0,
-                    help="with --remat offload: the last this many layers keep their inputs in device memory")
+    ap.add_argument("--offload-device-layers", default="0",
+                    help="with --remat offload: the last this many layers keep their inputs in device memory; "
+                         "'auto': as many as jaxtune.train keeps for this host's memory")
     ap.add_argument("--offload-group", type=int, default=1,
                     help="with --remat offload: offload one layer input per group of this many layers")
     ap.add_argument("--segments", action="store_true",
@@ -96,6 +121,15 @@ def main() -> None:
     jaxtune.get_peft_model(model, r=16, lora_alpha=16)
     model.remat_policy = REMAT_POLICIES[args.remat]
     model.single_sequence_rows = not args.segments  # one sequence per row, as train() attends unpacked rows
+    if args.offload_device_layers == "auto":
+        per_layer = args.batch_per_gpu * args.seq * model.config.hidden_size * model.dtype.itemsize
+        host_budget = HostBudget.now()
+        args.offload_device_layers, args.offload_group = offload_layouts(model.config.num_layers, per_layer,
+                                                                         host_budget)[0]
+        if not jax.process_index():
+            print(f"offload layout for this host ({host_budget.describe()}): inputs of "
+                  f"{args.offload_device_layers} layers on device, group {args.offload_group}", flush=True)
+    args.offload_device_layers = int(args.offload_device_layers)
     model.offload_group, model.offload_device_layers = args.offload_group, args.offload_device_layers
     model.compute = args.compute
     build_s = time.perf_counter() - t0
@@ -123,6 +157,7 @@ def main() -> None:
         if not jax.process_index():
             print(json.dumps({"seq": args.seq, "compile_s": round(compile_s, 1), **plan}), flush=True)
         step_fn = compiled
+    host_watch = HostLow().start()  # how far available host memory falls while steps run (pinned offload)
     t0 = time.perf_counter()
     lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jnp.int32(0))
     jax.block_until_ready(m)
@@ -146,6 +181,7 @@ def main() -> None:
             lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jnp.int32(100 + i))
         jax.block_until_ready(m)
         jax.profiler.stop_trace()
+    host_watch.stop()
     # LoRA B starts at zero: moved off it = the step updated the adapters (a computation every process joins)
     lora_b_abs_max = float(max(jnp.abs(v).max() for path, v in jax.tree_util.tree_leaves_with_path(lora)
                                if "lora_b" in jax.tree_util.keystr(path)))
@@ -162,6 +198,8 @@ def main() -> None:
         "offload_group": args.offload_group,
         "offload_device_layers": args.offload_device_layers,
         "host_rss_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        "host_available_before_gib": round(host_watch.before / 2**30, 2),
+        "host_available_low_gib": round(host_watch.low / 2**30, 2), "pinned_cap_gib": pinned_cap_bytes() // 2**30,
         "losses": [round(float(x), 5) for x in losses],
         "lora_b_abs_max": lora_b_abs_max,
     }), flush=True)

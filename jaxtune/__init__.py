@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from jaxtune.host_info import set_pinned_host_cap
 
-def _raise_pinned_host_cap() -> None:
-    """Long-context training offloads layer inputs to pinned host memory, which XLA caps at 64 GB by default
-    (409,600 tokens of Llama-3-8B need 100 GiB): unless the user set it, allow 90% of physical RAM."""
-    if "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in os.environ:
-        return
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return
-    os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(max(64, int(0.9 * ram / 1e9)))
-
-
-_raise_pinned_host_cap()
+set_pinned_host_cap()  # before any JAX backend starts
 
 from jaxtune.config import ModelConfig
 from jaxtune.dispatch import kernel_mode, set_kernels

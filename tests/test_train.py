@@ -321,43 +321,76 @@ def test_unpacked_rows_train_with_plain_causal_attention(tiny_tokenizer, monkeyp
     assert seen == [single] and not model.single_sequence_rows and all(np.isfinite(result.losses))
 
 
-def test_importing_jaxtune_raises_the_pinned_host_cap_unless_the_user_set_it():
-    """Offloaded long-context steps need more pinned host memory than XLA's 64 GB default allows."""
+def test_pinned_host_cap_is_what_this_host_can_give_in_full_unless_the_user_set_it(monkeypatch):
+    """XLA's pinned pool pins its whole cap for a large offload, so the cap jaxtune sets is available memory minus a
+    reserve for the process and the system, never below XLA's 64 GiB default, and a user's own value stays."""
     import os
     import subprocess
     import sys
 
+    from jaxtune import host_info
+
+    gib = 2**30
+    for available, total, cap in [(121 * gib, 125 * gib, 105),  # the H100 host: 16 GiB kept back
+                                  (1900 * gib, 2000 * gib, 1700),  # large hosts keep 10%
+                                  (40 * gib, 48 * gib, 64)]:  # small hosts keep XLA's default
+        monkeypatch.delenv(host_info.PINNED_CAP_ENV, raising=False)
+        monkeypatch.setattr(host_info, "available_ram_bytes", lambda: available)
+        monkeypatch.setattr(host_info, "physical_ram_bytes", lambda: total)
+        host_info.set_pinned_host_cap()
+        assert os.environ[host_info.PINNED_CAP_ENV] == str(cap) and host_info.pinned_cap_bytes() == cap * gib
+    monkeypatch.setenv(host_info.PINNED_CAP_ENV, "7")
+    host_info.set_pinned_host_cap()
+    assert host_info.pinned_cap_bytes() == 7 * gib
+    # importing jaxtune sets it, before any JAX backend starts
     code = "import os, jaxtune; print(os.environ['XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'])"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"}
-    ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    env = {k: v for k, v in os.environ.items() if k != host_info.PINNED_CAP_ENV}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert int(out) == max(64, int(0.9 * ram_gb))
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "7"},
-                         capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "7"
+    assert 64 <= int(out) <= max(64, host_info.physical_ram_bytes() // gib - 16)
+
+
+def test_host_budget_counts_the_pinned_region_an_offload_plan_makes():
+    """The pool grows by power-of-two regions clipped to the cap: a 100 GiB plan under a 112 GiB cap pins 112 GiB,
+    which is what ran a 125 GiB host out of memory; under a 1024 GiB cap it would pin 128."""
+    from jaxtune.training.host_memory import HostBudget
+
+    gib = 2**30
+    assert HostBudget(available=0, cap=112 * gib, margin=0).pinned(100 * gib) == 112 * gib
+    assert HostBudget(available=0, cap=1024 * gib, margin=0).pinned(100 * gib) == 128 * gib
+    assert HostBudget(available=0, cap=1024 * gib, margin=0).pinned(24 * gib) == 32 * gib
+    assert HostBudget(available=0, cap=1024 * gib, margin=0).pinned(1) == 2 * 2**20
+    host = HostBudget(available=116 * gib, cap=112 * gib, margin=6 * gib)  # at train(): the process holds 5 GiB
+    assert not host.fits(100 * gib) and not host.fits(65 * gib) and host.fits(64 * gib)
+    host = HostBudget(available=116 * gib, cap=105 * gib, margin=6 * gib)  # the cap jaxtune sets there
+    assert not host.fits(100 * gib) and host.fits(94 * gib)  # 90% of the cap: room for staging regions
+    assert 0 < HostBudget.now().available
 
 
 def test_offload_group_is_the_smallest_that_host_memory_holds():
     from jaxtune.errors import JaxtuneError
-    from jaxtune.training.host_memory import available_host_bytes, offload_group
+    from jaxtune.training.host_memory import HostBudget, offload_group
 
     gib = 2**30
-    assert offload_group(32, 2 * gib, 100 * gib) == 1  # 64 GiB of inputs fit in 70
-    assert offload_group(32, 4 * gib, 100 * gib) == 2  # 128 GiB do not: every other input, 64 GiB
-    assert offload_group(32, 4 * gib, 40 * gib) == 8  # 16 GiB in 28
-    assert offload_group(30, 4 * gib, 40 * gib) == 5  # groups divide the layers
+    host = HostBudget(available=100 * gib, cap=1024 * gib, margin=0)
+    assert offload_group(32, 2 * gib, host) == 1  # 64 GiB of inputs: a 64 GiB region
+    assert offload_group(32, 4 * gib, host) == 2  # 128 GiB do not fit: every other input, 64 GiB
+    assert offload_group(32, 3 * gib, host) == 2  # 96 GiB would pin 128: every other input, 48 GiB pins 64
+    assert offload_group(30, 4 * gib, HostBudget(available=40 * gib, cap=1024 * gib, margin=0)) == 5  # divisors
     with pytest.raises(JaxtuneError, match="shorten seq_len"):
-        offload_group(32, 50 * gib, 40 * gib)
-    assert 0 < available_host_bytes()
+        offload_group(32, 50 * gib, HostBudget(available=40 * gib, cap=1024 * gib, margin=0))
 
 
 def test_offload_layouts_keep_what_host_memory_cannot_hold_on_device_then_group():
-    from jaxtune.training.host_memory import offload_layouts
+    from jaxtune.training.host_memory import HostBudget, offload_layouts
 
     gib = 2**30
-    assert offload_layouts(32, 2 * gib, 100 * gib) == [(0, 1)]  # 64 GiB of inputs fit in 70
-    assert offload_layouts(32, 3 * gib, 100 * gib) == [(9, 1), (0, 2)]  # 23 inputs fit; else every other one
-    assert offload_layouts(32, 50 * gib, 80 * gib) == [(31, 1), (0, 32)]
+    layer = 100 * gib // 32  # 409,600 tokens of Llama-3-8B: 100 GiB of layer inputs
+    h100 = HostBudget(available=116 * gib, cap=105 * gib, margin=6 * gib)
+    assert offload_layouts(32, layer // 2, h100) == [(0, 1)]
+    assert offload_layouts(32, layer, h100) == [(2, 1), (0, 2)]  # 30 inputs, 93.75 GiB, pin the 105 GiB cap
+    # a cap above what the host can give: only plans whose power-of-two region fits (64 GiB: 20 inputs)
+    assert offload_layouts(32, layer, HostBudget(available=116 * gib, cap=112 * gib, margin=6 * gib)) == [(12, 1), (0, 2)]
+    assert offload_layouts(32, 50 * gib, HostBudget(available=80 * gib, cap=1024 * gib, margin=0)) == [(31, 1), (0, 32)]
 
 
 def test_host_memory_guard_stops_offloading_runs_before_host_memory_runs_out():
@@ -383,6 +416,13 @@ def test_host_memory_guard_stops_offloading_runs_before_host_memory_runs_out():
     assert "host memory nearly exhausted" in proc.stderr and "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in proc.stderr
 
 
+def _host_holds_one_layer_input(monkeypatch, loop):
+    """The tiny model's layer inputs are 32 KiB each: a 40 KiB pinned cap holds one of its two."""
+    from jaxtune.training.host_memory import HostBudget
+
+    monkeypatch.setattr(loop.HostBudget, "now", classmethod(lambda cls: HostBudget(2**30, 40 * 1024, 0)))
+
+
 @pytest.mark.parametrize("device_fits, layout", [(True, (1, 1)), (False, (0, 2))])
 def test_offloading_training_keeps_inputs_on_device_or_groups_layers_when_host_memory_is_short(
         tiny_tokenizer, monkeypatch, capsys, device_fits, layout):
@@ -393,7 +433,7 @@ def test_offloading_training_keeps_inputs_on_device_or_groups_layers_when_host_m
     monkeypatch.setattr(loop, "split_model",
                         lambda m: seen.append((m.offload_device_layers, m.offload_group)) or real_split(m))
     monkeypatch.setattr(loop, "offloads_to_host", lambda: True)  # the GPU-only planning, on CPU
-    monkeypatch.setattr(loop, "available_host_bytes", lambda: 50 * 1024)  # 2 layer inputs of 32 KiB do not fit
+    _host_holds_one_layer_input(monkeypatch, loop)
     limit = 2**40 if device_fits else 2**20  # the compiled step needs a few MiB
     monkeypatch.setattr(loop, "memory_stats", lambda: {"bytes_limit": limit})
     model = _model(tiny_tokenizer)
@@ -420,7 +460,7 @@ def test_offloading_on_a_gpu_runs_the_layout_host_and_device_memory_allow(tiny_t
     real_split = loop.split_model
     monkeypatch.setattr(loop, "split_model",
                         lambda m: seen.append((m.offload_device_layers, m.offload_group)) or real_split(m))
-    monkeypatch.setattr(loop, "available_host_bytes", lambda: 50 * 1024)  # 1 of the 2 layer inputs fits
+    _host_holds_one_layer_input(monkeypatch, loop)
     if bytes_limit is not None:
         monkeypatch.setattr(loop, "memory_stats", lambda: {"bytes_limit": bytes_limit})
     model = _model(tiny_tokenizer)

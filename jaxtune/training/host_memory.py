@@ -1,4 +1,11 @@
-"""How much of the offloaded long-context state host memory can hold (remat "offload")."""
+"""How much of the offloaded long-context state host memory can hold (remat "offload").
+
+XLA keeps offloaded buffers in a pinned-host pool: a best-fit allocator capped by XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
+that grows by regions of the next power of two at or above the request, clipped to what the cap has left, and
+never gives a region back. So a plan of P bytes pins min(next power of two >= P, cap): measured on a 125 GiB H100
+host, a 100 GiB plan under a 112 GiB cap made the process hold 119.4 GiB (112 pinned + 7.4 of its own). A layout
+fits when that region fits the memory available, not just the plan.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +13,14 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from jaxtune.errors import JaxtuneError
+from jaxtune.host_info import GIB, available_ram_bytes, meminfo_bytes, physical_ram_bytes, pinned_cap_bytes
 
-# of the available host memory that offloaded layer inputs may take: the process needs more than XLA's plan
-# (measured on a 125 GiB H100 host: 36.9 GiB for a 32 GiB plan, and host memory exhausted for 94-100 GiB plans)
-FRACTION = 0.7
+PLAN_SHARE_OF_CAP = 0.9  # the rest of the pool: staging regions left from loading weights, which it keeps
+MARGIN_GIB, MARGIN_SHARE = 6, 0.05  # of host memory left for the process's own growth during a step
+MIN_REGION = 2 * 2**20  # the pool's first region
 
 
 def offloads_to_host() -> bool:
@@ -21,24 +30,32 @@ def offloads_to_host() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def _meminfo_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+@dataclass(frozen=True)
+class HostBudget:
+    """Host memory for offloaded layer inputs: available now, XLA's pinned cap, and a margin kept free."""
 
+    available: int
+    cap: int
+    margin: int
 
-def available_host_bytes() -> int:
-    """Host memory available now (MemAvailable), capped by XLA's pinned-host limit."""
-    available = _meminfo_available()
-    if available is None:
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    cap = os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
-    return min(available, int(float(cap) * 1e9)) if cap else available
+    @classmethod
+    def now(cls) -> HostBudget:
+        margin = max(MARGIN_GIB * GIB, int(MARGIN_SHARE * physical_ram_bytes()))
+        return cls(available=available_ram_bytes(), cap=pinned_cap_bytes(), margin=margin)
+
+    def pinned(self, plan: int) -> int:
+        """The pinned memory an offload plan of this many bytes makes the pool take (its new region)."""
+        region = MIN_REGION
+        while region < plan:
+            region *= 2
+        return min(region, self.cap)
+
+    def fits(self, plan: int) -> bool:
+        return plan <= PLAN_SHARE_OF_CAP * self.cap and self.pinned(plan) <= self.available - self.margin
+
+    def describe(self) -> str:
+        return (f"{self.available / GIB:.1f} GiB of host memory available, {self.margin / GIB:.1f} GiB kept free, "
+                f"XLA's pinned pool capped at {self.cap / GIB:.0f} GiB")
 
 
 HOST_EXHAUSTED_EXIT = 3  # the exit status of a run the guard below stopped
@@ -47,7 +64,7 @@ GUARD_FLOOR = 0.02  # of physical RAM (at least 1 GiB): less available than this
 
 def _stop_host_exhausted(available: int) -> None:
     sys.stderr.write(
-        f"\njaxtune: host memory nearly exhausted ({available / 2**30:.1f} GiB available) while layer inputs are "
+        f"\njaxtune: host memory nearly exhausted ({available / GIB:.1f} GiB available) while layer inputs are "
         "offloaded to it; stopping before the machine runs out. Shorten seq_len, or set "
         "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB lower so that fewer inputs are planned on the host\n")
     sys.stderr.flush()
@@ -57,13 +74,12 @@ def _stop_host_exhausted(available: int) -> None:
 class HostMemoryGuard:
     """Watches available host memory while offloaded steps run, and stops the process with a clear message when it
     is nearly gone: pinned buffers cannot be swapped out, so a step that outgrows host memory otherwise ends in the
-    kernel's OOM killer or a machine that stops answering, with no word about why. (Measured at ~400k tokens of an
-    8B model on a 125 GiB host: the process needed 20-35 GiB more than XLA's offload plan.)"""
+    kernel's OOM killer or a machine that stops answering, with no word about why (an unwatched 430,080-token step
+    on a 125 GiB host did that)."""
 
-    def __init__(self, floor_bytes: int | None = None, *, available: Callable[[], int | None] = _meminfo_available,
-                 on_exhausted: Callable[[int], None] = _stop_host_exhausted, interval_s: float = 0.5):
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        self.floor = max(int(GUARD_FLOOR * total), 2**30) if floor_bytes is None else floor_bytes
+    def __init__(self, floor_bytes: int | None = None, *,
+                 available: Callable[[], int | None] = lambda: meminfo_bytes("MemAvailable"), on_exhausted: Callable[[int], None] = _stop_host_exhausted, interval_s: float = 0.5):
+        self.floor = max(int(GUARD_FLOOR * physical_ram_bytes()), GIB) if floor_bytes is None else floor_bytes
         self._available, self._on_exhausted, self._interval = available, on_exhausted, interval_s
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
@@ -91,30 +107,31 @@ class HostMemoryGuard:
             self._thread.join()
 
 
-def offload_group(num_layers: int, bytes_per_layer_input: int, host_bytes: int) -> int:
-    """The smallest group of layers such that one input per group fits in FRACTION of host_bytes.
+def offload_group(num_layers: int, bytes_per_layer_input: int, host: HostBudget) -> int:
+    """The smallest group of layers such that one input per group fits the host.
 
     1 = every layer's input offloaded (no extra compute); g > 1 = the layers between are recomputed from their
     group's input. A clear error when even one input per whole stack does not fit.
     """
-    budget = FRACTION * host_bytes
     for group in range(1, num_layers + 1):
-        if num_layers % group == 0 and num_layers // group * bytes_per_layer_input <= budget:
+        if num_layers % group == 0 and host.fits(num_layers // group * bytes_per_layer_input):
             return group
     raise JaxtuneError(
-        f"one layer input takes {bytes_per_layer_input / 2**30:.1f} GiB but only {budget / 2**30:.1f} GiB of host "
-        "memory is available for offloading; shorten seq_len or free host memory")
+        f"one layer input takes {bytes_per_layer_input / GIB:.1f} GiB, more than host memory can hold pinned "
+        f"({host.describe()}); shorten seq_len or free host memory")
 
 
-def offload_layouts(num_layers: int, bytes_per_layer_input: int, host_bytes: int) -> list[tuple[int, int]]:
+def offload_layouts(num_layers: int, bytes_per_layer_input: int, host: HostBudget) -> list[tuple[int, int]]:
     """The (layers kept on device, offload group) layouts to try, best first.
 
     Every input on the host when it fits: [(0, 1)]. Otherwise the inputs that do not fit stay in device memory
     (no extra compute; the caller checks the compiled step still fits the device), and failing that, one input
     per group of layers goes to host and the layers between are recomputed (`offload_group`).
     """
-    on_host = min(int(FRACTION * host_bytes // bytes_per_layer_input), num_layers)
+    on_host = num_layers
+    while on_host and not host.fits(on_host * bytes_per_layer_input):
+        on_host -= 1
     if on_host == num_layers:
         return [(0, 1)]
-    fallback = [(0, offload_group(num_layers, bytes_per_layer_input, host_bytes))]
+    fallback = [(0, offload_group(num_layers, bytes_per_layer_input, host))]
     return ([(num_layers - on_host, 1)] if on_host else []) + fallback

@@ -31,7 +31,7 @@ from jaxtune.sharding import batch_shards, make_mesh, shard_state
 from jaxtune.training.autobatch import MARGIN, choose_micro_batch, step_bytes_or_none
 from jaxtune.training.checkpoint import RunCheckpoints
 from jaxtune.training.config import TrainConfig
-from jaxtune.training.host_memory import HostMemoryGuard, available_host_bytes, offload_layouts, offloads_to_host
+from jaxtune.training.host_memory import HostBudget, HostMemoryGuard, offload_layouts, offloads_to_host
 from jaxtune.training.step import (REMAT_POLICIES, make_eval_step, make_optimizer, make_train_step, split_model,
                                 to_device_batch)
 
@@ -175,7 +175,7 @@ def train(
     if offloading:  # host memory must hold the layer inputs
         rows = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 1
         per_layer = rows * cfg.seq_len * model.config.hidden_size * model.dtype.itemsize
-        layouts = offload_layouts(model.config.num_layers, per_layer, available_host_bytes())
+        layouts = offload_layouts(model.config.num_layers, per_layer, HostBudget.now())
 
     def split_with(layout: tuple[int, int]):
         """The step's graphdef carries these flags; the user's model gets its defaults back."""
