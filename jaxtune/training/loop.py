@@ -172,10 +172,11 @@ def train(
         check_fp8_device()
     layouts = [(0, 1)]  # remat "offload": (layers whose inputs stay on device, offload group)
     offloading = cfg.remat == "offload" and offloads_to_host()
-    if offloading:  # host memory must hold the layer inputs
+    if offloading:  # host memory must hold the layer inputs, in the pinned region they make XLA's pool take
         rows = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 1
         per_layer = rows * cfg.seq_len * model.config.hidden_size * model.dtype.itemsize
-        layouts = offload_layouts(model.config.num_layers, per_layer, HostBudget.now())
+        host = HostBudget.now()
+        layouts = offload_layouts(model.config.num_layers, per_layer, host)
 
     def split_with(layout: tuple[int, int]):
         """The step's graphdef carries these flags; the user's model gets its defaults back."""
@@ -199,11 +200,11 @@ def train(
         step_fn = make_train_step(split_with(layout)[0], optimizer, schedule, cfg, mesh)
     on_device, group = layout
     if on_device and lead:
-        print(f"remat offload: the inputs of {on_device} of {model.config.num_layers} layers stay in device memory "
-              "(host memory holds the rest)", flush=True)
+        print(f"remat offload: the inputs of {on_device} of {model.config.num_layers} layers stay in device memory, "
+              f"host memory holds the rest ({host.describe()})", flush=True)
     if group > 1 and lead:
         print(f"remat offload: host memory holds the input of one layer in {group}; the layers between are "
-              "recomputed from it (one more forward each)", flush=True)
+              f"recomputed from it (one more forward each; {host.describe()})", flush=True)
     if cfg.micro_batch_size == "auto":
         micro = choose_micro_batch(cfg, step_fn, lora, opt_state, frozen, rows=len(train_rows))
         if lead:
