@@ -103,6 +103,8 @@ def _add_hyperparameters(writer: Any, cfg: ModelConfig, name: str, file_type: in
     if cfg.rope_type == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(cfg.rope_factor)
+    elif cfg.rope_type == "llama3":  # the factors go in the rope_freqs tensor; this key makes them read back as given
+        writer.add_rope_scaling_orig_ctx_len(cfg.rope_original_max_position)
 
 
 def _add_tokenizer(writer: Any, tokenizer: Any, cfg: ModelConfig) -> None:

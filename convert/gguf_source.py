@@ -33,7 +33,8 @@ _TOP_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_IGNORED = re.compile(r"^rope_freqs\.weight$|\.attn_rot_embd$")
+_IGNORED = re.compile(r"^rope_freqs\.weight$|\.attn_rot_embd$")  # rope_freqs is read into the config
+LLAMA3_ORIGINAL_CONTEXT = 8192  # Llama 3.1-3.3's original_max_position_embeddings, where a file does not say
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -49,6 +50,48 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Inverse of llama.cpp's q/k row permutation (interleaved pairs -> rotate_half halves), per head."""
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_from_factors(factors: np.ndarray, theta: float, head_dim: int, original_context: int
+                             ) -> dict[str, Any] | None:
+    """HF's llama3 `rope_scaling` for llama.cpp's `rope_freqs` (per-pair divisors of the unscaled frequencies).
+
+    llama3 scaling divides low frequencies by `factor`, keeps high ones, and in between interpolates 1/divisor
+    linearly in 1/wavelength; that line fixes (low_freq_factor, high_freq_factor) / original_context, so with the
+    file's original context (else Llama 3.1's) the parameters follow. They are checked by recomputing the divisors.
+    None when every divisor is 1 (no scaling).
+    """
+    from jaxtune.config import ModelConfig
+    from jaxtune.rope import inverse_frequencies
+
+    if factors.shape != (head_dim // 2,):
+        raise CheckpointError(f"GGUF rope_freqs has {factors.size} values, the model's heads need {head_dim // 2}; "
+                              "the file is inconsistent")
+    factor = float(factors.max())
+    if np.allclose(factors, 1.0):
+        return None
+    plain = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    inverse_wavelength = plain / (2 * np.pi)
+    smooth = (1.0 / factors - 1.0 / factor) / (1.0 - 1.0 / factor)  # 0 where fully scaled, 1 where unscaled
+    medium = (smooth > 1e-4) & (smooth < 1 - 1e-4)
+    rope = None
+    if medium.sum() >= 2:  # smooth = original_context * x / (high - low) - low / (high - low), x = 1 / wavelength
+        slope, intercept = np.polyfit(inverse_wavelength[medium], smooth[medium], 1)
+        span = original_context / slope
+        low = round(float(-intercept * span), 4)
+        rope = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                "high_freq_factor": round(low + float(span), 4), "original_max_position_embeddings": original_context}
+        cfg = ModelConfig(model_type="llama", vocab_size=1, hidden_size=head_dim, intermediate_size=1, num_layers=1,
+                          num_heads=1, num_kv_heads=1, head_dim=head_dim, rope_theta=theta, rope_type="llama3",
+                          rope_factor=factor, rope_low_freq_factor=rope["low_freq_factor"],
+                          rope_high_freq_factor=rope["high_freq_factor"],
+                          rope_original_max_position=original_context)
+        if not np.allclose(plain / inverse_frequencies(cfg), factors, rtol=1e-4):
+            rope = None
+    if rope is None:
+        raise UnsupportedModelError("the GGUF rope_freqs tensor does not follow llama3 RoPE scaling; unsupported "
+                                    "(convert the model from its HF directory instead)")
+    return rope
 
 
 class GGUFSource:
@@ -107,10 +150,18 @@ class GGUFSource:
         vocab = self._field(p + "vocab_size")
         cfg["vocab_size"] = int(vocab if vocab is not None else len(tokens.data))
         scaling = self._field(p + "rope.scaling.type")
-        if scaling == "linear":
+        freqs = next((t for t in self._reader.tensors if t.name == "rope_freqs.weight"), None)
+        if scaling == "linear" and freqs is None:
             cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(self._field(p + "rope.scaling.factor"))}
-        elif scaling not in (None, "none"):
-            raise UnsupportedModelError(f"unsupported GGUF rope scaling {scaling!r}; supported: none, linear")
+        elif scaling not in (None, "none") or (freqs is not None and scaling is not None):
+            raise UnsupportedModelError(f"unsupported GGUF rope scaling {scaling!r}"
+                                        f"{' with a rope_freqs tensor' if freqs is not None else ''}; supported: none, "
+                                        "linear, and llama3 (the rope_freqs tensor)")
+        elif freqs is not None:
+            context = self._field(p + "rope.scaling.original_context_length")
+            cfg["rope_scaling"] = llama3_rope_from_factors(
+                np.asarray(freqs.data, np.float64).reshape(-1), cfg["rope_theta"], cfg["head_dim"],
+                LLAMA3_ORIGINAL_CONTEXT if context is None else int(context))
         cfg["tie_word_embeddings"] = not any(t.name == "output.weight" for t in self._reader.tensors)
         return cfg
 

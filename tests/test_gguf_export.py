@@ -88,6 +88,17 @@ def test_rope_scaling_is_written_as_llama_cpp_reads_it(tmp_path, tiny_tokenizer)
     stored = {t.name: t for t in gguf.GGUFReader(tmp_path / "llama3.gguf").tensors}["rope_freqs.weight"]
     np.testing.assert_allclose(np.asarray(stored.data), (plain / scaled.double()).numpy(), rtol=1e-5)
     assert not np.allclose(np.asarray(stored.data), 1.0)
+    # and read back: jaxtune's importer turns rope_freqs into the same llama3 scaling; logits equal transformers'
+    jaxtune.save_merged(model, tmp_path / "merged3", base=tmp_path / "llama3" / "base", dtype="float32")
+    jaxtune.save_gguf(model, tmp_path / "llama3-f32.gguf", tokenizer=tok, base=tmp_path / "llama3" / "base",
+                      gguf_type="f32")
+    reimported, _ = jaxtune.from_pretrained(tmp_path / "llama3-f32.gguf", dtype="float32")
+    c = reimported.config
+    assert (c.rope_type, c.rope_factor, c.rope_low_freq_factor, c.rope_high_freq_factor,
+            c.rope_original_max_position) == ("llama3", 8.0, 1.0, 4.0, 64)
+    ids = np.random.default_rng(0).integers(0, len(tiny_tokenizer), size=(2, 100))  # past the original 64
+    merged = _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged3", dtype=torch.float32).eval(), ids)
+    assert np.abs(np.asarray(reimported(ids)) - merged).max() < 1e-4
 
     linear = LlamaConfig(vocab_size=len(tiny_tokenizer), **SMALL, rope_scaling={"rope_type": "linear", "factor": 2.0})
     model, tok = _trained_like(tmp_path / "linear", linear, tiny_tokenizer)
@@ -101,6 +112,32 @@ def test_rope_scaling_is_written_as_llama_cpp_reads_it(tmp_path, tiny_tokenizer)
     merged = _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval(), ids)
     reimported, _ = jaxtune.from_pretrained(tmp_path / "linear.gguf", dtype="float32")
     assert np.abs(np.asarray(reimported(ids)) - merged).max() < 1e-4
+
+
+def test_llama3_rope_freqs_without_their_context_key_give_llama3_frequencies():
+    """llama.cpp writes Llama 3.1's scaling as rope_freqs alone: the importer's parameters (original context
+    assumed 8192) reproduce transformers' llama3 frequencies; divisors of another shape are refused."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from convert.gguf_source import llama3_rope_from_factors
+    from jaxtune.errors import UnsupportedModelError
+
+    for theta, head_dim, context, low, high, factor in [(500000.0, 128, 8192, 1.0, 4.0, 8.0),
+                                                        (10000.0, 16, 64, 1.0, 4.0, 8.0),
+                                                        (500000.0, 64, 32768, 2.0, 8.0, 32.0)]:
+        hf = LlamaConfig(hidden_size=head_dim * 2, num_attention_heads=2, rope_theta=theta, rope_scaling={
+            "rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+            "original_max_position_embeddings": context})
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+        plain = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+        divisors = (plain / scaled.double().numpy()).astype(np.float32).astype(np.float64)
+        rope = llama3_rope_from_factors(divisors, theta, head_dim, 8192)
+        got = LlamaConfig(hidden_size=head_dim * 2, num_attention_heads=2, rope_theta=theta, rope_scaling=rope)
+        np.testing.assert_allclose(ROPE_INIT_FUNCTIONS["llama3"](got, "cpu")[0].double().numpy(),
+                                   scaled.double().numpy(), rtol=1e-5)
+    assert llama3_rope_from_factors(np.ones(8), 10000.0, 16, 8192) is None
+    with pytest.raises(UnsupportedModelError, match="does not follow llama3"):
+        llama3_rope_from_factors(np.random.default_rng(0).uniform(1, 8, 8), 10000.0, 16, 8192)
 
 
 def _sentencepiece_style_tokenizer(path):
