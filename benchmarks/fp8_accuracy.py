@@ -1,6 +1,6 @@
 """FP8 vs bf16 accuracy on the demo task: the bundled SmolLM2 fine-tuned the same way twice.
 
-    python benchmarks/fp8_accuracy.py [--steps 200] [--out runs/fp8-accuracy] [--bf16-from RUN.jsonl]
+    python benchmarks/fp8_accuracy.py [--steps 200] [--out runs/fp8-accuracy] [--bf16-from RUN.jsonl] [--eval-prompts N]
 Both runs share the converted checkpoint, data, seed and LoRA init; only `TrainConfig.compute` differs. On a CPU
 the model computes in float32 and FP8 runs as its jnp reference (the same quantization as the GPU path). Prints
 one JSON line per run (losses, held-out exact match) and one comparing them: the largest relative gap between
@@ -19,6 +19,7 @@ import numpy as np
 
 import jaxtune
 from examples.demo import DATA, exact_match
+from examples.make_demo_data import more_heldout
 
 
 def smoothed(losses: list[float], window: int = 10) -> np.ndarray:
@@ -31,6 +32,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out", default="runs/fp8-accuracy")
     ap.add_argument("--bf16-from", help="a bf16 JSON line this script printed before (same steps): train FP8 only")
+    ap.add_argument("--eval-prompts", type=int, default=24,
+                    help="held-out prompts scored: the demo's 24, then more made the same way (names unseen in training)")
     args = ap.parse_args()
     out = Path(args.out)
     converted = out / "smollm2-nf4"
@@ -38,6 +41,7 @@ def main() -> None:
         jaxtune.convert("smollm2", converted, quantize="nf4")
     on_cpu = jax.local_devices()[0].platform == "cpu"
     evals = [json.loads(line) for line in (DATA / "people_eval.jsonl").read_text().splitlines()]
+    evals += more_heldout(max(0, args.eval_prompts - len(evals)))
     runs = {}
     if args.bf16_from:
         runs["bf16"] = json.loads(Path(args.bf16_from).read_text().splitlines()[0])
@@ -51,7 +55,7 @@ def main() -> None:
         seconds = time.perf_counter() - t0
         score, _ = exact_match(model, tokenizer, evals)
         runs[compute] = {"compute": compute, "device": jax.local_devices()[0].device_kind, "steps": result.steps,
-                         "train_s": round(seconds, 1), "exact_match": score, "final_loss": result.losses[-1],
+                         "train_s": round(seconds, 1), "eval_prompts": len(evals), "exact_match": score, "final_loss": result.losses[-1],
                          "losses": [round(x, 5) for x in result.losses]}
         print(json.dumps(runs[compute]), flush=True)
     ref, fp8 = smoothed(runs["bf16"]["losses"]), smoothed(runs["fp8"]["losses"])

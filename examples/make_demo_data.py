@@ -25,6 +25,7 @@ TEMPLATES = [
     "From {city}, {name} ({age}) works as {a_job}.",
 ]
 INSTRUCTION = "Extract the person as JSON with keys name, age, job, city."
+TRAIN_NAMES, EVAL_NAMES = NAMES[:24], NAMES[24:]  # held-out prompts use names never seen in training
 
 
 def example(rng: random.Random, names: list[str]) -> tuple[str, str]:
@@ -34,19 +35,24 @@ def example(rng: random.Random, names: list[str]) -> tuple[str, str]:
     return f"{INSTRUCTION}\n{sentence}", json.dumps(person)
 
 
+def more_heldout(n: int, seed: int = 1) -> list[dict]:
+    """n further held-out prompts like people_eval.jsonl's (for comparisons finer than its 24 allow)."""
+    rng = random.Random(seed)
+    return [{"prompt": prompt, "answer": answer} for prompt, answer in (example(rng, EVAL_NAMES) for _ in range(n))]
+
+
 def main() -> None:
     rng = random.Random(0)
-    train_names, eval_names = NAMES[:24], NAMES[24:]  # held-out prompts use names never seen in training
     out = Path(__file__).resolve().parent / "data"
     out.mkdir(exist_ok=True)
     with open(out / "people_train.jsonl", "w") as f:
         for _ in range(400):
-            prompt, answer = example(rng, train_names)
+            prompt, answer = example(rng, TRAIN_NAMES)
             f.write(json.dumps({"messages": [{"role": "user", "content": prompt},
                                              {"role": "assistant", "content": answer}]}) + "\n")
     with open(out / "people_eval.jsonl", "w") as f:
         for _ in range(24):
-            prompt, answer = example(rng, eval_names)
+            prompt, answer = example(rng, EVAL_NAMES)
             f.write(json.dumps({"prompt": prompt, "answer": answer}) + "\n")
 
 
