@@ -32,12 +32,12 @@ import jaxtune
 from benchmarks.train_qlora import dense_batches
 from jaxtune.config import ModelConfig
 from jaxtune.distributed import peak_memory_gib
+from jaxtune.host_info import available_ram_bytes, pinned_cap_bytes
 from jaxtune.model import CausalLM
 from jaxtune.qlora import quantize_layers
-from jaxtune.host_info import available_ram_bytes, pinned_cap_bytes
 from jaxtune.sharding import global_batch, make_mesh, shard_state, state_shardings
-from jaxtune.training.loop import PEAK_BF16_FLOPS, flops_per_token
 from jaxtune.training.host_memory import HostBudget, offload_layouts
+from jaxtune.training.loop import PEAK_BF16_FLOPS, flops_per_token
 from jaxtune.training.step import REMAT_POLICIES, make_optimizer, make_train_step, split_model
 
 MODELS = {

@@ -151,17 +151,17 @@ class GGUFSource:
         cfg["vocab_size"] = int(vocab if vocab is not None else len(tokens.data))
         scaling = self._field(p + "rope.scaling.type")
         freqs = next((t for t in self._reader.tensors if t.name == "rope_freqs.weight"), None)
-        if scaling == "linear" and freqs is None:
-            cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(self._field(p + "rope.scaling.factor"))}
-        elif scaling not in (None, "none") or (freqs is not None and scaling is not None):
-            raise UnsupportedModelError(f"unsupported GGUF rope scaling {scaling!r}"
-                                        f"{' with a rope_freqs tensor' if freqs is not None else ''}; supported: none, "
-                                        "linear, and llama3 (the rope_freqs tensor)")
-        elif freqs is not None:
+        if freqs is not None and scaling in (None, "none"):  # llama.cpp writes llama3 scaling as this tensor alone
             context = self._field(p + "rope.scaling.original_context_length")
             cfg["rope_scaling"] = llama3_rope_from_factors(
                 np.asarray(freqs.data, np.float64).reshape(-1), cfg["rope_theta"], cfg["head_dim"],
                 LLAMA3_ORIGINAL_CONTEXT if context is None else int(context))
+        elif scaling == "linear" and freqs is None:
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(self._field(p + "rope.scaling.factor"))}
+        elif scaling not in (None, "none"):
+            raise UnsupportedModelError(f"unsupported GGUF rope scaling {scaling!r}"
+                                        f"{' with a rope_freqs tensor' if freqs is not None else ''}; supported: none, "
+                                        "linear, and llama3 (the rope_freqs tensor)")
         cfg["tie_word_embeddings"] = not any(t.name == "output.weight" for t in self._reader.tensors)
         return cfg
 
