@@ -22,6 +22,9 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZER_SPLITS = {name: _LLAMA3_SPLIT for name in ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx")}
 PRE_TOKENIZER_SPLITS.update({name: _QWEN2_SPLIT for name in ("qwen2", "deepseek-r1-qwen")})
+# llama.cpp names whose split isolates every digit, then applies GPT-2's regex (SmolLM2's HF tokenizer: Digits then
+# ByteLevel); without the digit step, spaces before a number would merge differently ("a  12" -> "Ġ","Ġ" vs "ĠĠ")
+DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone")
 SUPPORTED_MODELS = ("gpt2", "llama")  # byte-level BPE, SentencePiece BPE
 
 
@@ -42,11 +45,16 @@ def tokenizer_from_gguf(field: Callable[[str], Any], where: str):
                if (index := field(f"tokenizer.ggml.{key}")) is not None and 0 <= int(index) < len(tokens)}
     if kind == "gpt2":
         tokenizer = _byte_level(tokens, field("tokenizer.ggml.merges"), special)
-        split = PRE_TOKENIZER_SPLITS.get(field("tokenizer.ggml.pre"))
+        pre = field("tokenizer.ggml.pre")
+        split = PRE_TOKENIZER_SPLITS.get(pre)
         if split is not None:
             tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
                 pre_tokenizers.Split(Regex(split), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        elif pre in DIGITS_THEN_GPT2:
+            tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     else:
         tokenizer = _sentencepiece(tokens, field("tokenizer.ggml.merges"), field("tokenizer.ggml.scores"), special,
                                    field("tokenizer.ggml.add_space_prefix"))
@@ -127,10 +135,13 @@ def _pre_tokenizer_name(pre: dict[str, Any] | None) -> str:
             raise UnsupportedModelError(
                 "the tokenizer splits text with a regex llama.cpp has no name for; GGUF export covers the Llama 3 "
                 "and Qwen2 splits and GPT-2's own")
-    if any(s.get("type") == "ByteLevel" and s.get("use_regex", True) for s in steps) and len(steps) == 1:
+    byte_level = [s for s in steps if s.get("type") == "ByteLevel" and s.get("use_regex", True)]
+    if byte_level and len(steps) == 1:
         return _GPT2_DEFAULT_SPLIT
+    if byte_level and len(steps) == 2 and steps[0].get("type") == "Digits" and steps[0].get("individual_digits"):
+        return DIGITS_THEN_GPT2[0]
     raise UnsupportedModelError("the tokenizer's pre-tokenizer has no llama.cpp equivalent; GGUF export covers the "
-                                "Llama 3, Qwen2 and GPT-2 byte-level pre-tokenizers")
+                                "Llama 3, Qwen2, SmolLM2 and GPT-2 byte-level pre-tokenizers")
 
 
 def _merge_strings(merges: list[Any]) -> list[str]:

@@ -149,6 +149,54 @@ def test_byte_level_gguf_tokenizer_equals_transformers(tmp_path, pre):
     assert_same_tokenizer(_ours(path), _reference(path))
 
 
+DIGIT_TEXTS = ["a  12 b", "version 1.2.3  and  99 bottles", "x =  3.14,   y=1000000", "\t 7\n  8"]
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+
+def test_smollm_pre_tokenizer_splits_digits_first_as_llama_cpp_does(smollm2_path):
+    """llama.cpp's "smollm" pre-tokenizer isolates every digit, then applies GPT-2's split (its two regexes, here
+    as a reference pipeline); spaces before a number tokenize differently without the digit step."""
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+
+    ours = _ours(smollm2_path)
+    reference = Tokenizer.from_str(ours.backend_tokenizer.to_str())
+    reference.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
+        pre_tokenizers.Split(Regex(GPT2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    gpt2_only = Tokenizer.from_str(ours.backend_tokenizer.to_str())
+    gpt2_only.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    for text in DIGIT_TEXTS + TEXTS:
+        assert ours(text, add_special_tokens=False)["input_ids"] == reference.encode(text, add_special_tokens=False).ids
+    assert ours("a  12 b", add_special_tokens=False)["input_ids"] != gpt2_only.encode("a  12 b").ids
+
+
+def test_digit_splitting_tokenizer_exports_as_smollm_and_reads_back_equal(tmp_path):
+    """A byte-level tokenizer that splits digits first (SmolLM2's HF tokenizer) is written with llama.cpp's
+    "smollm" pre-tokenizer and reads back with the same ids as the original."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from convert.gguf_tokenizer import gguf_tokenizer_fields
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(CORPUS + ["a  12 b  99 and   3 7"] * 4, trainer)
+    original = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")
+    fields = gguf_tokenizer_fields(original, len(original))
+    assert fields["tokenizer.ggml.pre"] == "smollm"
+    types = [3 if t in ("<|endoftext|>", "<s>", "</s>") else 1 for t in fields["tokenizer.ggml.tokens"]]
+    path = _write_gguf(tmp_path / "digits.gguf", model="gpt2", tokens=fields["tokenizer.ggml.tokens"], types=types,
+                       merges=fields["tokenizer.ggml.merges"], pre="smollm", add_bos=False)
+    ours = _ours(path)
+    for text in DIGIT_TEXTS + TEXTS:
+        assert ours(text)["input_ids"] == original(text)["input_ids"], text
+
+
 def test_unsupported_gguf_tokenizer_is_a_clear_error(tmp_path):
     from jaxtune.errors import UnsupportedModelError
 
