@@ -99,6 +99,9 @@ def test_rope_scaling_is_written_as_llama_cpp_reads_it(tmp_path, tiny_tokenizer)
     ids = np.random.default_rng(0).integers(0, len(tiny_tokenizer), size=(2, 100))  # past the original 64
     merged = _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged3", dtype=torch.float32).eval(), ids)
     assert np.abs(np.asarray(reimported(ids)) - merged).max() < 1e-4
+    # transformers' GGUF loader still reads the file (it leaves the llama3 scaling out: rope_type "default")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="llama3-f32.gguf", dtype=torch.float32)
+    assert hf.config.num_hidden_layers == SMALL["num_hidden_layers"]
 
     linear = LlamaConfig(vocab_size=len(tiny_tokenizer), **SMALL, rope_scaling={"rope_type": "linear", "factor": 2.0})
     model, tok = _trained_like(tmp_path / "linear", linear, tiny_tokenizer)
