@@ -366,6 +366,21 @@ def test_host_budget_counts_the_pinned_region_an_offload_plan_makes():
     assert 0 < HostBudget.now().available
 
 
+def test_host_budget_is_the_tightest_of_every_process(monkeypatch):
+    """Processes plan the offload layout from the same figures (else they would compile different steps): the
+    least available memory, the lowest cap and the largest margin any of them has."""
+    import jaxtune.distributed
+    from jaxtune.training.host_memory import HostBudget
+
+    mib = 2**20
+    monkeypatch.setattr(jaxtune.distributed, "agree_min", lambda v: v - 7)  # another process: 7 MiB tighter each
+    budget = HostBudget.now()
+    monkeypatch.setattr(jaxtune.distributed, "agree_min", lambda v: v)
+    alone = HostBudget.now()
+    assert abs(budget.available - (alone.available - 7 * mib)) < 256 * mib  # MemAvailable moves between reads
+    assert budget.cap == alone.cap - 7 * mib and budget.margin == alone.margin + 7 * mib
+
+
 def test_offload_group_is_the_smallest_that_host_memory_holds():
     from jaxtune.errors import JaxtuneError
     from jaxtune.training.host_memory import HostBudget, offload_group

@@ -40,8 +40,14 @@ class HostBudget:
 
     @classmethod
     def now(cls) -> HostBudget:
+        """This host's figures, or in a multi-process run the tightest of every process's (least available, lowest
+        cap, largest margin), so that every process plans the same layout and compiles the same step."""
+        from jaxtune.distributed import agree_min
+
+        mib = 2**20  # agreed in MiB: bytes overflow the int32 the processes exchange
         margin = max(MARGIN_GIB * GIB, int(MARGIN_SHARE * physical_ram_bytes()))
-        return cls(available=available_ram_bytes(), cap=pinned_cap_bytes(), margin=margin)
+        return cls(available=agree_min(available_ram_bytes() // mib) * mib,
+                   cap=agree_min(pinned_cap_bytes() // mib) * mib, margin=-agree_min(-(margin // mib)) * mib)
 
     def pinned(self, plan: int) -> int:
         """The pinned memory an offload plan of this many bytes makes the pool take (its new region)."""
