@@ -1,6 +1,7 @@
 """FP8 vs bf16 accuracy on the demo task: the bundled SmolLM2 fine-tuned the same way twice.
 
-    python benchmarks/fp8_accuracy.py [--steps 200] [--out runs/fp8-accuracy] [--bf16-from RUN.jsonl] [--eval-prompts N]
+    python benchmarks/fp8_accuracy.py [--steps 200] [--out runs/fp8-accuracy] [--bf16-from RUN.jsonl]
+                                      [--eval-prompts N]
 Both runs share the converted checkpoint, data, seed and LoRA init; only `TrainConfig.compute` differs. On a CPU
 the model computes in float32 and FP8 runs as its jnp reference (the same quantization as the GPU path). Prints
 one JSON line per run (losses, held-out exact match) and one comparing them: the largest relative gap between
@@ -55,7 +56,8 @@ def main() -> None:
         seconds = time.perf_counter() - t0
         score, _ = exact_match(model, tokenizer, evals)
         runs[compute] = {"compute": compute, "device": jax.local_devices()[0].device_kind, "steps": result.steps,
-                         "train_s": round(seconds, 1), "eval_prompts": len(evals), "exact_match": score, "final_loss": result.losses[-1],
+                         "train_s": round(seconds, 1), "eval_prompts": len(evals), "exact_match": score,
+                         "final_loss": result.losses[-1],
                          "losses": [round(x, 5) for x in result.losses]}
         print(json.dumps(runs[compute]), flush=True)
     ref, fp8 = smoothed(runs["bf16"]["losses"]), smoothed(runs["fp8"]["losses"])

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import threading
 import time
 
 from jaxtune.distributed import initialize_from_env
@@ -36,7 +35,7 @@ from jaxtune.host_info import available_ram_bytes, pinned_cap_bytes
 from jaxtune.model import CausalLM
 from jaxtune.qlora import quantize_layers
 from jaxtune.sharding import global_batch, make_mesh, shard_state, state_shardings
-from jaxtune.training.host_memory import HostBudget, offload_layouts
+from jaxtune.training.host_memory import HostMemoryGuard, offload_plan
 from jaxtune.training.loop import PEAK_BF16_FLOPS, flops_per_token
 from jaxtune.training.step import REMAT_POLICIES, make_optimizer, make_train_step, split_model
 
@@ -66,27 +65,6 @@ def random_model(name: str, mesh):
 
     state = jax.tree.unflatten(tree, jax.jit(make, out_shardings=shardings)())
     return nnx.merge(graphdef, state)
-
-
-class HostLow:
-    """Samples available host memory on a thread: its value at start and the lowest it reaches."""
-
-    def __init__(self, interval_s: float = 0.25):
-        self.before = self.low = available_ram_bytes()
-        self._interval, self._done = interval_s, threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-
-    def _watch(self) -> None:
-        while not self._done.wait(self._interval):
-            self.low = min(self.low, available_ram_bytes())
-
-    def start(self) -> HostLow:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._done.set()
-        self._thread.join()
 
 
 def main() -> None:
@@ -122,10 +100,8 @@ def main() -> None:
     model.remat_policy = REMAT_POLICIES[args.remat]
     model.single_sequence_rows = not args.segments  # one sequence per row, as train() attends unpacked rows
     if args.offload_device_layers == "auto":
-        per_layer = args.batch_per_gpu * args.seq * model.config.hidden_size * model.dtype.itemsize
-        host_budget = HostBudget.now()
-        args.offload_device_layers, args.offload_group = offload_layouts(model.config.num_layers, per_layer,
-                                                                         host_budget)[0]
+        host_budget, layouts = offload_plan(model, args.batch_per_gpu, args.seq)
+        args.offload_device_layers, args.offload_group = layouts[0]
         if not jax.process_index():
             print(f"offload layout for this host ({host_budget.describe()}): inputs of "
                   f"{args.offload_device_layers} layers on device, group {args.offload_group}", flush=True)
@@ -157,7 +133,8 @@ def main() -> None:
         if not jax.process_index():
             print(json.dumps({"seq": args.seq, "compile_s": round(compile_s, 1), **plan}), flush=True)
         step_fn = compiled
-    host_watch = HostLow().start()  # how far available host memory falls while steps run (pinned offload)
+    host_before = available_ram_bytes()  # and the guard records how far it falls while steps run (pinned offload)
+    host_watch = HostMemoryGuard(interval_s=0.25).start()
     t0 = time.perf_counter()
     lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jnp.int32(0))
     jax.block_until_ready(m)
@@ -198,8 +175,9 @@ def main() -> None:
         "offload_group": args.offload_group,
         "offload_device_layers": args.offload_device_layers,
         "host_rss_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
-        "host_available_before_gib": round(host_watch.before / 2**30, 2),
-        "host_available_low_gib": round(host_watch.low / 2**30, 2), "pinned_cap_gib": pinned_cap_bytes() // 2**30,
+        "host_available_before_gib": round(host_before / 2**30, 2),
+        "host_available_low_gib": round(min(host_before, host_watch.lowest or host_before) / 2**30, 2),
+        "pinned_cap_gib": pinned_cap_bytes() // 2**30,
         "losses": [round(float(x), 5) for x in losses],
         "lora_b_abs_max": lora_b_abs_max,
     }), flush=True)

@@ -23,7 +23,7 @@ from convert.peft_io import lora_modules
 from jaxtune.config import ModelConfig
 from jaxtune.errors import CheckpointError, UnsupportedModelError
 from jaxtune.model import CausalLM
-from jaxtune.rope import inverse_frequencies
+from jaxtune.rope import inverse_frequencies, unscaled_inverse_frequencies
 
 GGUF_TYPES = ("bf16", "f16", "q8_0", "f32")
 GGUF_MODEL_TYPES = ("llama", "mistral")  # written as llama.cpp's "llama" architecture
@@ -51,8 +51,7 @@ def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def rope_factors(cfg: ModelConfig) -> np.ndarray:
     """llama.cpp's `rope_freqs` for llama3 RoPE scaling: per-pair divisors of the unscaled frequencies."""
-    plain = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
-    return (plain / inverse_frequencies(cfg)).astype(np.float32)
+    return (unscaled_inverse_frequencies(cfg.rope_theta, cfg.head_dim) / inverse_frequencies(cfg)).astype(np.float32)
 
 
 def check_gguf_output(out_path: str | os.PathLike) -> str:

@@ -61,37 +61,31 @@ def llama3_rope_from_factors(factors: np.ndarray, theta: float, head_dim: int, o
     file's original context (else Llama 3.1's) the parameters follow. They are checked by recomputing the divisors.
     None when every divisor is 1 (no scaling).
     """
-    from jaxtune.config import ModelConfig
-    from jaxtune.rope import inverse_frequencies
+    from jaxtune.rope import llama3_inverse_frequencies, unscaled_inverse_frequencies
 
     if factors.shape != (head_dim // 2,):
         raise CheckpointError(f"GGUF rope_freqs has {factors.size} values, the model's heads need {head_dim // 2}; "
                               "the file is inconsistent")
-    factor = float(factors.max())
     if np.allclose(factors, 1.0):
         return None
-    plain = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    inverse_wavelength = plain / (2 * np.pi)
+    unsupported = UnsupportedModelError("the GGUF rope_freqs tensor does not follow llama3 RoPE scaling; "
+                                        "unsupported (convert the model from its HF directory instead)")
+    factor = float(factors.max())
+    plain = unscaled_inverse_frequencies(theta, head_dim)
     smooth = (1.0 / factors - 1.0 / factor) / (1.0 - 1.0 / factor)  # 0 where fully scaled, 1 where unscaled
     medium = (smooth > 1e-4) & (smooth < 1 - 1e-4)
-    rope = None
-    if medium.sum() >= 2:  # smooth = original_context * x / (high - low) - low / (high - low), x = 1 / wavelength
-        slope, intercept = np.polyfit(inverse_wavelength[medium], smooth[medium], 1)
-        span = original_context / slope
-        low = round(float(-intercept * span), 4)
-        rope = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-                "high_freq_factor": round(low + float(span), 4), "original_max_position_embeddings": original_context}
-        cfg = ModelConfig(model_type="llama", vocab_size=1, hidden_size=head_dim, intermediate_size=1, num_layers=1,
-                          num_heads=1, num_kv_heads=1, head_dim=head_dim, rope_theta=theta, rope_type="llama3",
-                          rope_factor=factor, rope_low_freq_factor=rope["low_freq_factor"],
-                          rope_high_freq_factor=rope["high_freq_factor"],
-                          rope_original_max_position=original_context)
-        if not np.allclose(plain / inverse_frequencies(cfg), factors, rtol=1e-4):
-            rope = None
-    if rope is None:
-        raise UnsupportedModelError("the GGUF rope_freqs tensor does not follow llama3 RoPE scaling; unsupported "
-                                    "(convert the model from its HF directory instead)")
-    return rope
+    if medium.sum() < 2:
+        raise unsupported
+    # smooth = original_context * x / (high - low) - low / (high - low), x = 1 / wavelength
+    slope, intercept = np.polyfit(plain[medium] / (2 * np.pi), smooth[medium], 1)
+    span = original_context / slope
+    low = round(float(-intercept * span), 4)
+    high = round(low + float(span), 4)
+    if not np.allclose(plain / llama3_inverse_frequencies(plain, factor, low, high, original_context), factors,
+                       rtol=1e-4):
+        raise unsupported
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+            "original_max_position_embeddings": original_context}
 
 
 class GGUFSource:

@@ -10,22 +10,32 @@ import numpy as np
 from jaxtune.config import ModelConfig
 
 
+def unscaled_inverse_frequencies(theta: float, head_dim: int) -> np.ndarray:
+    """theta^(-2i/d) per rotated pair [head_dim // 2], float64."""
+    return 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+
+
+def llama3_inverse_frequencies(inv: np.ndarray, factor: float, low_freq_factor: float, high_freq_factor: float,
+                               original_context: int) -> np.ndarray:
+    """Llama 3.1's scaling: low frequencies divided by `factor`, high ones kept, the band between interpolated."""
+    low_wavelen = original_context / low_freq_factor
+    high_wavelen = original_context / high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled)
+
+
 def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
     """Per-pair inverse frequencies [head_dim // 2] in float64, with linear or llama3 scaling applied."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    inv = unscaled_inverse_frequencies(cfg.rope_theta, cfg.head_dim)
     if cfg.rope_type == "linear":
         return inv / cfg.rope_factor
     if cfg.rope_type == "llama3":
-        old_ctx = cfg.rope_original_max_position
-        low_wavelen = old_ctx / cfg.rope_low_freq_factor
-        high_wavelen = old_ctx / cfg.rope_high_freq_factor
-        wavelen = 2 * math.pi / inv
-        scaled = np.where(wavelen > low_wavelen, inv / cfg.rope_factor, inv)
-        smooth = (old_ctx / wavelen - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
-        smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return np.where(medium, smoothed, scaled)
+        return llama3_inverse_frequencies(inv, cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                                          cfg.rope_original_max_position)
     return inv
 
 

@@ -420,6 +420,7 @@ def test_host_memory_guard_stops_offloading_runs_before_host_memory_runs_out():
     readings = iter([10 * gib, 3 * gib, None, gib // 2])
     guard = HostMemoryGuard(2 * gib, available=lambda: next(readings), on_exhausted=seen.append)
     assert [guard.check() for _ in range(4)] == [True, True, True, False] and seen == [gib // 2]
+    assert guard.lowest == gib // 2  # the least it saw (benchmarks report it)
     hit = threading.Event()
     with HostMemoryGuard(2 * gib, available=lambda: gib, on_exhausted=lambda a: hit.set(), interval_s=0.01):
         assert hit.wait(5)  # the watching thread fires on its own
@@ -431,11 +432,11 @@ def test_host_memory_guard_stops_offloading_runs_before_host_memory_runs_out():
     assert "host memory nearly exhausted" in proc.stderr and "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in proc.stderr
 
 
-def _host_holds_one_layer_input(monkeypatch, loop):
+def _host_holds_one_layer_input(monkeypatch):
     """The tiny model's layer inputs are 32 KiB each: a 40 KiB pinned cap holds one of its two."""
     from jaxtune.training.host_memory import HostBudget
 
-    monkeypatch.setattr(loop.HostBudget, "now", classmethod(lambda cls: HostBudget(2**30, 40 * 1024, 0)))
+    monkeypatch.setattr(HostBudget, "now", classmethod(lambda cls: HostBudget(2**30, 40 * 1024, 0)))
 
 
 @pytest.mark.parametrize("device_fits, layout", [(True, (1, 1)), (False, (0, 2))])
@@ -448,7 +449,7 @@ def test_offloading_training_keeps_inputs_on_device_or_groups_layers_when_host_m
     monkeypatch.setattr(loop, "split_model",
                         lambda m: seen.append((m.offload_device_layers, m.offload_group)) or real_split(m))
     monkeypatch.setattr(loop, "offloads_to_host", lambda: True)  # the GPU-only planning, on CPU
-    _host_holds_one_layer_input(monkeypatch, loop)
+    _host_holds_one_layer_input(monkeypatch)
     limit = 2**40 if device_fits else 2**20  # the compiled step needs a few MiB
     monkeypatch.setattr(loop, "memory_stats", lambda: {"bytes_limit": limit})
     model = _model(tiny_tokenizer)
@@ -475,7 +476,7 @@ def test_offloading_on_a_gpu_runs_the_layout_host_and_device_memory_allow(tiny_t
     real_split = loop.split_model
     monkeypatch.setattr(loop, "split_model",
                         lambda m: seen.append((m.offload_device_layers, m.offload_group)) or real_split(m))
-    _host_holds_one_layer_input(monkeypatch, loop)
+    _host_holds_one_layer_input(monkeypatch)
     if bytes_limit is not None:
         monkeypatch.setattr(loop, "memory_stats", lambda: {"bytes_limit": bytes_limit})
     model = _model(tiny_tokenizer)

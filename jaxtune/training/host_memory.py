@@ -87,12 +87,15 @@ class HostMemoryGuard:
                  available: Callable[[], int | None] = lambda: meminfo_bytes("MemAvailable"), on_exhausted: Callable[[int], None] = _stop_host_exhausted, interval_s: float = 0.5):
         self.floor = max(int(GUARD_FLOOR * physical_ram_bytes()), GIB) if floor_bytes is None else floor_bytes
         self._available, self._on_exhausted, self._interval = available, on_exhausted, interval_s
+        self.lowest: int | None = None  # the least available memory seen (what a step took, for benchmarks)
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
     def check(self) -> bool:
         """False (after calling on_exhausted) when less than the floor is available."""
         available = self._available()
+        if available is not None:
+            self.lowest = available if self.lowest is None else min(self.lowest, available)
         if available is not None and available < self.floor:
             self._on_exhausted(available)
             return False
@@ -102,15 +105,21 @@ class HostMemoryGuard:
         while not self._done.wait(self._interval) and self.check():
             pass
 
-    def __enter__(self) -> HostMemoryGuard:
+    def start(self) -> HostMemoryGuard:
         self._thread = threading.Thread(target=self._watch, name="jaxtune-host-memory-guard", daemon=True)
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
         self._done.set()
         if self._thread is not None:
             self._thread.join()
+
+    def __enter__(self) -> HostMemoryGuard:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def offload_group(num_layers: int, bytes_per_layer_input: int, host: HostBudget) -> int:
@@ -141,3 +150,10 @@ def offload_layouts(num_layers: int, bytes_per_layer_input: int, host: HostBudge
         return [(0, 1)]
     fallback = [(0, offload_group(num_layers, bytes_per_layer_input, host))]
     return ([(num_layers - on_host, 1)] if on_host else []) + fallback
+
+
+def offload_plan(model, rows: int, seq_len: int) -> tuple[HostBudget, list[tuple[int, int]]]:
+    """The host budget now and the offload layouts to try for `rows` x `seq_len` tokens of `model`'s layer inputs."""
+    host = HostBudget.now()
+    per_layer = rows * seq_len * model.config.hidden_size * model.dtype.itemsize
+    return host, offload_layouts(model.config.num_layers, per_layer, host)

@@ -31,7 +31,7 @@ from jaxtune.sharding import batch_shards, make_mesh, shard_state
 from jaxtune.training.autobatch import MARGIN, choose_micro_batch, step_bytes_or_none
 from jaxtune.training.checkpoint import RunCheckpoints
 from jaxtune.training.config import TrainConfig
-from jaxtune.training.host_memory import HostBudget, HostMemoryGuard, offload_layouts, offloads_to_host
+from jaxtune.training.host_memory import HostMemoryGuard, offload_plan, offloads_to_host
 from jaxtune.training.step import (REMAT_POLICIES, make_eval_step, make_optimizer, make_train_step, split_model,
                                 to_device_batch)
 
@@ -174,9 +174,7 @@ def train(
     offloading = cfg.remat == "offload" and offloads_to_host()
     if offloading:  # host memory must hold the layer inputs, in the pinned region they make XLA's pool take
         rows = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 1
-        per_layer = rows * cfg.seq_len * model.config.hidden_size * model.dtype.itemsize
-        host = HostBudget.now()
-        layouts = offload_layouts(model.config.num_layers, per_layer, host)
+        host, layouts = offload_plan(model, rows, cfg.seq_len)
 
     def split_with(layout: tuple[int, int]):
         """The step's graphdef carries these flags; the user's model gets its defaults back."""
