@@ -27,8 +27,8 @@ import numpy as np
 
 from benchmarks.nf4_matmul import REPEAT, SHAPES, time_us
 from jaxtune import nf4, ops
-from pallas_kernels.fp8_matmul import Fp8Tiles, fp8_matmul, fp8_matmul_reference, quantize_blocks
-
+from pallas_kernels.fp8_matmul import Fp8Tiles, fp8_matmul, fp8_matmul_reference
+from pallas_kernels.fp8_quantize import quantize_blocks
 
 
 def repeated(op):

@@ -262,7 +262,7 @@ def _fp8_weight(weight, kernel: bool, interpret: bool, transpose: bool = False) 
     float32 value NF4[code] * absmax; on GPU by the Pallas NF4 dequant kernel writing e4m3 directly.
     `transpose`: wq as [in, out] (K-major for the input gradient's GEMM), written so by the kernel."""
     from jaxtune.nf4 import dequantize
-    from pallas_kernels.fp8_matmul import E4M3, pow2_scale
+    from pallas_kernels.fp8_quantize import E4M3, pow2_scale
 
     codes, absmax = _kernel_operands(weight)
     scale = pow2_scale(jnp.max(absmax, axis=1), E4M3)
@@ -289,11 +289,22 @@ def _fp8_gemm(aq, a_scale, bq, b_scale, out_dtype, impl: str, interpret: bool):
     return fp8.fp8_matmul_reference(aq, a_scale, bq, b_scale[:, None], out_dtype)
 
 
+def _fp8_quantize_rows(a, col_scale, fmt: str, impl: str, interpret: bool):
+    """(aq, scale [..., 1]): a (times col_scale per column) in FP8 with a power-of-two scale per row. Off the
+    XLA reference path, one Pallas pass per tensor (pallas_kernels/fp8_quantize.py) instead of XLA's row
+    reduction fused into a's producer plus a separate cast pass; the same bits either way."""
+    from pallas_kernels import fp8_quantize
+
+    if impl == "xla":
+        return fp8_quantize.quantize_rows_reference(a, col_scale, fmt)
+    cols = () if col_scale is None else (col_scale,)
+    quantize = lambda a, *c: fp8_quantize.quantize_rows(a, *c, fmt=fmt, interpret=interpret)  # noqa: E731
+    return _per_batch_shard_with(quantize, (a,), cols)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _fp8_nf4_matmul(x, weight, impl: str, interpret: bool):
-    from pallas_kernels.fp8_matmul import quantize_blocks
-
-    xq, x_scale = quantize_blocks(x)
+    xq, x_scale = _fp8_quantize_rows(x, None, "e4m3", impl, interpret)
     wq, w_scale = _fp8_weight(weight, impl != "xla", interpret)
     return _fp8_gemm(xq, x_scale, wq, w_scale, x.dtype, impl, interpret)
 
@@ -304,12 +315,10 @@ def _fp8_nf4_matmul_fwd(x, weight, impl, interpret):
 
 
 def _fp8_nf4_matmul_bwd(impl, interpret, weight, dy):
-    from pallas_kernels.fp8_matmul import quantize_blocks
-
     wtq, w_scale = _fp8_weight(weight, impl != "xla", interpret, transpose=True)
     # dx = dy @ W = (dy * w_scale) @ wq: the weight's row scales fold into the output gradient before it is
     # quantized per row, so the backward GEMM reads the forward's e4m3 values (transposed: K-major)
-    gq, g_scale = quantize_blocks(dy.astype(jnp.float32) * w_scale, None, FP8_GRAD_FORMAT)
+    gq, g_scale = _fp8_quantize_rows(dy, w_scale, FP8_GRAD_FORMAT, impl, interpret)
     ones = jnp.ones((wtq.shape[0],), jnp.float32)
     dx = _fp8_gemm(gq, g_scale, wtq, ones, dy.dtype, impl, interpret)
     return dx, jax.tree.map(_zero_cotangent, weight)

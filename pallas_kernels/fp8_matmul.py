@@ -7,8 +7,7 @@ it to the f32 accumulator times the outer product of the two blocks' scales; the
 
 Scales are powers of two, so applying them is exact: a dequantized block (an FP8 value times 2^e) is
 representable in bf16 and float32, and the jnp reference (dequantize, then an f32 dot) computes the same
-sum up to summation order. `quantize_blocks` is the quantizer both sides use (jnp; XLA fuses it into the
-producer of its input).
+sum up to summation order. The quantizer both sides use is `pallas_kernels.fp8_quantize`.
 
 For QLoRA the same kernel serves the forward projection (a = activations, b = W [out, in]) and the input
 gradient (a = dy, b = Wᵀ [in, out]), each operand scaled along its own contraction axis.
@@ -24,8 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-FP8_FORMATS = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
-E4M3 = jnp.float8_e4m3fn
+from pallas_kernels.fp8_quantize import FP8_FORMATS, dequantize_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,53 +35,6 @@ class Fp8Tiles:
     block_k: int = 128
     num_warps: int = 8
     num_stages: int = 4
-
-
-# ------------------------------------------------------------------------------------------- quantizer
-
-
-def _fp8_dtype(fmt: str):
-    if fmt not in FP8_FORMATS:
-        raise ValueError(f"unknown FP8 format {fmt!r}; use one of {', '.join(FP8_FORMATS)}")
-    return FP8_FORMATS[fmt]
-
-
-def quantize_blocks(a: jax.Array, block: int | None = None, fmt: str = "e4m3") -> tuple[jax.Array, jax.Array]:
-    """(aq [..., K] float8, scale [..., K / block] float32) with a ≈ aq * scale per block of `block` columns
-    (None: one block per row, scale [..., 1]).
-
-    The scale is the power of two that brings the block's absolute maximum to at most the format's largest
-    finite value (2^e >= amax / max); all-zero blocks get scale 1. One rounding: a / 2^e is exact in f32.
-    """
-    dtype = _fp8_dtype(fmt)
-    k = a.shape[-1]
-    block = k if block is None else block
-    if k % block:
-        raise ValueError(f"the last axis ({k}) must be a multiple of the scale block {block}")
-    fmax = float(jnp.finfo(dtype).max)
-    blocks = a.astype(jnp.float32).reshape(*a.shape[:-1], k // block, block)
-    scale = pow2_scale(jnp.max(jnp.abs(blocks), axis=-1), dtype)
-    q = jnp.clip(blocks / scale[..., None], -fmax, fmax).astype(dtype)
-    return q.reshape(a.shape), scale
-
-
-def pow2_scale(amax: jax.Array, dtype=E4M3) -> jax.Array:
-    """The smallest power of two s with amax / s <= the format's largest finite value (1 where amax is 0).
-
-    Built from the exponent bits (frexp/ldexp), never exp2/log2, whose results are not exact powers of two
-    on every backend."""
-    fmax = float(jnp.finfo(dtype).max)
-    mantissa, exponent = jnp.frexp(jnp.maximum(amax.astype(jnp.float32), jnp.finfo(jnp.float32).tiny) / fmax)
-    exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)  # x = 2^(e-1) exactly: that power itself
-    return jnp.where(amax > 0, jnp.ldexp(jnp.float32(1.0), exponent), 1.0).astype(jnp.float32)
-
-
-def dequantize_blocks(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
-    """q * scale per block (exact in float32 and bf16: the scale is a power of two)."""
-    k = q.shape[-1]
-    block = k // scale.shape[-1]
-    blocks = q.astype(jnp.float32).reshape(*q.shape[:-1], k // block, block) * scale[..., None]
-    return blocks.reshape(q.shape).astype(dtype)
 
 
 # ------------------------------------------------------------------------------------------- reference

@@ -14,7 +14,8 @@ from jax.experimental.pallas.triton import CUSTOM_CALL_TARGET_NAME as CUSTOM_CAL
 import jaxtune
 from jaxtune import dispatch, nf4, ops
 from jaxtune.training.config import ConfigError
-from pallas_kernels.fp8_matmul import Fp8Tiles, fp8_matmul, fp8_matmul_reference, quantize_blocks
+from pallas_kernels.fp8_matmul import Fp8Tiles, fp8_matmul, fp8_matmul_reference
+from pallas_kernels.fp8_quantize import pow2_scale, quantize_blocks, quantize_rows, quantize_rows_reference
 from pallas_kernels.nf4_matmul import nf4_dequantize
 
 NP_FP8 = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
@@ -27,7 +28,7 @@ def numpy_quantize(a: np.ndarray, block: int | None, fmt: str) -> tuple[np.ndarr
     block = block or k
     blocks = a.astype(np.float64).reshape(*a.shape[:-1], k // block, block)
     amax = np.abs(blocks).max(-1)
-    scale = np.where(amax > 0, 2.0 ** np.ceil(np.log2(np.maximum(amax, 1e-300) / fmax)), 1.0)
+    scale = np.where(amax >= 2.0**-126, np.maximum(2.0 ** np.ceil(np.log2(np.maximum(amax, 1e-300) / fmax)), 2.0**-126), 1.0)
     q = (blocks / scale[..., None]).astype(dtype)
     return q.reshape(a.shape), scale
 
@@ -53,6 +54,61 @@ def test_quantizer_rounds_like_ml_dtypes_with_power_of_two_scales(fmt, block):
     big = np.abs(a) > np.abs(a).max(-1, keepdims=True) * 2.0**-5  # well inside the normal range
     rel = np.abs(numpy_dequant(np.asarray(q), np.asarray(scale)) - a)[big] / np.abs(a)[big]
     assert rel.max() <= 2.0 ** -(mantissa + 1) * 1.0001
+
+
+def test_power_of_two_scale_at_the_boundaries():
+    """The exponent-bit rule against float64: exact multiples of max finite by powers of two keep that power,
+    one float32 step above doubles it; tiny maxima stop at 2^-126, zero and float32 subnormals give 1."""
+    for fmt in ("e4m3", "e5m2"):
+        dtype, fmax = NP_FP8[fmt]
+        exact = np.float32(fmax) * np.float32(2.0) ** np.arange(-60, 60, dtype=np.float32)
+        amax = np.concatenate([exact, np.nextafter(exact, np.float32(np.inf)), np.nextafter(exact, np.float32(0)),
+                               np.float32([0.0, 1e-40, 1e-36, 3.0e38])])
+        want = np.where(amax >= 2.0**-126, np.maximum(2.0 ** np.ceil(np.log2(np.maximum(amax.astype(np.float64), 1e-300)
+                                                                  / fmax)), 2.0**-126), 1.0)
+        got = np.asarray(pow2_scale(jnp.asarray(amax), {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}[fmt]))
+        np.testing.assert_array_equal(got.astype(np.float64), want)
+
+
+def rows_to_quantize(m: int, k: int, seed: int) -> np.ndarray:
+    """bf16-valued rows spanning 12 binades, with a zero row, a row scaled to 2^-126 and an outlier."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((m, k)) * np.exp(rng.uniform(-4, 4, (m, 1)))
+    a[0] = 0.0
+    if m > 2:
+        a[1] = np.sign(a[1]) * rng.uniform(1, 2, k) * 2.0**-120  # amax below 448 * 2^-126: scale 2^-126
+        a[2, k // 3] = 3e4
+    return np.asarray(jnp.asarray(a, jnp.bfloat16))
+
+
+@pytest.mark.parametrize("m, k", [(1, 64), (5, 192), (12, 576), (40, 1040), (16, 4096), (3, 14336)])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("with_cols", [False, True])
+def test_row_quantize_kernel_rounds_like_ml_dtypes(m, k, fmt, with_cols):
+    """The one-pass Pallas quantizer (interpret mode) against float64 numpy and ml_dtypes' rounding, bit for bit,
+    on ragged row counts and widths that no power of two covers; with a per-column factor (an output gradient
+    times the weight's row scales) the product is formed in float32 first, as the GEMM's operand is."""
+    a = rows_to_quantize(m, k, seed=m * k)
+    cols = np.exp2(np.random.default_rng(k).integers(-3, 4, k)).astype(np.float32) if with_cols else None
+    lead = (m,) if m % 2 else (2, m // 2)  # leading axes are kept
+    x = jnp.asarray(a, jnp.bfloat16).reshape(*lead, k)
+    q, scale = quantize_rows(x, None if cols is None else jnp.asarray(cols), fmt, interpret=True)
+    assert q.shape == (*lead, k) and scale.shape == (*lead, 1)
+    q_ref, scale_ref = numpy_quantize(a.astype(np.float64) * (1.0 if cols is None else cols), None, fmt)
+    np.testing.assert_array_equal(np.asarray(scale, np.float64).reshape(m, 1), scale_ref)
+    np.testing.assert_array_equal(np.asarray(q).reshape(m, k).view(np.uint8), q_ref.view(np.uint8))
+    q_jnp, scale_jnp = quantize_rows_reference(x, None if cols is None else jnp.asarray(cols), fmt)
+    np.testing.assert_array_equal(np.asarray(q_jnp).view(np.uint8), np.asarray(q).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(scale_jnp), np.asarray(scale))
+
+
+def test_row_quantize_refusals():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quantize_rows(jnp.ones((4, 72)), interpret=True)
+    with pytest.raises(ValueError, match="col_scale"):
+        quantize_rows(jnp.ones((4, 64)), jnp.ones((32,)), interpret=True)
+    with pytest.raises(ValueError, match="FP8 format"):
+        quantize_rows(jnp.ones((4, 64)), fmt="e3m4", interpret=True)
 
 
 SHAPES = [(64, 128), (192, 576), (128, 1024)]
@@ -170,6 +226,9 @@ def test_fp8_kernels_lower_for_cuda(cuda_export, m, n, k):
     for transpose in (False, True):
         text = cuda_export(lambda c, a: nf4_dequantize(c, a, f8, transpose=transpose),
                            S((n, k // 2), jnp.uint8), S((n, k // 64), f32))
+        assert text.count(f"@{CUSTOM_CALL}(") == 1
+    for cols in ((), (S((k,), f32),)):
+        text = cuda_export(lambda a, *c: quantize_rows(a, *c), S((m, k), jnp.bfloat16), *cols)
         assert text.count(f"@{CUSTOM_CALL}(") == 1
 
 
