@@ -3,8 +3,8 @@
 An FP8 GEMM's activation or output-gradient operand is quantized with one power-of-two scale per row: the
 row's absolute maximum picks the scale, then every value is divided by it and rounded. Left to XLA that is a
 row reduction fused into the tensor's producer (a multi-output reduction fusion, measured much slower than the
-plain elementwise producer) and a second pass that reads the tensor again to cast it. The kernel here reads the
-bf16 rows once from HBM for their maximum and once more from L2 to write e4m3 and the row's scale, optionally
+plain elementwise producer) and a second pass that reads the tensor again to cast it. The kernel here reads each
+bf16 row once, keeps it in registers while it takes the maximum, and writes e4m3 and the row's scale, optionally
 multiplying each column by a float32 factor first (the weight's row scales folded into an output gradient).
 
 Scales are exact powers of two, so a / scale is exact and the only rounding is the cast to FP8 (round to
@@ -99,30 +99,20 @@ def quantize_rows_reference(a: jax.Array, col_scale: jax.Array | None = None,
 # --------------------------------------------------------------------------------------------- kernel
 
 
-def _kernel(x_ref, *refs, chunk: int, chunks: int, fmax: float, dtype):
-    """A block of rows: pass 1 takes each row's |max| chunk by chunk, pass 2 writes the FP8 values."""
+def _kernel(x_ref, *refs, chunk: int, fmax: float, dtype):
+    """A block of rows, read once: the chunks' loads are unrolled (all in flight together) and kept in
+    registers for the rows' |max|, then scaled, rounded and written."""
     col_ref, q_ref, s_ref = refs if len(refs) == 3 else (None, *refs)
-    rows = x_ref.shape[0]
-
-    def load(c):
-        k0 = pl.multiple_of(c * chunk, chunk)
-        v = x_ref[:, pl.ds(k0, chunk)].astype(jnp.float32)
-        if col_ref is not None:
-            v = v * col_ref[:, pl.ds(k0, chunk)]
-        return k0, v
-
-    def row_max(c, m):
-        return jnp.maximum(m, jnp.max(jnp.abs(load(c)[1]), axis=1))
-
-    amax = jax.lax.fori_loop(0, chunks, row_max, jnp.zeros((rows,), jnp.float32))
+    rows, k = x_ref.shape
+    starts = range(0, k, chunk)
+    values = []
+    for k0 in starts:
+        v = x_ref[:, k0:k0 + chunk].astype(jnp.float32)
+        values.append(v if col_ref is None else v * col_ref[:, k0:k0 + chunk])
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v), axis=1) for v in values])
     scale, inverse = _pow2_scale_and_inverse(amax, dtype)
-
-    def write(c, carry):
-        k0, v = load(c)
-        q_ref[:, pl.ds(k0, chunk)] = jnp.clip(v * inverse[:, None], -fmax, fmax).astype(dtype)
-        return carry
-
-    jax.lax.fori_loop(0, chunks, write, 0)
+    for k0, v in zip(starts, values):
+        q_ref[:, k0:k0 + chunk] = jnp.clip(v * inverse[:, None], -fmax, fmax).astype(dtype)
     s_ref[...] = scale[:, None]
 
 
@@ -134,11 +124,12 @@ def _largest_power_of_two_dividing(n: int, limit: int) -> int:
 
 
 def quantize_rows(a: jax.Array, col_scale: jax.Array | None = None, fmt: str = "e4m3", *,
-                  max_chunk: int = 2048, max_elements: int = 8192, num_warps: int = 4,
+                  max_chunk: int = 2048, max_elements: int = 16384, num_warps: int = 8,
                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """(aq [..., K] float8, scale [..., 1] float32) = `quantize_rows_reference(a, col_scale, fmt)`, bit for bit.
 
-    K must be a multiple of 16; rows are taken in blocks of up to 8 (a power of two dividing the row count)."""
+    K must be a multiple of 16. A program takes whole rows, as many as fit `max_elements` (a power of two
+    dividing the row count, at least one), loaded in chunks of a power of two dividing K."""
     dtype = fp8_dtype(fmt)
     lead, k = a.shape[:-1], a.shape[-1]
     if k % 16:
@@ -148,12 +139,12 @@ def quantize_rows(a: jax.Array, col_scale: jax.Array | None = None, fmt: str = "
     a2 = a.reshape(-1, k)
     m = a2.shape[0]
     chunk = _largest_power_of_two_dividing(k, max_chunk)
-    rows = _largest_power_of_two_dividing(m, min(8, max(1, max_elements // chunk)))
+    rows = _largest_power_of_two_dividing(m, max(1, max_elements // k))
     col_specs, col_args = [], []
     if col_scale is not None:
         col_specs, col_args = [pl.BlockSpec((1, k), lambda i: (0, 0))], [col_scale.astype(jnp.float32)[None]]
     q, scale = pl.pallas_call(
-        functools.partial(_kernel, chunk=chunk, chunks=k // chunk, fmax=float(jnp.finfo(dtype).max), dtype=dtype),
+        functools.partial(_kernel, chunk=chunk, fmax=float(jnp.finfo(dtype).max), dtype=dtype),
         grid=(m // rows,),
         in_specs=[pl.BlockSpec((rows, k), lambda i: (i, 0)), *col_specs],
         out_specs=(pl.BlockSpec((rows, k), lambda i: (i, 0)), pl.BlockSpec((rows, 1), lambda i: (i, 0))),
