@@ -1,14 +1,16 @@
 """NF4 dequantization kernel (Pallas) on Llama-3-8B weight shapes: tile sweep, GB/s against the copy roofline.
 
 Run on the GPU machine from the repository root:
-    PYTHONPATH=. python3 benchmarks/nf4_dequant.py
-Traffic per call: the 4-bit codes and float32 absmax read, the bf16 weight written; the yardstick is the
+    PYTHONPATH=. python3 benchmarks/nf4_dequant.py [--dtype e4m3] [--transpose]
+Traffic per call: the 4-bit codes and float32 absmax read, the bf16 (or e4m3: the FP8 path's operand, W or Wᵀ)
+weight written; the yardstick is the
 HBM bandwidth of the data sheet (H200 4.8 TB/s, H100 3.35 TB/s), which no pass reaches in full.
 Prints one JSON line per (shape, variant) and a markdown table.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import jax
@@ -30,11 +32,23 @@ VARIANTS = {  # name: nf4_dequantize keyword arguments
     "n128b64w4-strided": dict(block_n=128, block_bytes=64, num_warps=4),
     "n128b64w4-interleave-select": dict(block_n=128, block_bytes=64, num_warps=4, interleave=True, lut="select"),
     "n512b64w8-interleave": dict(block_n=512, block_bytes=64, num_warps=8, interleave=True),
+    "n128b128w8-interleave": dict(block_n=128, block_bytes=128, num_warps=8, interleave=True),
+    "n64b128w4-interleave": dict(block_n=64, block_bytes=128, num_warps=4, interleave=True),
+    "n256b128w8-interleave": dict(block_n=256, block_bytes=128, num_warps=8, interleave=True),
 }
+DTYPES = {"bf16": jnp.bfloat16, "e4m3": jnp.float8_e4m3fn}
 
 
 def main() -> None:
-    print(json.dumps({"device": jax.local_devices()[0].device_kind, "jax": jax.__version__}), flush=True)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--transpose", action="store_true", help="write Wᵀ [K, N] (the FP8 input gradient's operand)")
+    ap.add_argument("--variants", help="comma-separated subset of the variant names")
+    args = ap.parse_args()
+    dtype, transpose = DTYPES[args.dtype], args.transpose
+    variants = {k: v for k, v in VARIANTS.items() if not args.variants or k in args.variants.split(",")}
+    print(json.dumps({"device": jax.local_devices()[0].device_kind, "jax": jax.__version__, "dtype": args.dtype,
+                      "transpose": transpose}), flush=True)
     rng = np.random.default_rng(0)
     kind = jax.local_devices()[0].device_kind
     peak_gbps = next((v for k, v in PEAK_GBPS.items() if k in kind), float("nan"))
@@ -42,16 +56,17 @@ def main() -> None:
     for shape_name, (n, k) in SHAPES.items():
         codes = jnp.asarray(rng.integers(0, 256, (n, k // 2), dtype=np.uint8))
         absmax = jnp.asarray(rng.uniform(0.01, 1.0, (n, k // 64)).astype(np.float32))
-        ref = jax.jit(nf4_dequantize_reference)(codes, absmax)
-        w = ref.astype(jnp.float32)
-        moved = n * k // 2 + n * k // 64 * 4 + 2 * n * k
-        for name, kw in VARIANTS.items():
+        ref = jax.jit(lambda c, a: nf4_dequantize_reference(c, a, dtype))(codes, absmax)
+        w = (ref.T if transpose else ref).astype(jnp.float32)
+        moved = n * k // 2 + n * k // 64 * 4 + jnp.dtype(dtype).itemsize * n * k
+        for name, kw in variants.items():
+            kw = dict(kw, transpose=transpose)
             row = {"shape": shape_name, "N": n, "K": k, "variant": name}
             try:
-                got = jax.jit(lambda c, a, kw=kw: nf4_dequantize(c, a, **kw))(codes, absmax)
+                got = jax.jit(lambda c, a, kw=kw: nf4_dequantize(c, a, dtype, **kw))(codes, absmax)
                 row["exact"] = bool(jnp.array_equal(got.astype(jnp.float32), w))
                 # the op's first operand carries the loop dependency: pass absmax first
-                row["us"] = time_us(repeated(lambda a, c, kw=kw: nf4_dequantize(c, a, **kw)), absmax, codes)
+                row["us"] = time_us(repeated(lambda a, c, kw=kw: nf4_dequantize(c, a, dtype, **kw)), absmax, codes)
                 row["gbps"] = moved / row["us"] / 1e3
                 row["vs_peak"] = row["gbps"] / peak_gbps
             except Exception as e:  # noqa: BLE001 - a config that does not compile is a result
