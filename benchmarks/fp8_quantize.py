@@ -49,7 +49,7 @@ def main() -> None:
             for with_cols in (False, True):
                 rng = np.random.default_rng(k)
                 a = jnp.asarray(rng.standard_normal((m, k)) * np.exp(rng.uniform(-3, 3, (m, 1))), jnp.bfloat16)
-                cols = (jnp.asarray(np.exp2(rng.integers(-3, 4, k)), jnp.float32),) if with_cols else ()
+                cols = (jnp.asarray(np.exp2(rng.integers(-3, 4, k)), jnp.bfloat16),) if with_cols else ()
                 row = {"tokens": m, "k": k, "col_scale": with_cols,
                        "xla_us": round(time_us(quantize_rows_reference, a, *cols), 1)}
                 q_ref, s_ref = jax.jit(quantize_rows_reference)(a, *cols)

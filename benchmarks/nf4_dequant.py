@@ -36,6 +36,13 @@ VARIANTS = {  # name: nf4_dequantize keyword arguments
     "n64b128w4-interleave": dict(block_n=64, block_bytes=128, num_warps=4, interleave=True),
     "n256b128w8-interleave": dict(block_n=256, block_bytes=128, num_warps=8, interleave=True),
 }
+VARIANTS.update({
+    "n128b64w8-interleave-select": dict(block_n=128, block_bytes=64, num_warps=8, interleave=True, lut="select"),
+    "n64b64w4-interleave-select": dict(block_n=64, block_bytes=64, num_warps=4, interleave=True, lut="select"),
+    "n256b64w8-interleave-select": dict(block_n=256, block_bytes=64, num_warps=8, interleave=True, lut="select"),
+    "n64b64w2-interleave": dict(block_n=64, block_bytes=64, num_warps=2, interleave=True),
+    "n32b64w4-interleave": dict(block_n=32, block_bytes=64, num_warps=4, interleave=True),
+})
 DTYPES = {"bf16": jnp.bfloat16, "e4m3": jnp.float8_e4m3fn}
 
 

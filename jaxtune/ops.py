@@ -319,7 +319,8 @@ def _fp8_nf4_matmul_bwd(impl, interpret, weight, dy):
     wtq, w_scale = _fp8_weight(weight, impl != "xla", interpret, transpose=True)
     # dx = dy @ W = (dy * w_scale) @ wq: the weight's row scales fold into the output gradient before it is
     # quantized per row, so the backward GEMM reads the forward's e4m3 values (transposed: K-major)
-    gq, g_scale = _fp8_quantize_rows(dy, w_scale, FP8_GRAD_FORMAT, impl, interpret)
+    # the row scales are powers of two: exact in bf16, which the quantizer reads at half the bytes
+    gq, g_scale = _fp8_quantize_rows(dy, w_scale.astype(jnp.bfloat16), FP8_GRAD_FORMAT, impl, interpret)
     ones = jnp.ones((wtq.shape[0],), jnp.float32)
     dx = _fp8_gemm(gq, g_scale, wtq, ones, dy.dtype, impl, interpret)
     return dx, jax.tree.map(_zero_cotangent, weight)

@@ -108,7 +108,7 @@ def _kernel(x_ref, *refs, chunk: int, fmax: float, dtype):
     values = []
     for k0 in starts:
         v = x_ref[:, k0:k0 + chunk].astype(jnp.float32)
-        values.append(v if col_ref is None else v * col_ref[:, k0:k0 + chunk])
+        values.append(v if col_ref is None else v * col_ref[:, k0:k0 + chunk].astype(jnp.float32))
     amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v), axis=1) for v in values])
     scale, inverse = _pow2_scale_and_inverse(amax, dtype)
     for k0, v in zip(starts, values):
@@ -128,7 +128,8 @@ def quantize_rows(a: jax.Array, col_scale: jax.Array | None = None, fmt: str = "
                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """(aq [..., K] float8, scale [..., 1] float32) = `quantize_rows_reference(a, col_scale, fmt)`, bit for bit.
 
-    K must be a multiple of 16. A program takes whole rows, as many as fit `max_elements` (a power of two
+    `col_scale` (float32 or bfloat16) is read in its own dtype: powers of two, as the weight's row scales are,
+    are exact in bfloat16 at half the bytes. K must be a multiple of 16. A program takes whole rows, as many as fit `max_elements` (a power of two
     dividing the row count, at least one), loaded in chunks of a power of two dividing K."""
     dtype = fp8_dtype(fmt)
     lead, k = a.shape[:-1], a.shape[-1]
@@ -142,7 +143,7 @@ def quantize_rows(a: jax.Array, col_scale: jax.Array | None = None, fmt: str = "
     rows = _largest_power_of_two_dividing(m, max(1, max_elements // k))
     col_specs, col_args = [], []
     if col_scale is not None:
-        col_specs, col_args = [pl.BlockSpec((1, k), lambda i: (0, 0))], [col_scale.astype(jnp.float32)[None]]
+        col_specs, col_args = [pl.BlockSpec((1, k), lambda i: (0, 0))], [col_scale[None]]
     q, scale = pl.pallas_call(
         functools.partial(_kernel, chunk=chunk, fmax=float(jnp.finfo(dtype).max), dtype=dtype),
         grid=(m // rows,),

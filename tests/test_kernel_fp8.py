@@ -90,9 +90,10 @@ def test_row_quantize_kernel_rounds_like_ml_dtypes(m, k, fmt, with_cols):
     times the weight's row scales) the product is formed in float32 first, as the GEMM's operand is."""
     a = rows_to_quantize(m, k, seed=m * k)
     cols = np.exp2(np.random.default_rng(k).integers(-3, 4, k)).astype(np.float32) if with_cols else None
+    col_dtype = jnp.bfloat16 if k % 3 == 0 else jnp.float32  # both are read as given (powers of two: exact)
     lead = (m,) if m % 2 else (2, m // 2)  # leading axes are kept
     x = jnp.asarray(a, jnp.bfloat16).reshape(*lead, k)
-    q, scale = quantize_rows(x, None if cols is None else jnp.asarray(cols), fmt, interpret=True)
+    q, scale = quantize_rows(x, None if cols is None else jnp.asarray(cols, col_dtype), fmt, interpret=True)
     assert q.shape == (*lead, k) and scale.shape == (*lead, 1)
     q_ref, scale_ref = numpy_quantize(a.astype(np.float64) * (1.0 if cols is None else cols), None, fmt)
     np.testing.assert_array_equal(np.asarray(scale, np.float64).reshape(m, 1), scale_ref)
@@ -227,7 +228,7 @@ def test_fp8_kernels_lower_for_cuda(cuda_export, m, n, k):
         text = cuda_export(lambda c, a: nf4_dequantize(c, a, f8, transpose=transpose),
                            S((n, k // 2), jnp.uint8), S((n, k // 64), f32))
         assert text.count(f"@{CUSTOM_CALL}(") == 1
-    for cols in ((), (S((k,), f32),)):
+    for cols in ((), (S((k,), f32),), (S((k,), jnp.bfloat16),)):
         text = cuda_export(lambda a, *c: quantize_rows(a, *c), S((m, k), jnp.bfloat16), *cols)
         assert text.count(f"@{CUSTOM_CALL}(") == 1
 
