@@ -294,9 +294,8 @@ def _fp8_quantize_rows(a, col_scale, fmt: str, impl: str, interpret: bool):
     XLA reference path, one Pallas pass per tensor (pallas_kernels/fp8_quantize.py) instead of XLA's row
     reduction fused into a's producer plus a separate cast pass; the same bits either way."""
     from pallas_kernels import fp8_quantize
-    import os
 
-    if impl == "xla" or os.environ.get("JAXTUNE_FP8_QUANT") == "xla":
+    if impl == "xla":
         return fp8_quantize.quantize_rows_reference(a, col_scale, fmt)
     cols = () if col_scale is None else (col_scale,)
     quantize = lambda a, *c: fp8_quantize.quantize_rows(a, *c, fmt=fmt, interpret=interpret)  # noqa: E731
@@ -347,24 +346,3 @@ def nf4_linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array
         y = _nf4_matmul(x, weight)
     return y if bias is None else (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
-
-@jax.custom_vjp
-def materialized(x: jax.Array) -> jax.Array:
-    """x, computed once into memory before its consumers (forward), and likewise its cotangent (backward):
-    XLA may not fuse its producer into each consumer."""
-    return jax.lax.optimization_barrier(x)
-
-
-def _materialized_fwd(x):
-    return jax.lax.optimization_barrier(x), None
-
-
-def _materialized_bwd(_, ct):
-    return (jax.lax.optimization_barrier(ct),)
-
-
-materialized.defvjp(_materialized_fwd, _materialized_bwd)
-
-
-def fp8_active() -> bool:
-    return _frozen_compute.get() == "fp8"

@@ -64,14 +64,6 @@ class LoRALinear(nnx.Module):
         self.dropout = float(dropout)
 
     def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
-        import os
-        barrier = os.environ.get("JAXTUNE_FP8_BARRIER", "none") if ops.fp8_active() else "none"
-        if barrier in ("in", "inout"):
-            x = ops.materialized(x)
-        y = self._call(x, rng)
-        return ops.materialized(y) if barrier in ("out", "inout") else y
-
-    def _call(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
         y = self.base(x)
         if rng is not None and self.dropout > 0.0:
             keep = jax.random.bernoulli(rng, 1.0 - self.dropout, x.shape)
