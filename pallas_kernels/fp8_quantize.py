@@ -5,7 +5,7 @@ row's absolute maximum picks the scale, then every value is divided by it and ro
 row reduction fused into the tensor's producer (a multi-output reduction fusion, measured much slower than the
 plain elementwise producer) and a second pass that reads the tensor again to cast it. The kernel here reads each
 bf16 row once, keeps it in registers while it takes the maximum, and writes e4m3 and the row's scale, optionally
-multiplying each column by a float32 factor first (the weight's row scales folded into an output gradient).
+multiplying each column by a factor first (the weight's row scales folded into an output gradient).
 
 Scales are exact powers of two, so a / scale is exact and the only rounding is the cast to FP8 (round to
 nearest even). They are computed from exponent bits: the smallest 2^e >= amax / max_finite, where every FP8
