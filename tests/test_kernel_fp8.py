@@ -290,3 +290,18 @@ def test_fp8_on_gpu_matches_float64_of_the_quantized_operands(mode):
     dy = np.asarray(jnp.asarray(rng.standard_normal((4, 512, 1024)), jnp.bfloat16))
     for got, ref in zip(fp8_projection(q, x, dy, mode), numpy_fp8_projection(q, x, dy)):
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k", [(2048, 14336), (300, 4096), (8, 1024)])
+def test_row_quantizer_on_gpu_rounds_like_ml_dtypes(m, k):
+    """The compiled kernel (not the interpreter) against float64 numpy and ml_dtypes, bit for bit, with and without
+    the bf16 column factor the input gradient passes."""
+    a = rows_to_quantize(m, k, seed=k)
+    cols = np.exp2(np.random.default_rng(m).integers(-3, 4, k)).astype(np.float32)
+    for factor in (None, cols):
+        q, scale = jax.jit(lambda x, *c: quantize_rows(x, *c))(
+            jnp.asarray(a, jnp.bfloat16), *(() if factor is None else (jnp.asarray(factor, jnp.bfloat16),)))
+        q_ref, scale_ref = numpy_quantize(a.astype(np.float64) * (1.0 if factor is None else factor), None, "e4m3")
+        np.testing.assert_array_equal(np.asarray(scale, np.float64), scale_ref)
+        np.testing.assert_array_equal(np.asarray(q).view(np.uint8), q_ref.view(np.uint8))
