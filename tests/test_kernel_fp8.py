@@ -305,3 +305,19 @@ def test_row_quantizer_on_gpu_rounds_like_ml_dtypes(m, k):
         q_ref, scale_ref = numpy_quantize(a.astype(np.float64) * (1.0 if factor is None else factor), None, "e4m3")
         np.testing.assert_array_equal(np.asarray(scale, np.float64), scale_ref)
         np.testing.assert_array_equal(np.asarray(q).view(np.uint8), q_ref.view(np.uint8))
+
+
+@pytest.mark.gpu
+def test_projections_sharing_an_input_quantize_it_once():
+    """gate and up read the same normed input: the compiled forward + backward of two FP8 projections on one x
+    holds three quantizer calls (x once, each output gradient once), not four."""
+    w1, w2 = quantized(1024, 4096, seed=4), quantized(1024, 4096, seed=5)
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((1, 512, 4096)), jnp.bfloat16)
+
+    def loss(x):
+        with ops.frozen_compute("fp8"):
+            return (ops.nf4_linear(x, w1).astype(jnp.float32) * ops.nf4_linear(x, w2)).sum()
+
+    text = jax.jit(jax.value_and_grad(loss)).lower(x).compile().as_text()
+    calls = [line for line in text.splitlines() if "custom-call(" in line and "fp8_quantize_rows" in line]
+    assert len(calls) == 3, calls
