@@ -3,8 +3,8 @@
 Run on the GPU machine from the repository root:
     PYTHONPATH=. python3 benchmarks/nf4_dequant.py [--dtype e4m3] [--transpose]
 Traffic per call: the 4-bit codes and float32 absmax read, the bf16 (or e4m3: the FP8 path's operand, W or Wᵀ)
-weight written; the yardstick is the
-HBM bandwidth of the data sheet (H200 4.8 TB/s, H100 3.35 TB/s), which no pass reaches in full.
+weight written; the yardstick is the HBM bandwidth of the data sheet (H200 4.8 TB/s, H100 3.35 TB/s), which no
+pass reaches in full.
 Prints one JSON line per (shape, variant) and a markdown table.
 """
 
@@ -32,17 +32,12 @@ VARIANTS = {  # name: nf4_dequantize keyword arguments
     "n128b64w4-strided": dict(block_n=128, block_bytes=64, num_warps=4),
     "n128b64w4-interleave-select": dict(block_n=128, block_bytes=64, num_warps=4, interleave=True, lut="select"),
     "n512b64w8-interleave": dict(block_n=512, block_bytes=64, num_warps=8, interleave=True),
-    "n128b128w8-interleave": dict(block_n=128, block_bytes=128, num_warps=8, interleave=True),
-    "n64b128w4-interleave": dict(block_n=64, block_bytes=128, num_warps=4, interleave=True),
-    "n256b128w8-interleave": dict(block_n=256, block_bytes=128, num_warps=8, interleave=True),
-}
-VARIANTS.update({
     "n128b64w8-interleave-select": dict(block_n=128, block_bytes=64, num_warps=8, interleave=True, lut="select"),
     "n64b64w4-interleave-select": dict(block_n=64, block_bytes=64, num_warps=4, interleave=True, lut="select"),
     "n256b64w8-interleave-select": dict(block_n=256, block_bytes=64, num_warps=8, interleave=True, lut="select"),
     "n64b64w2-interleave": dict(block_n=64, block_bytes=64, num_warps=2, interleave=True),
     "n32b64w4-interleave": dict(block_n=32, block_bytes=64, num_warps=4, interleave=True),
-})
+}
 DTYPES = {"bf16": jnp.bfloat16, "e4m3": jnp.float8_e4m3fn}
 
 
