@@ -92,8 +92,9 @@ def dequantize_blocks(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.
 def quantize_rows_reference(a: jax.Array, col_scale: jax.Array | None = None,
                             fmt: str = "e4m3") -> tuple[jax.Array, jax.Array]:
     """quantize_blocks(a * col_scale, None, fmt), products in float32."""
-    a = a.astype(jnp.float32)
-    return quantize_blocks(a if col_scale is None else a * col_scale.astype(jnp.float32), None, fmt)
+    if col_scale is not None:
+        a = a.astype(jnp.float32) * col_scale.astype(jnp.float32)
+    return quantize_blocks(a, None, fmt)
 
 
 # --------------------------------------------------------------------------------------------- kernel
@@ -129,8 +130,9 @@ def quantize_rows(a: jax.Array, col_scale: jax.Array | None = None, fmt: str = "
     """(aq [..., K] float8, scale [..., 1] float32) = `quantize_rows_reference(a, col_scale, fmt)`, bit for bit.
 
     `col_scale` (float32 or bfloat16) is read in its own dtype: powers of two, as the weight's row scales are,
-    are exact in bfloat16 at half the bytes. K must be a multiple of 16. A program takes whole rows, as many as fit `max_elements` (a power of two
-    dividing the row count, at least one), loaded in chunks of a power of two dividing K."""
+    are exact in bfloat16 at half the bytes. K must be a multiple of 16. A program takes whole rows, as many as
+    fit `max_elements` (a power of two dividing the row count, at least one), loaded in chunks of a power of two
+    dividing K."""
     dtype = fp8_dtype(fmt)
     lead, k = a.shape[:-1], a.shape[-1]
     if k % 16:

@@ -21,6 +21,13 @@ from pallas_kernels.nf4_matmul import nf4_dequantize
 NP_FP8 = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
 
 
+def numpy_pow2_scale(amax: np.ndarray, fmax: float) -> np.ndarray:
+    """float64: the smallest power of two >= amax / fmax, at least 2^-126; 1 below 2^-126 (zero rows)."""
+    amax = np.asarray(amax, np.float64)
+    scale = np.maximum(2.0 ** np.ceil(np.log2(np.maximum(amax, 1e-300) / fmax)), 2.0**-126)
+    return np.where(amax >= 2.0**-126, scale, 1.0)
+
+
 def numpy_quantize(a: np.ndarray, block: int | None, fmt: str) -> tuple[np.ndarray, np.ndarray]:
     """float64 numpy: power-of-two scale per block >= amax / max finite, values rounded by ml_dtypes."""
     dtype, fmax = NP_FP8[fmt]
@@ -28,7 +35,7 @@ def numpy_quantize(a: np.ndarray, block: int | None, fmt: str) -> tuple[np.ndarr
     block = block or k
     blocks = a.astype(np.float64).reshape(*a.shape[:-1], k // block, block)
     amax = np.abs(blocks).max(-1)
-    scale = np.where(amax >= 2.0**-126, np.maximum(2.0 ** np.ceil(np.log2(np.maximum(amax, 1e-300) / fmax)), 2.0**-126), 1.0)
+    scale = numpy_pow2_scale(amax, fmax)
     q = (blocks / scale[..., None]).astype(dtype)
     return q.reshape(a.shape), scale
 
@@ -64,8 +71,7 @@ def test_power_of_two_scale_at_the_boundaries():
         exact = np.float32(fmax) * np.float32(2.0) ** np.arange(-60, 60, dtype=np.float32)
         amax = np.concatenate([exact, np.nextafter(exact, np.float32(np.inf)), np.nextafter(exact, np.float32(0)),
                                np.float32([0.0, 1e-40, 1e-36, 3.0e38])])
-        want = np.where(amax >= 2.0**-126, np.maximum(2.0 ** np.ceil(np.log2(np.maximum(amax.astype(np.float64), 1e-300)
-                                                                  / fmax)), 2.0**-126), 1.0)
+        want = numpy_pow2_scale(amax, fmax)
         got = np.asarray(pow2_scale(jnp.asarray(amax), {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}[fmt]))
         np.testing.assert_array_equal(got.astype(np.float64), want)
 
