@@ -296,9 +296,20 @@ class CausalLM(nnx.Module):
         group, on_device = (self.offload_group, self.offload_device_layers) if offloading else (1, 0)
         if group > 1 or on_device:
             return self.norm(self._split_offload_scan(body, h, layer_state, layer_rngs, group, on_device)), None
+        # the NF4 codes stay whole (a constant of the scan) and each layer reads its own in place: the kernels
+        # that dequantize them would otherwise get a copy of every layer's codes (a custom call's operand is a
+        # buffer of its own, never a slice of one)
+        _, codes_state, sliced_state = nnx.split(self.layers, nnx.PathContains("codes"), ...)
+
+        def stacked_body(h, xs):
+            sliced, layer_cache, rng, index = xs
+            with ops.stacked_layer(index):
+                return body(h, (nnx.merge_state(codes_state, sliced), layer_cache, rng))
+
         if self.remat_policy != "none":
-            body = jax.checkpoint(body, policy=remat_policy(self.remat_policy), prevent_cse=False)
-        h, new_cache = jax.lax.scan(body, h, (layer_state, cache, layer_rngs))
+            stacked_body = jax.checkpoint(stacked_body, policy=remat_policy(self.remat_policy), prevent_cse=False)
+        layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        h, new_cache = jax.lax.scan(stacked_body, h, (sliced_state, cache, layer_rngs, layers))
         return self.norm(h), new_cache
 
     def _split_offload_scan(self, layer_body, h, layer_state, layer_rngs, group: int, on_device: int) -> jax.Array:

@@ -65,10 +65,19 @@ class NF4Weight:
     nested_absmax: jax.Array | np.ndarray  # float32 [..., ceil(out * in / 64 / 256)]
     offset: jax.Array | np.ndarray  # float32 [...]
     nested_map: jax.Array | np.ndarray  # float32 [..., 256]: the 8-bit dynamic map the absmax codes index
+    # set inside the layer scan: `codes` is then the whole stack [layers, out, in // 2] (read in place by the
+    # dequant kernel, never sliced into a copy) and this weight is its layer `layer`
+    layer: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.codes.shape[-2], self.codes.shape[-1] * 2
+
+    def own_codes(self) -> jax.Array:
+        """This weight's codes: the stack's layer `layer` when the codes are a stack."""
+        if self.layer is None:
+            return jnp.asarray(self.codes)
+        return jax.lax.dynamic_index_in_dim(jnp.asarray(self.codes), self.layer, keepdims=False)
 
 
 def _check_shape(shape: tuple[int, ...]) -> None:
@@ -149,7 +158,7 @@ def dequantize_absmax(q: NF4Weight) -> jax.Array:
 
 def dequantize(q: NF4Weight, dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """W [..., out, in] from NF4 arrays: NF4[code] * absmax (float32 math, as bnb), cast to dtype."""
-    codes = jnp.asarray(q.codes)
+    codes = q.own_codes()
     out, half = codes.shape[-2:]
     idx = jnp.stack([codes >> 4, codes & 15], axis=-1).reshape(*codes.shape[:-1], half * 2)
     values = jnp.asarray(NF4_CODE)[idx.astype(jnp.int32)]

@@ -185,16 +185,35 @@ def _kernel_tiles(m: int, direction: str):
 
 
 def _kernel_shaped(weight) -> bool:
-    """One (unstacked) weight whose out and in dims the kernels' 64-wide tiles divide."""
+    """One weight (its own codes, or one layer of a stack) whose out and in dims the kernels' tiles divide."""
     n, k = weight.shape
-    return jnp.asarray(weight.codes).ndim == 2 and n % 64 == 0 and k % 64 == 0
+    one = jnp.asarray(weight.codes).ndim == (2 if weight.layer is None else 3)
+    return one and n % 64 == 0 and k % 64 == 0
 
 
-def _kernel_operands(weight):
+def _kernel_absmax(weight) -> jax.Array:
+    """The float32 scale of every 64-value block, [out, in / 64] (double quantization undone)."""
     from jaxtune.nf4 import dequantize_absmax
 
     n, k = weight.shape
-    return jnp.asarray(weight.codes), dequantize_absmax(weight).reshape(n, k // 64)
+    return dequantize_absmax(weight).reshape(n, k // 64)
+
+
+def _kernel_operands(weight):
+    return weight.own_codes(), _kernel_absmax(weight)
+
+
+def _dequantized(weight, absmax: jax.Array, dtype, interpret: bool, transpose: bool = False) -> jax.Array:
+    """W (or Wᵀ) in dtype by the Pallas dequant kernel from the codes and `absmax`. A layer of a stack is read in
+    place from the stack (no per-layer copy of its codes); on a mesh the layer's codes are gathered whole on every
+    device first."""
+    from pallas_kernels.nf4_matmul import nf4_dequantize
+
+    if weight.layer is not None and current_mesh() is None:
+        return nf4_dequantize(jnp.asarray(weight.codes), absmax, dtype, transpose=transpose, layer=weight.layer,
+                              interpret=interpret)
+    dequant = lambda c, a: nf4_dequantize(c, a, dtype, transpose=transpose, interpret=interpret)  # noqa: E731
+    return _replicated(dequant, weight.own_codes(), absmax)
 
 
 def _rows(a: jax.Array) -> int:
@@ -205,13 +224,12 @@ def _rows(a: jax.Array) -> int:
 def _nf4_kernel_matmul(x, weight, impl: str, interpret: bool):
     from pallas_kernels import nf4_matmul as kernels
 
-    codes, absmax = _kernel_operands(weight)
     if impl == "fused":
+        codes, absmax = _kernel_operands(weight)
         tiles = _kernel_tiles(_rows(x), "fwd")
         return _replicated(lambda x, c, a: kernels.nf4_matmul_forward(x, c, a, tiles=tiles, interpret=interpret),
                            x, codes, absmax)
-    w = _replicated(lambda c, a: kernels.nf4_dequantize(c, a, x.dtype, interpret=interpret), codes, absmax)
-    return linear(x, w)
+    return linear(x, _dequantized(weight, _kernel_absmax(weight), x.dtype, interpret))
 
 
 def _nf4_kernel_matmul_fwd(x, weight, impl, interpret):
@@ -221,18 +239,35 @@ def _nf4_kernel_matmul_fwd(x, weight, impl, interpret):
 def _nf4_kernel_matmul_bwd(impl, interpret, weight, dy):
     from pallas_kernels import nf4_matmul as kernels
 
-    codes, absmax = _kernel_operands(weight)
     if impl == "fused":
+        codes, absmax = _kernel_operands(weight)
         tiles = _kernel_tiles(_rows(dy), "dx")
         dx = _replicated(lambda d, c, a: kernels.nf4_matmul_dx(d, c, a, tiles=tiles, interpret=interpret),
                          dy, codes, absmax)
     else:
-        w = _replicated(lambda c, a: kernels.nf4_dequantize(c, a, dy.dtype, interpret=interpret), codes, absmax)
+        w = _dequantized(weight, _kernel_absmax(weight), dy.dtype, interpret)
         dx = dot_out(dy, w, (((dy.ndim - 1,), (0,)), ((), ())), dy.dtype)
     return dx.astype(dy.dtype), jax.tree.map(_zero_cotangent, weight)
 
 
 _nf4_kernel_matmul.defvjp(_nf4_kernel_matmul_fwd, _nf4_kernel_matmul_bwd)
+
+
+_stacked_layer: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("stacked_layer", default=None)
+
+
+@contextlib.contextmanager
+def stacked_layer(index: jax.Array):
+    """Within the block (a layer scan's body), NF4 weights whose codes are the whole stack are layer `index`."""
+    token = _stacked_layer.set(index)
+    try:
+        yield
+    finally:
+        _stacked_layer.reset(token)
+
+
+def stacked_layer_index() -> jax.Array | None:
+    return _stacked_layer.get()
 
 
 COMPUTE_MODES = ("bf16", "fp8")
@@ -264,13 +299,10 @@ def _fp8_weight(weight, kernel: bool, interpret: bool, transpose: bool = False) 
     from jaxtune.nf4 import dequantize
     from pallas_kernels.fp8_quantize import E4M3, pow2_scale
 
-    codes, absmax = _kernel_operands(weight)
+    absmax = _kernel_absmax(weight)
     scale = pow2_scale(jnp.max(absmax, axis=1), E4M3)
     if kernel:
-        from pallas_kernels.nf4_matmul import nf4_dequantize
-
-        dequant = lambda c, a: nf4_dequantize(c, a, E4M3, transpose=transpose, interpret=interpret)  # noqa: E731
-        return _replicated(dequant, codes, absmax / scale[:, None]), scale
+        return _dequantized(weight, absmax / scale[:, None], E4M3, interpret, transpose=transpose), scale
     wq = (dequantize(weight, jnp.float32) / scale[:, None]).astype(E4M3)
     return (wq.T if transpose else wq), scale
 

@@ -151,12 +151,15 @@ def _matmul_t_kernel(dy_ref, codes_ref, absmax_ref, *refs, block_n, block_bytes,
     dx_odd_ref[...] = acc_odd.astype(dx_odd_ref.dtype)
 
 
-def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, transpose):
+def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, transpose, stacked):
     """W tile [bn, 2 * block_bytes] in memory order: the planes go to even/odd columns, either interleaved in
-    registers and stored contiguously (`interleave`), or by two strided stores; `transpose`: the Wᵀ tile."""
+    registers and stored contiguously (`interleave`), or by two strided stores; `transpose`: the Wᵀ tile.
+    `stacked`: codes_ref spans every layer of a stack and the first of `refs` holds the layer to read."""
+    layer_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
     lut_ref, w_ref = refs if len(refs) == 2 else (None, refs[0])
     j = pl.program_id(1)
-    w_hi, w_lo = _planes(codes_ref[...], _tile_scale(absmax_ref, j * block_bytes, slice(None), block_bytes),
+    codes = codes_ref[...] if layer_ref is None else codes_ref[layer_ref[0]]
+    w_hi, w_lo = _planes(codes, _tile_scale(absmax_ref, j * block_bytes, slice(None), block_bytes),
                          w_ref.dtype, lut_ref)
     if interleave or transpose:
         w = jnp.stack([w_hi, w_lo], axis=-1).reshape(w_hi.shape[0], 2 * block_bytes)
@@ -293,23 +296,36 @@ def nf4_matmul_dx(dy: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: 
 
 def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, block_n: int = 128,
                    block_bytes: int = 64, num_warps: int = 8, lut: str = "gather", interleave: bool = True,
-                   transpose: bool = False, interpret: bool = False) -> jax.Array:
+                   transpose: bool = False, layer: jax.Array | None = None, interpret: bool = False) -> jax.Array:
     """W [N, K] (or Wᵀ [K, N] with `transpose`) in dtype from NF4 codes and float32 absmax (for "dequantize,
     then cuBLAS"; float8 dtypes give the FP8 path its operand, Wᵀ the K-major one its input gradient needs).
 
+    With `layer` (an int32 scalar), `codes` is a stack [layers, N, K/2] read in place at that layer: inside a
+    layer scan a slice of the stack handed to a custom call is a copy of the whole weight's codes.
+
     Defaults from benchmarks/results/2026-11-22-dense-step-round2-h200.md: planes interleaved in registers and
     stored contiguously run 1.4-1.5x faster than two strided stores on the 8B shapes."""
-    n, k = _check(codes, absmax)
+    stacked = layer is not None
+    if stacked and codes.ndim != 3:
+        raise ValueError(f"a layer index wants codes stacked [layers, N, K/2], got {codes.shape}")
+    n, k = _check(codes[0] if stacked else codes, absmax)
     half = k // 2
     tiles = _fit(MatmulTiles(block_n=block_n, block_bytes=block_bytes), n, half, half, block_bytes)
     bn, bb = tiles.block_n, tiles.block_bytes
     lut_specs, lut_args = _lut_args(lut, 2)
+    if stacked:
+        codes_spec = pl.BlockSpec((codes.shape[0], bn, bb), lambda i, j: (0, i, j))
+        layer_specs, layer_args = [pl.BlockSpec((1,), lambda i, j: (0,))], [jnp.asarray(layer, jnp.int32).reshape(1)]
+    else:
+        codes_spec, layer_specs, layer_args = pl.BlockSpec((bn, bb), lambda i, j: (i, j)), [], []
     return pl.pallas_call(
-        functools.partial(_dequant_kernel, block_bytes=bb, interleave=interleave, transpose=transpose),
+        functools.partial(_dequant_kernel, block_bytes=bb, interleave=interleave, transpose=transpose,
+                          stacked=stacked),
         grid=(n // bn, half // bb),
         in_specs=[
-            pl.BlockSpec((bn, bb), lambda i, j: (i, j)),
+            codes_spec,
             pl.BlockSpec((k // BLOCK, bn), lambda i, j: (0, i)),
+            *layer_specs,
             *lut_specs,
         ],
         out_specs=(pl.BlockSpec((2 * bb, bn), lambda i, j: (j, i)) if transpose
@@ -318,7 +334,7 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="nf4_dequantize",
-    )(codes, absmax.T, *lut_args)
+    )(codes, absmax.T, *layer_args, *lut_args)
 
 
 # ------------------------------------------------------------------------------------------ custom VJP

@@ -75,6 +75,22 @@ def test_dequant_kernel_is_bitwise_the_bnb_dequantization(lut):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(nf4.dequantize(q, dtype)))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_dequant_kernel_reads_one_layer_of_a_stack(dtype, transpose):
+    """With a layer index the kernel reads that layer of a stack of codes in place: bitwise the result of the
+    layer's own codes, for every layer of a stack whose layer count is no power of two."""
+    stack = jnp.stack([quantized(192, 576, seed=s)[1] for s in range(3)])
+    _, _, absmax = quantized(192, 576, seed=9)
+    for layer in range(3):
+        got = jax.jit(lambda c, a, i: nf4_dequantize(c, a, dtype, transpose=transpose, layer=i, interpret=True))(
+            stack, absmax, jnp.int32(layer))
+        want = nf4_dequantize(stack[layer], absmax, dtype, transpose=transpose, interpret=True)
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+    with pytest.raises(ValueError, match="stacked"):
+        nf4_dequantize(stack[0], absmax, layer=jnp.int32(0), interpret=True)
+
+
 def test_kernels_reject_bad_shapes():
     _, codes, absmax = quantized(64, 128, seed=0)
     with pytest.raises(ValueError, match="K=100"):
@@ -104,3 +120,7 @@ def test_kernels_lower_for_cuda(cuda_export, m, n, k):
     assert cuda_export(grad, x, codes, absmax).count(f"@{CUSTOM_CALL}(") == 2
     for lut in ("gather", "select"):
         assert cuda_export(lambda c, a: nf4_dequantize(c, a, lut=lut), codes, absmax).count(f"@{CUSTOM_CALL}(") == 1
+    stack, layer = jax.ShapeDtypeStruct((32, n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((), jnp.int32)
+    for dtype, transpose in ((jnp.bfloat16, False), (jnp.float8_e4m3fn, True)):
+        text = cuda_export(lambda c, a, i: nf4_dequantize(c, a, dtype, transpose=transpose, layer=i), stack, absmax, layer)
+        assert text.count(f"@{CUSTOM_CALL}(") == 1
