@@ -199,21 +199,24 @@ def _kernel_absmax(weight) -> jax.Array:
     return dequantize_absmax(weight).reshape(n, k // 64)
 
 
-def _kernel_operands(weight):
-    return weight.own_codes(), _kernel_absmax(weight)
+def _with_codes(weight, kernel, *args: jax.Array, absmax: jax.Array | None = None) -> jax.Array:
+    """kernel(*args, codes, absmax[, layer=]) for a Pallas kernel: a layer of a stack is read in place from the
+    stack (a slice handed to a custom call would be a copy of the layer's codes); on a mesh the weight's own
+    codes are gathered whole on every device first."""
+    absmax = _kernel_absmax(weight) if absmax is None else absmax
+    if weight.layer is not None and current_mesh() is None:
+        return kernel(*args, jnp.asarray(weight.codes), absmax, layer=weight.layer)
+    return _replicated(kernel, *args, weight.own_codes(), absmax)
 
 
-def _dequantized(weight, absmax: jax.Array, dtype, interpret: bool, transpose: bool = False) -> jax.Array:
-    """W (or Wᵀ) in dtype by the Pallas dequant kernel from the codes and `absmax`. A layer of a stack is read in
-    place from the stack (no per-layer copy of its codes); on a mesh the layer's codes are gathered whole on every
-    device first."""
+def _dequantized(weight, dtype, interpret: bool, transpose: bool = False, absmax: jax.Array | None = None):
+    """W (or Wᵀ) in dtype by the Pallas dequant kernel (`absmax`: scales other than the weight's own)."""
     from pallas_kernels.nf4_matmul import nf4_dequantize
 
-    if weight.layer is not None and current_mesh() is None:
-        return nf4_dequantize(jnp.asarray(weight.codes), absmax, dtype, transpose=transpose, layer=weight.layer,
-                              interpret=interpret)
-    dequant = lambda c, a: nf4_dequantize(c, a, dtype, transpose=transpose, interpret=interpret)  # noqa: E731
-    return _replicated(dequant, weight.own_codes(), absmax)
+    def dequant(codes, absmax, **layer):
+        return nf4_dequantize(codes, absmax, dtype, transpose=transpose, interpret=interpret, **layer)
+
+    return _with_codes(weight, dequant, absmax=absmax)
 
 
 def _rows(a: jax.Array) -> int:
@@ -225,11 +228,9 @@ def _nf4_kernel_matmul(x, weight, impl: str, interpret: bool):
     from pallas_kernels import nf4_matmul as kernels
 
     if impl == "fused":
-        codes, absmax = _kernel_operands(weight)
         tiles = _kernel_tiles(_rows(x), "fwd")
-        return _replicated(lambda x, c, a: kernels.nf4_matmul_forward(x, c, a, tiles=tiles, interpret=interpret),
-                           x, codes, absmax)
-    return linear(x, _dequantized(weight, _kernel_absmax(weight), x.dtype, interpret))
+        return _with_codes(weight, functools.partial(kernels.nf4_matmul_forward, tiles=tiles, interpret=interpret), x)
+    return linear(x, _dequantized(weight, x.dtype, interpret))
 
 
 def _nf4_kernel_matmul_fwd(x, weight, impl, interpret):
@@ -240,12 +241,10 @@ def _nf4_kernel_matmul_bwd(impl, interpret, weight, dy):
     from pallas_kernels import nf4_matmul as kernels
 
     if impl == "fused":
-        codes, absmax = _kernel_operands(weight)
         tiles = _kernel_tiles(_rows(dy), "dx")
-        dx = _replicated(lambda d, c, a: kernels.nf4_matmul_dx(d, c, a, tiles=tiles, interpret=interpret),
-                         dy, codes, absmax)
+        dx = _with_codes(weight, functools.partial(kernels.nf4_matmul_dx, tiles=tiles, interpret=interpret), dy)
     else:
-        w = _dequantized(weight, _kernel_absmax(weight), dy.dtype, interpret)
+        w = _dequantized(weight, dy.dtype, interpret)
         dx = dot_out(dy, w, (((dy.ndim - 1,), (0,)), ((), ())), dy.dtype)
     return dx.astype(dy.dtype), jax.tree.map(_zero_cotangent, weight)
 
@@ -302,7 +301,7 @@ def _fp8_weight(weight, kernel: bool, interpret: bool, transpose: bool = False) 
     absmax = _kernel_absmax(weight)
     scale = pow2_scale(jnp.max(absmax, axis=1), E4M3)
     if kernel:
-        return _dequantized(weight, absmax / scale[:, None], E4M3, interpret, transpose=transpose), scale
+        return _dequantized(weight, E4M3, interpret, transpose=transpose, absmax=absmax / scale[:, None]), scale
     wq = (dequantize(weight, jnp.float32) / scale[:, None]).astype(E4M3)
     return (wq.T if transpose else wq), scale
 

@@ -108,8 +108,14 @@ def _tile_scale(absmax_ref, byte0, rows: pl.Slice | slice, block_bytes: int) -> 
 # ---------------------------------------------------------------------------------------------- kernels
 
 
-def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps):
+def _codes_tile(codes_ref, layer_ref, index: tuple) -> jax.Array:
+    """codes_ref[index], or, for a stack of layers' codes, the same tile of layer layer_ref[0]."""
+    return codes_ref[index] if layer_ref is None else codes_ref[(layer_ref[0], *index)]
+
+
+def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps, stacked):
     """y tile [bm, bn] (+= over this program's share of K) = x_even @ W_hiᵀ + x_odd @ W_loᵀ."""
+    layer_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
     lut_ref, y_ref = refs if len(refs) == 2 else (None, refs[0])
     s = pl.program_id(2)
     bm, bn = y_ref.shape
@@ -117,7 +123,7 @@ def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps
 
     def body(t, acc):
         byte0 = (s * steps + t) * block_bytes
-        codes = codes_ref[:, pl.ds(byte0, block_bytes)]
+        codes = _codes_tile(codes_ref, layer_ref, (slice(None), pl.ds(byte0, block_bytes)))
         w_hi, w_lo = _planes(codes, _tile_scale(absmax_ref, byte0, rows, block_bytes), x_ref.dtype, lut_ref)
         x_even = x_ref[:, pl.ds(byte0, block_bytes)]
         x_odd = x_ref[:, pl.ds(half + byte0, block_bytes)]
@@ -128,8 +134,9 @@ def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps
     y_ref[...] = acc.astype(y_ref.dtype)
 
 
-def _matmul_t_kernel(dy_ref, codes_ref, absmax_ref, *refs, block_n, block_bytes, steps):
+def _matmul_t_kernel(dy_ref, codes_ref, absmax_ref, *refs, block_n, block_bytes, steps, stacked):
     """dx tiles [bm, block_bytes] of the even and odd columns: dy @ W_hi and dy @ W_lo over N."""
+    layer_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
     lut_ref, dx_even_ref, dx_odd_ref = refs if len(refs) == 3 else (None, *refs)
     j = pl.program_id(1)
     s = pl.program_id(2)
@@ -140,7 +147,7 @@ def _matmul_t_kernel(dy_ref, codes_ref, absmax_ref, *refs, block_n, block_bytes,
         acc_even, acc_odd = carry
         n0 = (s * steps + t) * block_n
         rows = pl.ds(n0, block_n)
-        codes = codes_ref[rows, :]
+        codes = _codes_tile(codes_ref, layer_ref, (rows, slice(None)))
         w_hi, w_lo = _planes(codes, _tile_scale(absmax_ref, byte0, rows, block_bytes), dy_ref.dtype, lut_ref)
         dy = dy_ref[:, rows]
         return acc_even + pltriton.dot(dy, w_hi), acc_odd + pltriton.dot(dy, w_lo)
@@ -158,7 +165,7 @@ def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, trans
     layer_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
     lut_ref, w_ref = refs if len(refs) == 2 else (None, refs[0])
     j = pl.program_id(1)
-    codes = codes_ref[...] if layer_ref is None else codes_ref[layer_ref[0]]
+    codes = _codes_tile(codes_ref, layer_ref, (slice(None), slice(None)))
     w_hi, w_lo = _planes(codes, _tile_scale(absmax_ref, j * block_bytes, slice(None), block_bytes),
                          w_ref.dtype, lut_ref)
     if interleave or transpose:
@@ -172,10 +179,12 @@ def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, trans
 # ---------------------------------------------------------------------------------------------- wrappers
 
 
-def _check(codes: jax.Array, absmax: jax.Array, k: int | None = None) -> tuple[int, int]:
-    if codes.ndim != 2 or codes.dtype != jnp.uint8:
+def _check(codes: jax.Array, absmax: jax.Array, k: int | None = None, layer: jax.Array | None = None) -> tuple[int, int]:
+    if layer is not None and codes.ndim != 3:
+        raise ValueError(f"a layer index wants codes stacked [layers, N, K/2], got {codes.shape}")
+    if codes.ndim != (2 if layer is None else 3) or codes.dtype != jnp.uint8:
         raise ValueError(f"nf4 kernels want codes uint8 [N, K/2], got {codes.dtype} {codes.shape}")
-    n, half = codes.shape
+    n, half = codes.shape[-2:]
     if n % BLOCK or (2 * half) % BLOCK:
         raise ValueError(f"nf4 kernels need N and K multiples of {BLOCK}; got N={n}, K={2 * half}")
     if absmax.shape != (n, 2 * half // BLOCK):
@@ -197,6 +206,16 @@ def _fit(tiles: MatmulTiles, n: int, half: int, reduce_len: int, reduce_block: i
     while split > 1 and (reduce_len // reduce_block) % split:
         split //= 2
     return dataclasses.replace(tiles, block_bytes=block_bytes, block_n=block_n, split=split)
+
+
+def _codes_args(codes: jax.Array, layer: jax.Array | None, block: tuple[int, int], index_map, grid_rank: int):
+    """(codes BlockSpec, layer BlockSpecs, layer args): a tile of one weight's codes, or with `layer` the same
+    tile in a block spanning the stack (read at the layer in the kernel, never sliced out of the stack)."""
+    if layer is None:
+        return pl.BlockSpec(block, index_map), [], []
+    first = (lambda i, j: (0,)) if grid_rank == 2 else (lambda i, j, s: (0,))
+    return (pl.BlockSpec((codes.shape[0], *block), lambda *g: (0, *index_map(*g))), [pl.BlockSpec((1,), first)],
+            [jnp.asarray(layer, jnp.int32).reshape(1)])
 
 
 def _lut_args(lut: str, grid_rank: int) -> tuple[list, list]:
@@ -221,10 +240,11 @@ def _pad_rows(x: jax.Array, block: int) -> jax.Array:
 
 
 def nf4_matmul_forward(x: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: MatmulTiles = MatmulTiles(),
-                       interpret: bool = False) -> jax.Array:
-    """y [..., N] = x [..., K] @ dequant(W)ᵀ, fused (no gradient rule: see `nf4_matmul`)."""
+                       layer: jax.Array | None = None, interpret: bool = False) -> jax.Array:
+    """y [..., N] = x [..., K] @ dequant(W)ᵀ, fused (no gradient rule: see `nf4_matmul`). With `layer`, codes
+    is a stack [layers, N, K/2] read at that layer in place."""
     lead, k = x.shape[:-1], x.shape[-1]
-    n, _ = _check(codes, absmax, k)
+    n, _ = _check(codes, absmax, k, layer)
     half = k // 2
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -235,13 +255,15 @@ def nf4_matmul_forward(x: jax.Array, codes: jax.Array, absmax: jax.Array, *, til
     mp = xp.shape[0]
     out_dtype = x.dtype if split == 1 else jnp.float32
     lut_specs, lut_args = _lut_args(tiles.lut, 3)
+    codes_spec, layer_specs, layer_args = _codes_args(codes, layer, (bn, half), lambda i, j, s: (j, 0), 3)
     y = pl.pallas_call(
-        functools.partial(_matmul_kernel, half=half, block_bytes=bb, steps=steps),
+        functools.partial(_matmul_kernel, half=half, block_bytes=bb, steps=steps, stacked=layer is not None),
         grid=(mp // bm, n // bn, split),
         in_specs=[
             pl.BlockSpec((bm, k), lambda i, j, s: (i, 0)),
-            pl.BlockSpec((bn, half), lambda i, j, s: (j, 0)),
+            codes_spec,
             pl.BlockSpec((k // BLOCK, bn), lambda i, j, s: (0, j)),
+            *layer_specs,
             *lut_specs,
         ],
         out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j)),
@@ -249,15 +271,15 @@ def nf4_matmul_forward(x: jax.Array, codes: jax.Array, absmax: jax.Array, *, til
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="nf4_matmul",
-    )(xp, codes, absmax.T, *lut_args)
+    )(xp, codes, absmax.T, *layer_args, *lut_args)
     y = y[0] if split == 1 else y.sum(axis=0).astype(x.dtype)
     return y[:m].reshape(*lead, n)
 
 
 def nf4_matmul_dx(dy: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: MatmulTiles = MatmulTiles(),
-                  interpret: bool = False) -> jax.Array:
-    """dx [..., K] = dy [..., N] @ dequant(W), fused."""
-    n, k = _check(codes, absmax)
+                  layer: jax.Array | None = None, interpret: bool = False) -> jax.Array:
+    """dx [..., K] = dy [..., N] @ dequant(W), fused (with `layer`: codes stacked, read at that layer)."""
+    n, k = _check(codes, absmax, layer=layer)
     if dy.shape[-1] != n:
         raise ValueError(f"dy has N={dy.shape[-1]} but the NF4 weight has N={n}")
     lead = dy.shape[:-1]
@@ -271,13 +293,15 @@ def nf4_matmul_dx(dy: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: 
     mp = dyp.shape[0]
     out_dtype = dy.dtype if split == 1 else jnp.float32
     lut_specs, lut_args = _lut_args(tiles.lut, 3)
+    codes_spec, layer_specs, layer_args = _codes_args(codes, layer, (n, bb), lambda i, j, s: (0, j), 3)
     dx_even, dx_odd = pl.pallas_call(
-        functools.partial(_matmul_t_kernel, block_n=bn, block_bytes=bb, steps=steps),
+        functools.partial(_matmul_t_kernel, block_n=bn, block_bytes=bb, steps=steps, stacked=layer is not None),
         grid=(mp // bm, half // bb, split),
         in_specs=[
             pl.BlockSpec((bm, n), lambda i, j, s: (i, 0)),
-            pl.BlockSpec((n, bb), lambda i, j, s: (0, j)),
+            codes_spec,
             pl.BlockSpec((k // BLOCK, n), lambda i, j, s: (0, 0)),
+            *layer_specs,
             *lut_specs,
         ],
         out_specs=[pl.BlockSpec((None, bm, bb), lambda i, j, s: (s, i, j))] * 2,
@@ -285,7 +309,7 @@ def nf4_matmul_dx(dy: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: 
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="nf4_matmul_dx",
-    )(dyp, codes, absmax.T, *lut_args)
+    )(dyp, codes, absmax.T, *layer_args, *lut_args)
     if split > 1:
         dx_even, dx_odd = dx_even.sum(axis=0), dx_odd.sum(axis=0)
     else:
@@ -305,22 +329,15 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
 
     Defaults from benchmarks/results/2026-11-22-dense-step-round2-h200.md: planes interleaved in registers and
     stored contiguously run 1.4-1.5x faster than two strided stores on the 8B shapes."""
-    stacked = layer is not None
-    if stacked and codes.ndim != 3:
-        raise ValueError(f"a layer index wants codes stacked [layers, N, K/2], got {codes.shape}")
-    n, k = _check(codes[0] if stacked else codes, absmax)
+    n, k = _check(codes, absmax, layer=layer)
     half = k // 2
     tiles = _fit(MatmulTiles(block_n=block_n, block_bytes=block_bytes), n, half, half, block_bytes)
     bn, bb = tiles.block_n, tiles.block_bytes
     lut_specs, lut_args = _lut_args(lut, 2)
-    if stacked:
-        codes_spec = pl.BlockSpec((codes.shape[0], bn, bb), lambda i, j: (0, i, j))
-        layer_specs, layer_args = [pl.BlockSpec((1,), lambda i, j: (0,))], [jnp.asarray(layer, jnp.int32).reshape(1)]
-    else:
-        codes_spec, layer_specs, layer_args = pl.BlockSpec((bn, bb), lambda i, j: (i, j)), [], []
+    codes_spec, layer_specs, layer_args = _codes_args(codes, layer, (bn, bb), lambda i, j: (i, j), 2)
     return pl.pallas_call(
         functools.partial(_dequant_kernel, block_bytes=bb, interleave=interleave, transpose=transpose,
-                          stacked=stacked),
+                          stacked=layer is not None),
         grid=(n // bn, half // bb),
         in_specs=[
             codes_spec,

@@ -150,11 +150,11 @@ def all_eqns(jaxpr):
                     yield from all_eqns(inner)
 
 
-@pytest.mark.parametrize("compute", ["bf16", "fp8"])
-def test_layer_scan_dequantizes_nf4_codes_in_place(monkeypatch, compute):
-    """Inside the layer scan the dequant kernel reads each layer's NF4 codes from the whole stack (a slice of
-    it handed to a kernel is a copy on GPU), with the reference's logits and LoRA gradients, under every remat
-    policy, and the stack is never saved per layer for the backward pass."""
+@pytest.mark.parametrize("compute, impl", [("bf16", "dequant+dot"), ("bf16", "fused"), ("fp8", "dequant+dot")])
+def test_layer_scan_reads_nf4_codes_in_place(monkeypatch, compute, impl):
+    """Inside the layer scan the NF4 kernels (dequant, fused forward and dx) read each layer's codes from the
+    whole stack (a slice of it handed to a kernel is a copy on GPU), with the reference's logits and LoRA
+    gradients, under every remat policy, and the stack is never saved per layer for the backward pass."""
     model = kernel_model()
     model.compute = compute
     ids = jax.random.randint(jax.random.key(0), (2, 64), 0, 320)
@@ -162,7 +162,7 @@ def test_layer_scan_dequantizes_nf4_codes_in_place(monkeypatch, compute):
     jaxtune.set_kernels("xla")
     ref_logits, ref_grads, _ = logits_and_grads(model, ids, seg)
     jaxtune.set_kernels("pallas-interpret")
-    monkeypatch.setattr(dispatch, "nf4_impl", lambda m: "dequant+dot")  # GPU's choice for training shapes
+    monkeypatch.setattr(dispatch, "nf4_impl", lambda m: impl)  # GPU's choices for training / decoding shapes
     stack_shapes = {a.shape for a in jax.tree.leaves(nnx.state(model, nnx.PathContains("codes")))}
     for policy in ("none", "selective", "full"):
         model.remat_policy = policy
@@ -175,9 +175,9 @@ def test_layer_scan_dequantizes_nf4_codes_in_place(monkeypatch, compute):
                 # 1.8e-2 at most, the same with the codes sliced per layer as before)
                 assert np.linalg.norm(got - want) <= 3e-2 * np.linalg.norm(want)
         _, jaxpr = residuals_and_grad_jaxpr(model, ids, seg)
-        dequants = [e for e in all_eqns(jaxpr)
-                    if e.primitive.name == "pallas_call" and e.params.get("name") == "nf4_dequantize"]
-        assert dequants and all(e.invars[0].aval.shape in stack_shapes for e in dequants), policy
+        nf4_kernels = [e for e in all_eqns(jaxpr) if e.primitive.name == "pallas_call"
+                       and e.params.get("name") in ("nf4_dequantize", "nf4_matmul", "nf4_matmul_dx")]
+        assert nf4_kernels and all(any(v.aval.shape in stack_shapes for v in e.invars) for e in nf4_kernels), policy
         stacked_twice = [e for e in all_eqns(jaxpr) for v in e.outvars
                          if v.aval.dtype == jnp.uint8 and v.aval.ndim >= 4]
         assert not stacked_twice, (policy, stacked_twice[:1])

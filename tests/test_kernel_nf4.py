@@ -91,6 +91,23 @@ def test_dequant_kernel_reads_one_layer_of_a_stack(dtype, transpose):
         nf4_dequantize(stack[0], absmax, layer=jnp.int32(0), interpret=True)
 
 
+@pytest.mark.parametrize("m", [1, 7, 64])
+def test_fused_kernels_read_one_layer_of_a_stack(m):
+    """The fused forward and dx kernels with a layer index: bitwise the results from that layer's own codes."""
+    stack = jnp.stack([quantized(128, 192, seed=s)[1] for s in range(3)])
+    _, _, absmax = quantized(128, 192, seed=8)
+    rng = np.random.default_rng(m)
+    x = jnp.asarray(rng.standard_normal((m, 192)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((m, 128)), jnp.float32)
+    for layer in range(3):
+        y = nf4_matmul_forward(x, stack, absmax, tiles=TILES[0], layer=jnp.int32(layer), interpret=True)
+        dx = nf4_matmul_dx(dy, stack, absmax, tiles=TILES[0], layer=jnp.int32(layer), interpret=True)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(
+            nf4_matmul_forward(x, stack[layer], absmax, tiles=TILES[0], interpret=True)))
+        np.testing.assert_array_equal(np.asarray(dx), np.asarray(
+            nf4_matmul_dx(dy, stack[layer], absmax, tiles=TILES[0], interpret=True)))
+
+
 def test_kernels_reject_bad_shapes():
     _, codes, absmax = quantized(64, 128, seed=0)
     with pytest.raises(ValueError, match="K=100"):
@@ -124,3 +141,8 @@ def test_kernels_lower_for_cuda(cuda_export, m, n, k):
     for dtype, transpose in ((jnp.bfloat16, False), (jnp.float8_e4m3fn, True)):
         text = cuda_export(lambda c, a, i: nf4_dequantize(c, a, dtype, transpose=transpose, layer=i), stack, absmax, layer)
         assert text.count(f"@{CUSTOM_CALL}(") == 1
+    dy = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+    text = cuda_export(lambda x, d, c, a, i: (nf4_matmul_forward(x, c, a, tiles=_kernel_tiles(m, "fwd"), layer=i),
+                                              nf4_matmul_dx(d, c, a, tiles=_kernel_tiles(m, "dx"), layer=i)),
+                       x, dy, stack, absmax, layer)
+    assert text.count(f"@{CUSTOM_CALL}(") == 2
