@@ -68,11 +68,13 @@ def test_bf16_inputs_and_leading_axes():
 
 
 @pytest.mark.parametrize("lut", ["gather", "select"])
-def test_dequant_kernel_is_bitwise_the_bnb_dequantization(lut):
+@pytest.mark.parametrize("transpose", [False, True])
+def test_dequant_kernel_is_bitwise_the_bnb_dequantization(lut, transpose):
     q, codes, absmax = quantized(192, 576, seed=1)
     for dtype in (jnp.float32, jnp.bfloat16):
-        got = nf4_dequantize(codes, absmax, dtype, lut=lut, interpret=True)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(nf4.dequantize(q, dtype)))
+        got = nf4_dequantize(codes, absmax, dtype, lut=lut, transpose=transpose, interpret=True)
+        want = np.asarray(nf4.dequantize(q, dtype))
+        np.testing.assert_array_equal(np.asarray(got), want.T if transpose else want)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
