@@ -7,6 +7,7 @@
 #   bash benchmarks/e2e.sh dense-jaxtune; bash benchmarks/e2e.sh dense-unsloth   # dense step side by side,
 #                                    # batches 1/2/4/8, both sides profiled at batch 4 (run back to back)
 #   bash benchmarks/e2e.sh dense-cudnn  # plain causal rows: cuDNN vs Pallas attention (then dense-unsloth)
+#   bash benchmarks/e2e.sh dense-compute  # bf16 and FP8 projections at batches 1/4/8 (then dense-unsloth)
 # Needs .bench (../shared/bench) and .site (its make_site.sh) carried for the baselines; JSON lines go to
 # $OUT/e2e-<stage>.jsonl. All stages read /tmp/base_llama3-8b (bf16 random Llama-3-8B shapes).
 set -uo pipefail
@@ -50,12 +51,21 @@ dense-cudnn)  # plain causal rows (one sequence per row) through cuDNN vs the sa
     --batch 4 --remat selective --steps 2 --profile /tmp/trace
   python3 benchmarks/trace_summary.py /tmp/trace 2 60 > "${OUT:-/tmp/out}/profile-jaxtune-cudnn-bs4.jsonl"
   ;;
-dense-unsloth)  # the same batches through Unsloth (no gradient checkpointing: its fastest), bs4 profiled
+dense-compute)  # bf16 and FP8 frozen projections at the same batches (selective remat), for the side-by-side
+  # table with Unsloth; BATCHES / COMPUTES narrow it (e.g. BATCHES="1 4" COMPUTES=fp8) to fit a device call
   checkpoint
-  for bs in 1 2 4 8; do
+  [ -d $jt ] || run env PYTHONPATH=. python3 benchmarks/convert_llama8b.py convert $base $jt
+  for bs in ${BATCHES:-1 4 8}; do for compute in ${COMPUTES:-bf16 fp8}; do
+    jaxtune --batch $bs --remat selective --compute $compute --steps $((bs == 1 ? 10 : bs == 4 ? 8 : 6))
+  done; done
+  ;;
+dense-unsloth)  # the same batches through Unsloth (no gradient checkpointing: its fastest), bs4 profiled
+  # (BATCHES narrows the batches, PROFILE=0 skips the profile)
+  checkpoint
+  for bs in ${BATCHES:-1 2 4 8}; do
     run baseline_py -c "import unsloth_baseline as u; u.run('$base', $bs, 2048, False)"
   done
-  baseline_py .bench/unsloth_profile.py $base 4 > "${OUT:-/tmp/out}/profile-unsloth-bs4.txt" 2>&1
+  [ "${PROFILE:-1}" = 0 ] || baseline_py .bench/unsloth_profile.py $base 4 > "${OUT:-/tmp/out}/profile-unsloth-bs4.txt" 2>&1
   ;;
 jaxtune)
   checkpoint

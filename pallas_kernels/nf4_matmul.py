@@ -169,8 +169,8 @@ def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, trans
     codes = _codes_tile(codes_ref, layer_ref, (slice(None), slice(None)))
     w_hi, w_lo = _planes(codes, _tile_scale(absmax_ref, j * block_bytes, slice(None), block_bytes),
                          w_ref.dtype, lut_ref)
-    if transpose:  # each plane's transpose to the even / odd rows: 1.1-1.5x faster than transposing the
-        # interleaved tile for e4m3 (benchmarks/results/2026-11-23-stacked-codes-h200.md), as fast for bf16
+    if transpose:  # each plane's transpose to the even / odd rows: no interleave before the transpose (e4m3
+        # alone 1.1-1.5x faster, in the training step the same: benchmarks/results/2026-11-23-stacked-codes-h200.md)
         w_ref[pl.ds(0, block_bytes, stride=2), :] = w_hi.T
         w_ref[pl.ds(1, block_bytes, stride=2), :] = w_lo.T
     elif interleave:
