@@ -183,7 +183,8 @@ def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, trans
 # ---------------------------------------------------------------------------------------------- wrappers
 
 
-def _check(codes: jax.Array, absmax: jax.Array, k: int | None = None, layer: jax.Array | None = None) -> tuple[int, int]:
+def _check(codes: jax.Array, absmax: jax.Array, k: int | None = None,
+           layer: jax.Array | None = None) -> tuple[int, int]:
     if layer is not None and codes.ndim != 3:
         raise ValueError(f"a layer index wants codes stacked [layers, N, K/2], got {codes.shape}")
     if codes.ndim != (2 if layer is None else 3) or codes.dtype != jnp.uint8:
