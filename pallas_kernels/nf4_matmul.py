@@ -199,7 +199,10 @@ def _check(codes: jax.Array, absmax: jax.Array, k: int | None = None,
     return n, 2 * half
 
 
-def _fit(tiles: MatmulTiles, n: int, half: int, reduce_len: int, reduce_block: int) -> MatmulTiles:
+def _fit(tiles: MatmulTiles, n: int, half: int, reduce: str) -> MatmulTiles:
+    """The tiles shrunk to divide this weight: block_bytes to 32 where 64 does not divide K/2, block_n halved
+    until it divides N, then split halved until it divides the steps of the reduced dimension ("k": K/2 in
+    block_bytes, "n": N in block_n), counted in the blocks as fitted (else a split would skip a remainder)."""
     if tiles.block_bytes not in (_BYTES_PER_BLOCK, 2 * _BYTES_PER_BLOCK):
         raise ValueError(f"block_bytes must be {_BYTES_PER_BLOCK} or {2 * _BYTES_PER_BLOCK} (one or two absmax "
                          f"blocks per tile row), got {tiles.block_bytes}")
@@ -207,8 +210,9 @@ def _fit(tiles: MatmulTiles, n: int, half: int, reduce_len: int, reduce_block: i
     block_n = tiles.block_n
     while n % block_n:
         block_n //= 2
+    steps = half // block_bytes if reduce == "k" else n // block_n
     split = tiles.split
-    while split > 1 and (reduce_len // reduce_block) % split:
+    while split > 1 and steps % split:
         split //= 2
     return dataclasses.replace(tiles, block_bytes=block_bytes, block_n=block_n, split=split)
 
@@ -253,7 +257,7 @@ def nf4_matmul_forward(x: jax.Array, codes: jax.Array, absmax: jax.Array, *, til
     half = k // 2
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    tiles = _fit(tiles, n, half, half, tiles.block_bytes)
+    tiles = _fit(tiles, n, half, "k")
     bm, bn, bb, split = tiles.block_m, tiles.block_n, tiles.block_bytes, tiles.split
     steps = half // bb // split
     xp = _pad_rows(_split_even_odd(x2), bm)
@@ -291,7 +295,7 @@ def nf4_matmul_dx(dy: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: 
     half = k // 2
     dy2 = dy.reshape(-1, n)
     m = dy2.shape[0]
-    tiles = _fit(tiles, n, half, n, tiles.block_n)
+    tiles = _fit(tiles, n, half, "n")
     bm, bn, bb, split = tiles.block_m, tiles.block_n, tiles.block_bytes, tiles.split
     steps = n // bn // split
     dyp = _pad_rows(dy2, bm)
@@ -336,7 +340,7 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
     stored contiguously run 1.4-1.5x faster than two strided stores on the 8B shapes."""
     n, k = _check(codes, absmax, layer=layer)
     half = k // 2
-    tiles = _fit(MatmulTiles(block_n=block_n, block_bytes=block_bytes), n, half, half, block_bytes)
+    tiles = _fit(MatmulTiles(block_n=block_n, block_bytes=block_bytes), n, half, "k")
     bn, bb = tiles.block_n, tiles.block_bytes
     lut_specs, lut_args = _lut_args(lut, 2)
     codes_spec, layer_specs, layer_args = _codes_args(codes, layer, (bn, bb), lambda i, j: (i, j), 2)

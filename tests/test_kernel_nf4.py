@@ -56,6 +56,21 @@ def test_fused_forward_and_dx_match_float64(m, shape_index):
     np.testing.assert_allclose(np.asarray(dx), np.asarray(dx_ref), atol=2e-6 * scale_dx)
 
 
+@pytest.mark.parametrize("tiles", [MatmulTiles(16, 64, 64, 4), MatmulTiles(16, 128, 32, 4)])
+def test_split_reductions_cover_all_of_k_and_n_when_tiles_shrink(tiles):
+    """K/2 = 288 takes 32-byte steps where the tiles ask 64, N = 576 takes 64-row blocks where they ask 128:
+    the split of the reduction counts the shrunk steps, so no remainder of K (forward) or N (dx) is skipped."""
+    n, k = 576, 576
+    _, codes, absmax = quantized(n, k, seed=5)
+    rng = np.random.default_rng(5)
+    x, dy = rng.standard_normal((3, k)).astype(np.float32), rng.standard_normal((3, n)).astype(np.float32)
+    w = numpy_weight(codes, absmax)
+    y = nf4_matmul_forward(jnp.asarray(x), codes, absmax, tiles=tiles, interpret=True)
+    dx = nf4_matmul_dx(jnp.asarray(dy), codes, absmax, tiles=tiles, interpret=True)
+    np.testing.assert_allclose(np.asarray(y, np.float64), x @ w.T, atol=2e-6 * np.abs(x).max() * np.abs(w).sum(1).max())
+    np.testing.assert_allclose(np.asarray(dx, np.float64), dy @ w, atol=2e-6 * np.abs(dy).max() * np.abs(w).sum(0).max())
+
+
 def test_bf16_inputs_and_leading_axes():
     _, codes, absmax = quantized(128, 256, seed=3)
     x = jax.random.normal(jax.random.key(0), (2, 5, 256), jnp.bfloat16)
