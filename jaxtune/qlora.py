@@ -42,8 +42,9 @@ class NF4Linear(nnx.Module):
         codes, absmax_codes = self.codes[...], self.absmax_codes[...]
         # inside the layer scan the codes stay the whole stack (the scan slices every other array): this layer's
         # index then comes from the scan body (`ops.stacked_layer`)
-        layer = ops.stacked_layer_index() if codes.ndim == absmax_codes.ndim + 2 else None
-        if codes.ndim == absmax_codes.ndim + 2 and layer is None:
+        stacked = codes.ndim == absmax_codes.ndim + 2
+        layer = ops.stacked_layer_index() if stacked else None
+        if stacked and layer is None:
             raise ValueError("NF4 codes stacked over layers need the layer index (ops.stacked_layer)")
         return nf4.NF4Weight(codes, absmax_codes, self.nested_absmax[...], self.offset[...], self.nested_map[...],
                              layer)

@@ -108,6 +108,13 @@ def _tile_scale(absmax_ref, byte0, rows: pl.Slice | slice, block_bytes: int) -> 
 # ---------------------------------------------------------------------------------------------- kernels
 
 
+def _optional_refs(refs: tuple, stacked: bool, outputs: int) -> tuple:
+    """(layer_ref, lut_ref, *output refs) from what follows codes and absmax: the layer when `stacked`, the NF4
+    table when the call passed one (None for either when absent)."""
+    layer_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
+    return (layer_ref, *refs) if len(refs) > outputs else (layer_ref, None, *refs)
+
+
 def _codes_tile(codes_ref, layer_ref, index: tuple) -> jax.Array:
     """codes_ref[index], or, for a stack of layers' codes, the same tile of layer layer_ref[0]."""
     return codes_ref[index] if layer_ref is None else codes_ref[(layer_ref[0], *index)]
@@ -115,8 +122,7 @@ def _codes_tile(codes_ref, layer_ref, index: tuple) -> jax.Array:
 
 def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps, stacked):
     """y tile [bm, bn] (+= over this program's share of K) = x_even @ W_hiᵀ + x_odd @ W_loᵀ."""
-    layer_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
-    lut_ref, y_ref = refs if len(refs) == 2 else (None, refs[0])
+    layer_ref, lut_ref, y_ref = _optional_refs(refs, stacked, 1)
     s = pl.program_id(2)
     bm, bn = y_ref.shape
     rows = slice(None)
@@ -136,8 +142,7 @@ def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps
 
 def _matmul_t_kernel(dy_ref, codes_ref, absmax_ref, *refs, block_n, block_bytes, steps, stacked):
     """dx tiles [bm, block_bytes] of the even and odd columns: dy @ W_hi and dy @ W_lo over N."""
-    layer_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
-    lut_ref, dx_even_ref, dx_odd_ref = refs if len(refs) == 3 else (None, *refs)
+    layer_ref, lut_ref, dx_even_ref, dx_odd_ref = _optional_refs(refs, stacked, 2)
     j = pl.program_id(1)
     s = pl.program_id(2)
     bm = dy_ref.shape[0]
@@ -163,8 +168,7 @@ def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, trans
     registers and stored contiguously (`interleave`), or by two strided stores; `transpose`: the Wᵀ tile, whose
     even / odd rows are the planes.
     `stacked`: codes_ref spans every layer of a stack and the first of `refs` holds the layer to read."""
-    layer_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
-    lut_ref, w_ref = refs if len(refs) == 2 else (None, refs[0])
+    layer_ref, lut_ref, w_ref = _optional_refs(refs, stacked, 1)
     j = pl.program_id(1)
     codes = _codes_tile(codes_ref, layer_ref, (slice(None), slice(None)))
     w_hi, w_lo = _planes(codes, _tile_scale(absmax_ref, j * block_bytes, slice(None), block_bytes),
@@ -185,10 +189,9 @@ def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, trans
 
 def _check(codes: jax.Array, absmax: jax.Array, k: int | None = None,
            layer: jax.Array | None = None) -> tuple[int, int]:
-    if layer is not None and codes.ndim != 3:
-        raise ValueError(f"a layer index wants codes stacked [layers, N, K/2], got {codes.shape}")
     if codes.ndim != (2 if layer is None else 3) or codes.dtype != jnp.uint8:
-        raise ValueError(f"nf4 kernels want codes uint8 [N, K/2], got {codes.dtype} {codes.shape}")
+        want = "[N, K/2]" if layer is None else "stacked [layers, N, K/2] with a layer index"
+        raise ValueError(f"nf4 kernels want codes uint8 {want}, got {codes.dtype} {codes.shape}")
     n, half = codes.shape[-2:]
     if n % BLOCK or (2 * half) % BLOCK:
         raise ValueError(f"nf4 kernels need N and K multiples of {BLOCK}; got N={n}, K={2 * half}")
@@ -217,23 +220,21 @@ def _fit(tiles: MatmulTiles, n: int, half: int, reduce: str) -> MatmulTiles:
     return dataclasses.replace(tiles, block_bytes=block_bytes, block_n=block_n, split=split)
 
 
-def _codes_args(codes: jax.Array, layer: jax.Array | None, block: tuple[int, int], index_map, grid_rank: int):
+def _codes_args(codes: jax.Array, layer: jax.Array | None, block: tuple[int, int], index_map):
     """(codes BlockSpec, layer BlockSpecs, layer args): a tile of one weight's codes, or with `layer` the same
     tile in a block spanning the stack (read at the layer in the kernel, never sliced out of the stack)."""
     if layer is None:
         return pl.BlockSpec(block, index_map), [], []
-    first = (lambda i, j: (0,)) if grid_rank == 2 else (lambda i, j, s: (0,))
-    return (pl.BlockSpec((codes.shape[0], *block), lambda *g: (0, *index_map(*g))), [pl.BlockSpec((1,), first)],
-            [jnp.asarray(layer, jnp.int32).reshape(1)])
+    return (pl.BlockSpec((codes.shape[0], *block), lambda *g: (0, *index_map(*g))),
+            [pl.BlockSpec((1,), lambda *g: (0,))], [jnp.asarray(layer, jnp.int32).reshape(1)])
 
 
-def _lut_args(lut: str, grid_rank: int) -> tuple[list, list]:
+def _lut_args(lut: str) -> tuple[list, list]:
     if lut == "select":
         return [], []
     if lut != "gather":
         raise ValueError(f"unknown NF4 lookup {lut!r}; use 'gather' or 'select'")
-    spec = pl.BlockSpec((16,), (lambda i, j: (0,)) if grid_rank == 2 else (lambda i, j, s: (0,)))
-    return [spec], [jnp.asarray(NF4_VALUES, jnp.float32)]
+    return [pl.BlockSpec((16,), lambda *g: (0,))], [jnp.asarray(NF4_VALUES, jnp.float32)]
 
 
 def _split_even_odd(x: jax.Array) -> jax.Array:
@@ -263,8 +264,8 @@ def nf4_matmul_forward(x: jax.Array, codes: jax.Array, absmax: jax.Array, *, til
     xp = _pad_rows(_split_even_odd(x2), bm)
     mp = xp.shape[0]
     out_dtype = x.dtype if split == 1 else jnp.float32
-    lut_specs, lut_args = _lut_args(tiles.lut, 3)
-    codes_spec, layer_specs, layer_args = _codes_args(codes, layer, (bn, half), lambda i, j, s: (j, 0), 3)
+    lut_specs, lut_args = _lut_args(tiles.lut)
+    codes_spec, layer_specs, layer_args = _codes_args(codes, layer, (bn, half), lambda i, j, s: (j, 0))
     y = pl.pallas_call(
         functools.partial(_matmul_kernel, half=half, block_bytes=bb, steps=steps, stacked=layer is not None),
         grid=(mp // bm, n // bn, split),
@@ -301,8 +302,8 @@ def nf4_matmul_dx(dy: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: 
     dyp = _pad_rows(dy2, bm)
     mp = dyp.shape[0]
     out_dtype = dy.dtype if split == 1 else jnp.float32
-    lut_specs, lut_args = _lut_args(tiles.lut, 3)
-    codes_spec, layer_specs, layer_args = _codes_args(codes, layer, (n, bb), lambda i, j, s: (0, j), 3)
+    lut_specs, lut_args = _lut_args(tiles.lut)
+    codes_spec, layer_specs, layer_args = _codes_args(codes, layer, (n, bb), lambda i, j, s: (0, j))
     dx_even, dx_odd = pl.pallas_call(
         functools.partial(_matmul_t_kernel, block_n=bn, block_bytes=bb, steps=steps, stacked=layer is not None),
         grid=(mp // bm, half // bb, split),
@@ -342,8 +343,8 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
     half = k // 2
     tiles = _fit(MatmulTiles(block_n=block_n, block_bytes=block_bytes), n, half, "k")
     bn, bb = tiles.block_n, tiles.block_bytes
-    lut_specs, lut_args = _lut_args(lut, 2)
-    codes_spec, layer_specs, layer_args = _codes_args(codes, layer, (bn, bb), lambda i, j: (i, j), 2)
+    lut_specs, lut_args = _lut_args(lut)
+    codes_spec, layer_specs, layer_args = _codes_args(codes, layer, (bn, bb), lambda i, j: (i, j))
     return pl.pallas_call(
         functools.partial(_dequant_kernel, block_bytes=bb, interleave=interleave, transpose=transpose,
                           stacked=layer is not None),

@@ -63,6 +63,13 @@ def grads_on(mesh, graphdef, lora, frozen, batch):
         return (*fn(lora, frozen, gbatch), kernels_per_shard)
 
 
+def report(grads, ref_grads, **fields) -> None:
+    """One JSON line: the fields and the largest gradient difference from the reference, with the scale."""
+    diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)))
+    scale = max(float(jnp.max(jnp.abs(b))) for b in jax.tree.leaves(ref_grads))
+    print(json.dumps({**fields, "grad_max_abs_diff": diff, "grad_scale": scale}), flush=True)
+
+
 def check_grads() -> None:
     assert jax.device_count() == 8, jax.devices()
     graphdef, lora, frozen = split_model(model())
@@ -83,10 +90,8 @@ def check_grads() -> None:
         devices = jax.devices()[:4] if spec == "data=2,fsdp=2" else None
         mesh = sharding.make_mesh(spec, devices)
         loss, grads, shard_maps = grads_on(mesh, graphdef, lora, frozen, batch)
-        diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)))
-        scale = max(float(jnp.max(jnp.abs(b))) for b in jax.tree.leaves(ref_grads))
-        print(json.dumps({"mesh": spec, "kernels": kernels, "loss": float(loss), "ref_loss": float(ref_loss),
-                          "grad_max_abs_diff": diff, "grad_scale": scale, "shard_maps": shard_maps}), flush=True)
+        report(grads, ref_grads, mesh=spec, kernels=kernels, loss=float(loss), ref_loss=float(ref_loss),
+               shard_maps=shard_maps)
     # FP8 on a mesh: the row quantizer and the FP8 GEMM (Pallas, interpreted) run per shard and reproduce the
     # single-device FP8 step, whose loss is not the float32 one (the FP8 path ran)
     jaxtune.set_kernels("pallas-interpret")
@@ -96,11 +101,8 @@ def check_grads() -> None:
     fp8_loss, fp8_grads, _ = grads_on(None, graphdef, lora, frozen, batch)
     loss, grads, shard_maps = grads_on(sharding.make_mesh("data=2,fsdp=2", jax.devices()[:4]), graphdef, lora, frozen,
                                        batch)
-    diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(fp8_grads)))
-    scale = max(float(jnp.max(jnp.abs(b))) for b in jax.tree.leaves(fp8_grads))
-    print(json.dumps({"mesh": "data=2,fsdp=2", "kernels": "pallas-interpret", "compute": "fp8", "loss": float(loss),
-                      "ref_loss": float(fp8_loss), "float32_loss": float(ref_loss), "grad_max_abs_diff": diff,
-                      "grad_scale": scale, "shard_maps": shard_maps}), flush=True)
+    report(grads, fp8_grads, mesh="data=2,fsdp=2", kernels="pallas-interpret", compute="fp8", loss=float(loss),
+           ref_loss=float(fp8_loss), float32_loss=float(ref_loss), shard_maps=shard_maps)
 
 
 def train(tokenizer_dir: str, out_dir: str, mesh: str | None = None, options: str = "{}") -> None:

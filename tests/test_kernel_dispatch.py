@@ -111,6 +111,23 @@ def residuals_and_grad_jaxpr(model, ids, seg):
     return nbytes, jax.make_jaxpr(jax.grad(loss))(lora).jaxpr
 
 
+def sub_jaxprs(eqn):
+    """The jaxprs inside an equation's parameters (scan and checkpoint bodies, custom rules, ...)."""
+    for p in eqn.params.values():
+        for sub in p if isinstance(p, (tuple, list)) else (p,):
+            inner = getattr(sub, "jaxpr", sub)
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
+def all_eqns(jaxpr):
+    """Every equation of jaxpr and of its sub-jaxprs."""
+    for e in jaxpr.eqns:
+        yield e
+        for inner in sub_jaxprs(e):
+            yield from all_eqns(inner)
+
+
 def live_eqns(jaxpr, matches) -> int:
     """How many equations `matches(eqn)` accepts have a used output (dead ones XLA removes), through sub-jaxprs."""
     used = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, jax.extend.core.Literal)}
@@ -118,36 +135,25 @@ def live_eqns(jaxpr, matches) -> int:
     count = 0
     for e in jaxpr.eqns:
         count += matches(e) and any(v in used for v in e.outvars)
-        for p in e.params.values():
-            for sub in p if isinstance(p, (tuple, list)) else (p,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    count += live_eqns(inner, matches)
+        count += sum(live_eqns(inner, matches) for inner in sub_jaxprs(e))
     return count
+
+
+def kernel_name(eqn) -> str | None:
+    """The Pallas kernel an equation calls, None for other primitives."""
+    if eqn.primitive.name != "pallas_call":
+        return None
+    return str(eqn.params.get("name_and_src_info", eqn.params.get("name", ""))).split(" ")[0]
 
 
 def live_calls(jaxpr, name: str) -> int:
     """Live pallas_calls of kernel `name`."""
-    def is_kernel(e):
-        kernel = str(e.params.get("name_and_src_info", e.params.get("name", "")))
-        return e.primitive.name == "pallas_call" and kernel.split(" ")[0] == name
-    return live_eqns(jaxpr, is_kernel)
+    return live_eqns(jaxpr, lambda e: kernel_name(e) == name)
 
 
 def live_primitives(jaxpr, name: str) -> int:
     """Live equations of primitive `name`."""
     return live_eqns(jaxpr, lambda e: e.primitive.name == name)
-
-
-def all_eqns(jaxpr):
-    """Every equation of jaxpr and of its sub-jaxprs."""
-    for e in jaxpr.eqns:
-        yield e
-        for p in e.params.values():
-            for sub in p if isinstance(p, (tuple, list)) else (p,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from all_eqns(inner)
 
 
 @pytest.mark.parametrize("compute, impl", [("bf16", "dequant+dot"), ("bf16", "fused"), ("fp8", "dequant+dot")])
@@ -175,8 +181,8 @@ def test_layer_scan_reads_nf4_codes_in_place(monkeypatch, compute, impl):
                 # 1.8e-2 at most, the same with the codes sliced per layer as before)
                 assert np.linalg.norm(got - want) <= 3e-2 * np.linalg.norm(want)
         _, jaxpr = residuals_and_grad_jaxpr(model, ids, seg)
-        nf4_kernels = [e for e in all_eqns(jaxpr) if e.primitive.name == "pallas_call"
-                       and e.params.get("name") in ("nf4_dequantize", "nf4_matmul", "nf4_matmul_dx")]
+        nf4_kernels = [e for e in all_eqns(jaxpr)
+                       if kernel_name(e) in ("nf4_dequantize", "nf4_matmul", "nf4_matmul_dx")]
         assert nf4_kernels and all(any(v.aval.shape in stack_shapes for v in e.invars) for e in nf4_kernels), policy
         stacked_twice = [e for e in all_eqns(jaxpr) for v in e.outvars
                          if v.aval.dtype == jnp.uint8 and v.aval.ndim >= 4]
