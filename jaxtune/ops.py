@@ -309,6 +309,9 @@ def stacked_layer_index() -> jax.Array | None:
 
 COMPUTE_MODES = ("bf16", "fp8")
 _frozen_compute: contextvars.ContextVar[str] = contextvars.ContextVar("frozen_compute", default="bf16")
+# (input, its FP8 rows and scales) quantized within the current "fp8" block, so projections that read one input
+# (gate and up, q/k/v) quantize it once
+_fp8_inputs: contextvars.ContextVar[list | None] = contextvars.ContextVar("fp8_inputs", default=None)
 
 
 @contextlib.contextmanager
@@ -317,10 +320,13 @@ def frozen_compute(mode: str):
     if mode not in COMPUTE_MODES:
         raise ValueError(f"unknown compute mode {mode!r}; use one of {', '.join(COMPUTE_MODES)}")
     token = _frozen_compute.set(mode)
+    inputs = _fp8_inputs.set([]) if mode == "fp8" else None
     try:
         yield
     finally:
         _frozen_compute.reset(token)
+        if inputs is not None:
+            _fp8_inputs.reset(inputs)
 
 
 def frozen_compute_mode() -> str:
@@ -374,19 +380,34 @@ def _fp8_quantize_rows(a, col_scale, fmt: str, impl: str, interpret: bool):
     return _per_batch_shard_with(quantize, (a,), cols)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _fp8_nf4_matmul(x, weight, impl: str, interpret: bool):
-    xq, x_scale = _fp8_quantize_rows(x, None, "e4m3", impl, interpret)
+def _fp8_input(x: jax.Array, impl: str, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """x's e4m3 rows and scales, quantized once per traced array in the current "fp8" block: XLA does not
+    merge two quantizer kernels of one input inside the layer scan."""
+    seen = _fp8_inputs.get()
+    for a, quantized in seen or ():
+        if a is x:
+            return quantized
+    quantized = _fp8_quantize_rows(jax.lax.stop_gradient(x), None, "e4m3", impl, interpret)
+    if seen is not None:
+        seen.append((x, quantized))
+    return quantized
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fp8_nf4_matmul(x, xq, x_scale, weight, impl: str, interpret: bool):
+    """y = x @ dequant(W)ᵀ from x's FP8 rows (xq, x_scale: `_fp8_input(x)`); x is there for its gradient."""
     wq, w_scale = _fp8_weight(weight, impl != "xla", interpret)
     return _fp8_gemm(xq, x_scale, wq, w_scale, x.dtype, impl, interpret)
 
 
-def _fp8_nf4_matmul_fwd(x, weight, impl, interpret):
+def _fp8_nf4_matmul_fwd(x, xq, x_scale, weight, impl, interpret):
     # like the bf16 path: only the 4-bit arrays are kept; the FP8 weight is re-derived in the backward pass
-    return _fp8_nf4_matmul(x, weight, impl, interpret), weight
+    return _fp8_nf4_matmul(x, xq, x_scale, weight, impl, interpret), weight
 
 
 def _fp8_nf4_matmul_bwd(impl, interpret, weight, dy):
+    from pallas_kernels.fp8_quantize import E4M3
+
     wtq, w_scale = _fp8_weight(weight, impl != "xla", interpret, transpose=True)
     # dx = dy @ W = (dy * w_scale) @ wq: the weight's row scales fold into the output gradient before it is
     # quantized per row, so the backward GEMM reads the forward's e4m3 values (transposed: K-major)
@@ -394,7 +415,10 @@ def _fp8_nf4_matmul_bwd(impl, interpret, weight, dy):
     gq, g_scale = _fp8_quantize_rows(dy, w_scale.astype(jnp.bfloat16), FP8_GRAD_FORMAT, impl, interpret)
     ones = jnp.ones((wtq.shape[0],), jnp.float32)
     dx = _fp8_gemm(gq, g_scale, wtq, ones, dy.dtype, impl, interpret)
-    return dx, jax.tree.map(_zero_cotangent, weight)
+    # xq and its scales come from x through stop_gradient: their cotangents are dropped
+    rows = dy.shape[:-1]
+    return (dx, jnp.zeros((*rows, dx.shape[-1]), E4M3), jnp.zeros((*rows, 1), jnp.float32),
+            jax.tree.map(_zero_cotangent, weight))
 
 
 _fp8_nf4_matmul.defvjp(_fp8_nf4_matmul_fwd, _fp8_nf4_matmul_bwd)
@@ -411,7 +435,8 @@ def nf4_linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array
     """
     impl = dispatch.nf4_impl(_rows(x))
     if _frozen_compute.get() == "fp8" and _kernel_shaped(weight):
-        y = _fp8_nf4_matmul(x, weight, dispatch.fp8_impl(), dispatch.interpret())
+        impl, interpret = dispatch.fp8_impl(), dispatch.interpret()
+        y = _fp8_nf4_matmul(x, *_fp8_input(x, impl, interpret), weight, impl, interpret)
     elif impl != "xla" and _kernel_shaped(weight):
         y = _nf4_kernel_matmul(x, weight, impl, dispatch.interpret())
     else:

@@ -96,12 +96,18 @@ def _planes(codes: jax.Array, scale: jax.Array, dtype, lut_ref) -> tuple[jax.Arr
     return (hi * scale).astype(dtype), (lo * scale).astype(dtype)
 
 
-def _tile_scale(absmax_ref, layer_ref, byte0, rows: pl.Slice | slice, block_bytes: int,
-                stacked_scales: bool) -> jax.Array:
+def _tile_scale(absmax_ref, layer_ref, byte0, rows: pl.Slice | slice, block_bytes: int, stacked_scales: bool,
+                row_ref=None) -> jax.Array:
     """Per-(row, byte) float32 scale of the code tile starting at byte `byte0` (absmax_ref is [K/64, N], or with
-    `stacked_scales` [layers, K/64, N] read at layer_ref[0])."""
+    `stacked_scales` [layers, K/64, N] read at layer_ref[0]); with row_ref ([N] or [layers, N]) each row's scales
+    divided by its entry (before the broadcast over the tile's bytes: one division per row and block)."""
+    divisor = None
+    if row_ref is not None:
+        divisor = row_ref[rows] if len(row_ref.shape) == 1 else row_ref[layer_ref[0], rows]
+
     def scales(block):
-        return absmax_ref[block, rows] if not stacked_scales else absmax_ref[layer_ref[0], block, rows]
+        s = absmax_ref[block, rows] if not stacked_scales else absmax_ref[layer_ref[0], block, rows]
+        return s if divisor is None else s / divisor
 
     first = scales(byte0 // _BYTES_PER_BLOCK)
     if block_bytes == _BYTES_PER_BLOCK:
@@ -182,9 +188,7 @@ def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, trans
     layer_ref, row_ref, lut_ref, w_ref = _optional_refs(refs, stacked, 1, row_scaled)
     j = pl.program_id(1)
     codes = _codes_tile(codes_ref, layer_ref, (slice(None), slice(None)))
-    scale = _tile_scale(absmax_ref, layer_ref, j * block_bytes, slice(None), block_bytes, stacked_scales)
-    if row_ref is not None:
-        scale = scale / (row_ref[...] if len(row_ref.shape) == 1 else row_ref[layer_ref[0], :])[:, None]
+    scale = _tile_scale(absmax_ref, layer_ref, j * block_bytes, slice(None), block_bytes, stacked_scales, row_ref)
     w_hi, w_lo = _planes(codes, scale, w_ref.dtype, lut_ref)
     if transpose:  # each plane's transpose to the even / odd rows: no interleave before the transpose (e4m3
         # alone 1.1-1.5x faster, in the training step the same: benchmarks/results/2026-11-23-stacked-codes-h200.md)
