@@ -61,6 +61,7 @@ def _generate_ids(
     graphdef, state, ids, pad, key, *, max_new_tokens, cache_len, temperature, top_p, eos_ids
 ) -> jax.Array:
     model = nnx.merge(graphdef, state)
+    model.prepare_for_kernels()  # the kernels' scales once, not once per token
     batch, prompt_len = ids.shape
     idx = jnp.arange(prompt_len, dtype=jnp.int32)[None]
     seg = (idx >= pad[:, None]).astype(jnp.int32)  # left padding is segment 0: never attended by real tokens

@@ -279,8 +279,11 @@ class CausalLM(nnx.Module):
     def _decode(self, input_ids, positions, segment_ids, cache, cache_args, dropout_rng=None):
         cos, sin = rope_tables(self.config, positions)
         h = self.embed_tokens(input_ids).astype(self.dtype)
-        graphdef, layer_state = nnx.split(self.layers)
         cache_seg, cache_index = cache_args if cache_args is not None else (None, None)
+        offloading = self.remat_policy == "offload" and cache is None
+        group, on_device = (self.offload_group, self.offload_device_layers) if offloading else (1, 0)
+        layers = self.layers if group > 1 or on_device else self._kernel_ready_layers()
+        graphdef, layer_state = nnx.split(layers)
 
         layer_rngs = None if dropout_rng is None else jax.random.split(dropout_rng, self.config.num_layers)
         # long-context mode: with layer inputs offloaded, the MLP's [tokens, intermediate] tensors are the peak
@@ -292,14 +295,13 @@ class CausalLM(nnx.Module):
             h = checkpoint_name(h, "layer_input")  # what the "offload" policy moves to host memory
             return layer(h, cos, sin, segment_ids, layer_cache, cache_seg, cache_index, rng, mlp_token_tile)
 
-        offloading = self.remat_policy == "offload" and cache is None
-        group, on_device = (self.offload_group, self.offload_device_layers) if offloading else (1, 0)
         if group > 1 or on_device:
             return self.norm(self._split_offload_scan(body, h, layer_state, layer_rngs, group, on_device)), None
-        # the NF4 codes stay whole (a constant of the scan) and each layer reads its own in place: the kernels
-        # that dequantize them would otherwise get a copy of every layer's codes (a custom call's operand is a
-        # buffer of its own, never a slice of one)
-        _, codes_state, sliced_state = nnx.split(self.layers, nnx.PathContains("codes"), ...)
+        # the NF4 codes (and their prepared kernel scales) stay whole (constants of the scan) and each layer reads
+        # its own in place: the kernels that dequantize them would otherwise get a copy of every layer's codes (a
+        # custom call's operand is a buffer of its own, never a slice of one)
+        whole = nnx.Any(*(nnx.PathContains(name) for name in WHOLE_IN_LAYER_SCAN))
+        _, codes_state, sliced_state = nnx.split(layers, whole, ...)
 
         def stacked_body(h, xs):
             sliced, layer_cache, rng, index = xs
@@ -311,6 +313,26 @@ class CausalLM(nnx.Module):
         layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
         h, new_cache = jax.lax.scan(stacked_body, h, (sliced_state, cache, layer_rngs, layers))
         return self.norm(h), new_cache
+
+    def _kernel_ready_layers(self) -> nnx.Module:
+        """The decoder layers with every NF4 projection's kernel scales prepared for all layers at once (a copy
+        local to this trace) when Pallas kernels run; else the layers as they are."""
+        if not ops.kernels_read_prepared_scales():
+            return self.layers
+        projections = [m for _, m in nnx.iter_modules(self.layers) if hasattr(m, "prepare_kernel_scales")]
+        if all(m.kernel_absmax is not None for m in projections):
+            return self.layers
+        layers = nnx.clone(self.layers)
+        fp8 = ops.frozen_compute_mode() == "fp8"
+        for _, module in nnx.iter_modules(layers):
+            if hasattr(module, "prepare_kernel_scales"):
+                module.prepare_kernel_scales(fp8)
+        return layers
+
+    def prepare_for_kernels(self) -> None:
+        """Prepares the kernel scales once for many calls (token by token decoding). Only on a model local to a
+        traced function: the scales are arrays of that trace."""
+        self.layers = self._kernel_ready_layers()
 
     def _split_offload_scan(self, layer_body, h, layer_state, layer_rngs, group: int, on_device: int) -> jax.Array:
         """Long-context layout: the inputs of the first layers go to host memory, one per `group` layers (the
@@ -348,6 +370,9 @@ class CausalLM(nnx.Module):
 
 
 OFFLOAD_MLP_TOKEN_TILE = 16384
+
+# variables the layer scan keeps whole (read at the layer's index in place) instead of slicing per layer
+WHOLE_IN_LAYER_SCAN = ("codes", "kernel_absmax", "fp8_scale")
 
 # What the "selective" policy keeps per layer: every projection output but down_proj's (whose only user is the
 # residual add), the attention output and its logsumexp, LoRA's rank-r hidden. The backward pass then

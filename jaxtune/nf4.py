@@ -68,6 +68,11 @@ class NF4Weight:
     # set inside the layer scan: `codes` is then the whole stack [layers, out, in // 2] (read in place by the
     # dequant kernel, never sliced into a copy) and this weight is its layer `layer`
     layer: jax.Array | None = None
+    # prepared for the Pallas kernels once per call, outside the layer scan (`ops.prepare_kernel_scales`), and
+    # stacked like the codes: the block scales in the kernels' layout [layers, K/64, N] and, for FP8, each row's
+    # power-of-two scale [layers, N]
+    kernel_absmax: jax.Array | None = None
+    fp8_scale: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -192,31 +192,69 @@ def _kernel_shaped(weight) -> bool:
 
 
 def _kernel_absmax(weight) -> jax.Array:
-    """The float32 scale of every 64-value block, [out, in / 64] (double quantization undone)."""
+    """The float32 scale of every 64-value block of this weight, [out, in / 64] (double quantization undone)."""
     from jaxtune.nf4 import dequantize_absmax
 
     n, k = weight.shape
     return dequantize_absmax(weight).reshape(n, k // 64)
 
 
-def _with_codes(weight, kernel, *args: jax.Array, absmax: jax.Array | None = None) -> jax.Array:
-    """kernel(*args, codes, absmax[, layer=]) for a Pallas kernel: a layer of a stack is read in place from the
-    stack (a slice handed to a custom call would be a copy of the layer's codes); on a mesh the weight's own
-    codes are gathered whole on every device first."""
-    absmax = _kernel_absmax(weight) if absmax is None else absmax
+def _fp8_row_scale(weight, absmax: jax.Array | None = None) -> jax.Array:
+    """The power-of-two scale [out] that brings each row's largest |w| (its largest block absmax) to e4m3's range."""
+    from pallas_kernels.fp8_quantize import E4M3, pow2_scale
+
+    if weight.fp8_scale is not None:
+        return weight.fp8_scale if weight.layer is None else jax.lax.dynamic_index_in_dim(
+            weight.fp8_scale, weight.layer, keepdims=False)
+    return pow2_scale(jnp.max(_kernel_absmax(weight) if absmax is None else absmax, axis=1), E4M3)
+
+
+def prepare_kernel_scales(weight, fp8: bool) -> tuple[jax.Array, jax.Array | None]:
+    """What the Pallas kernels read of a stack of NF4 weights, for all layers at once: the block scales
+    [..., in / 64, out] (the kernels' layout) and, for FP8, each row's power-of-two scale [..., out]. Inside the
+    layer scan each is a small fusion (and a row reduction) per projection, layer and pass, ~900 per 8B step."""
+    from jaxtune.nf4 import dequantize_absmax
+    from pallas_kernels.fp8_quantize import E4M3, pow2_scale
+
+    n, k = weight.shape
+    codes = jnp.asarray(weight.codes)
+    absmax = dequantize_absmax(weight).reshape(*codes.shape[:-2], n, k // 64)
+    return jnp.swapaxes(absmax, -1, -2), (pow2_scale(jnp.max(absmax, axis=-1), E4M3) if fp8 else None)
+
+
+def kernels_read_prepared_scales() -> bool:
+    """Whether NF4 projections traced now run Pallas kernels that read a stack in place (no mesh): the calls for
+    which `prepare_kernel_scales` pays."""
+    return current_mesh() is None and dispatch.nf4_impl(1) != "xla"
+
+
+def _with_codes(weight, kernel, *args: jax.Array, fp8_rows: bool = False) -> jax.Array:
+    """kernel(*args, codes, absmax[, layer=][, row_scale=]) for a Pallas kernel: a layer of a stack is read in
+    place from the stack, with its prepared scales when the weight carries them (a slice handed to a custom
+    call would be a copy of the layer's codes); on a mesh the weight's own codes are gathered whole on every
+    device first. `fp8_rows`: the kernel also takes FP8's row scales."""
     if weight.layer is not None and current_mesh() is None:
-        return kernel(*args, jnp.asarray(weight.codes), absmax, layer=weight.layer)
-    return _replicated(kernel, *args, weight.own_codes(), absmax)
+        prepared = weight.kernel_absmax is not None
+        absmax = weight.kernel_absmax if prepared else _kernel_absmax(weight)
+        rows = {}
+        if fp8_rows:
+            rows["row_scale"] = weight.fp8_scale if prepared and weight.fp8_scale is not None else _fp8_row_scale(weight)
+        return kernel(*args, jnp.asarray(weight.codes), absmax, layer=weight.layer, **rows)
+    absmax = _kernel_absmax(weight)
+    if not fp8_rows:
+        return _replicated(kernel, *args, weight.own_codes(), absmax)
+    own = lambda *a: kernel(*a[:-1], row_scale=a[-1])  # noqa: E731
+    return _replicated(own, *args, weight.own_codes(), absmax, _fp8_row_scale(weight, absmax))
 
 
-def _dequantized(weight, dtype, interpret: bool, transpose: bool = False, absmax: jax.Array | None = None):
-    """W (or Wᵀ) in dtype by the Pallas dequant kernel (`absmax`: scales other than the weight's own)."""
+def _dequantized(weight, dtype, interpret: bool, transpose: bool = False, fp8_rows: bool = False):
+    """W (or Wᵀ) in dtype by the Pallas dequant kernel (`fp8_rows`: each row divided by its FP8 scale)."""
     from pallas_kernels.nf4_matmul import nf4_dequantize
 
-    def dequant(codes, absmax, **layer):
-        return nf4_dequantize(codes, absmax, dtype, transpose=transpose, interpret=interpret, **layer)
+    def dequant(codes, absmax, **kw):
+        return nf4_dequantize(codes, absmax, dtype, transpose=transpose, interpret=interpret, **kw)
 
-    return _with_codes(weight, dequant, absmax=absmax)
+    return _with_codes(weight, dequant, fp8_rows=fp8_rows)
 
 
 def _rows(a: jax.Array) -> int:
@@ -271,6 +309,9 @@ def stacked_layer_index() -> jax.Array | None:
 
 COMPUTE_MODES = ("bf16", "fp8")
 _frozen_compute: contextvars.ContextVar[str] = contextvars.ContextVar("frozen_compute", default="bf16")
+# (input, its FP8 rows and scales) quantized within the current "fp8" block, so projections that read one input
+# (gate and up, q/k/v) quantize it once
+_fp8_inputs: contextvars.ContextVar[list | None] = contextvars.ContextVar("fp8_inputs", default=None)
 
 
 @contextlib.contextmanager
@@ -279,10 +320,17 @@ def frozen_compute(mode: str):
     if mode not in COMPUTE_MODES:
         raise ValueError(f"unknown compute mode {mode!r}; use one of {', '.join(COMPUTE_MODES)}")
     token = _frozen_compute.set(mode)
+    inputs = _fp8_inputs.set([]) if mode == "fp8" else None
     try:
         yield
     finally:
         _frozen_compute.reset(token)
+        if inputs is not None:
+            _fp8_inputs.reset(inputs)
+
+
+def frozen_compute_mode() -> str:
+    return _frozen_compute.get()
 
 
 # output gradients in FP8: e4m3 (3 mantissa bits) measured more accurate than e5m2 (benchmarks/fp8_matmul.py);
@@ -296,12 +344,11 @@ def _fp8_weight(weight, kernel: bool, interpret: bool, transpose: bool = False) 
     float32 value NF4[code] * absmax; on GPU by the Pallas NF4 dequant kernel writing e4m3 directly.
     `transpose`: wq as [in, out] (K-major for the input gradient's GEMM), written so by the kernel."""
     from jaxtune.nf4 import dequantize
-    from pallas_kernels.fp8_quantize import E4M3, pow2_scale
+    from pallas_kernels.fp8_quantize import E4M3
 
-    absmax = _kernel_absmax(weight)
-    scale = pow2_scale(jnp.max(absmax, axis=1), E4M3)
+    scale = _fp8_row_scale(weight)
     if kernel:
-        return _dequantized(weight, E4M3, interpret, transpose=transpose, absmax=absmax / scale[:, None]), scale
+        return _dequantized(weight, E4M3, interpret, transpose=transpose, fp8_rows=True), scale
     wq = (dequantize(weight, jnp.float32) / scale[:, None]).astype(E4M3)
     return (wq.T if transpose else wq), scale
 
@@ -333,19 +380,34 @@ def _fp8_quantize_rows(a, col_scale, fmt: str, impl: str, interpret: bool):
     return _per_batch_shard_with(quantize, (a,), cols)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _fp8_nf4_matmul(x, weight, impl: str, interpret: bool):
-    xq, x_scale = _fp8_quantize_rows(x, None, "e4m3", impl, interpret)
+def _fp8_input(x: jax.Array, impl: str, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """x's e4m3 rows and scales, quantized once per traced array in the current "fp8" block: XLA does not
+    merge two quantizer kernels of one input inside the layer scan."""
+    seen = _fp8_inputs.get()
+    for a, quantized in seen or ():
+        if a is x:
+            return quantized
+    quantized = _fp8_quantize_rows(jax.lax.stop_gradient(x), None, "e4m3", impl, interpret)
+    if seen is not None:
+        seen.append((x, quantized))
+    return quantized
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fp8_nf4_matmul(x, xq, x_scale, weight, impl: str, interpret: bool):
+    """y = x @ dequant(W)ᵀ from x's FP8 rows (xq, x_scale: `_fp8_input(x)`); x is there for its gradient."""
     wq, w_scale = _fp8_weight(weight, impl != "xla", interpret)
     return _fp8_gemm(xq, x_scale, wq, w_scale, x.dtype, impl, interpret)
 
 
-def _fp8_nf4_matmul_fwd(x, weight, impl, interpret):
+def _fp8_nf4_matmul_fwd(x, xq, x_scale, weight, impl, interpret):
     # like the bf16 path: only the 4-bit arrays are kept; the FP8 weight is re-derived in the backward pass
-    return _fp8_nf4_matmul(x, weight, impl, interpret), weight
+    return _fp8_nf4_matmul(x, xq, x_scale, weight, impl, interpret), weight
 
 
 def _fp8_nf4_matmul_bwd(impl, interpret, weight, dy):
+    from pallas_kernels.fp8_quantize import E4M3
+
     wtq, w_scale = _fp8_weight(weight, impl != "xla", interpret, transpose=True)
     # dx = dy @ W = (dy * w_scale) @ wq: the weight's row scales fold into the output gradient before it is
     # quantized per row, so the backward GEMM reads the forward's e4m3 values (transposed: K-major)
@@ -353,7 +415,10 @@ def _fp8_nf4_matmul_bwd(impl, interpret, weight, dy):
     gq, g_scale = _fp8_quantize_rows(dy, w_scale.astype(jnp.bfloat16), FP8_GRAD_FORMAT, impl, interpret)
     ones = jnp.ones((wtq.shape[0],), jnp.float32)
     dx = _fp8_gemm(gq, g_scale, wtq, ones, dy.dtype, impl, interpret)
-    return dx, jax.tree.map(_zero_cotangent, weight)
+    # xq and its scales come from x through stop_gradient: their cotangents are dropped
+    rows = dy.shape[:-1]
+    return (dx, jnp.zeros((*rows, dx.shape[-1]), E4M3), jnp.zeros((*rows, 1), jnp.float32),
+            jax.tree.map(_zero_cotangent, weight))
 
 
 _fp8_nf4_matmul.defvjp(_fp8_nf4_matmul_fwd, _fp8_nf4_matmul_bwd)
@@ -370,7 +435,8 @@ def nf4_linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array
     """
     impl = dispatch.nf4_impl(_rows(x))
     if _frozen_compute.get() == "fp8" and _kernel_shaped(weight):
-        y = _fp8_nf4_matmul(x, weight, dispatch.fp8_impl(), dispatch.interpret())
+        impl, interpret = dispatch.fp8_impl(), dispatch.interpret()
+        y = _fp8_nf4_matmul(x, *_fp8_input(x, impl, interpret), weight, impl, interpret)
     elif impl != "xla" and _kernel_shaped(weight):
         y = _nf4_kernel_matmul(x, weight, impl, dispatch.interpret())
     else:

@@ -26,6 +26,10 @@ class QuantizedWeight(nnx.Variable):
     """A frozen array of a 4-bit weight (codes or scales): never trained, never differentiated."""
 
 
+class KernelScales(nnx.Variable):
+    """Scales derived from a frozen 4-bit weight for the kernels, within one traced call (never saved)."""
+
+
 class NF4Linear(nnx.Module):
     """Frozen 4-bit projection y = x @ dequant(W).T (+ bias); arrays may carry a leading layer axis."""
 
@@ -36,18 +40,30 @@ class NF4Linear(nnx.Module):
         self.offset = QuantizedWeight(q.offset)
         self.nested_map = QuantizedWeight(q.nested_map)
         self.bias = None if bias is None else nnx.Param(bias)
+        self.kernel_absmax: KernelScales | None = nnx.data(None)
+        self.fp8_scale: KernelScales | None = nnx.data(None)
+
+    def prepare_kernel_scales(self, fp8: bool) -> None:
+        """Computes the kernels' scales of every layer at once (`ops.prepare_kernel_scales`); call it on a copy
+        of the model made inside the traced function, never on the caller's model."""
+        absmax, row_scale = ops.prepare_kernel_scales(self._arrays(), fp8)
+        self.kernel_absmax = KernelScales(absmax)
+        self.fp8_scale = None if row_scale is None else KernelScales(row_scale)
+
+    def _arrays(self, layer: jax.Array | None = None) -> nf4.NF4Weight:
+        prepared = lambda v: None if v is None else v[...]  # noqa: E731
+        return nf4.NF4Weight(self.codes[...], self.absmax_codes[...], self.nested_absmax[...], self.offset[...],
+                             self.nested_map[...], layer, prepared(self.kernel_absmax), prepared(self.fp8_scale))
 
     @property
     def weight_nf4(self) -> nf4.NF4Weight:
-        codes, absmax_codes = self.codes[...], self.absmax_codes[...]
-        # inside the layer scan the codes stay the whole stack (the scan slices every other array): this layer's
-        # index then comes from the scan body (`ops.stacked_layer`)
-        stacked = codes.ndim == absmax_codes.ndim + 2
+        # inside the layer scan the codes (and the prepared kernel scales) stay the whole stack (the scan slices
+        # every other array): this layer's index then comes from the scan body (`ops.stacked_layer`)
+        stacked = self.codes[...].ndim == self.absmax_codes[...].ndim + 2
         layer = ops.stacked_layer_index() if stacked else None
         if stacked and layer is None:
             raise ValueError("NF4 codes stacked over layers need the layer index (ops.stacked_layer)")
-        return nf4.NF4Weight(codes, absmax_codes, self.nested_absmax[...], self.offset[...], self.nested_map[...],
-                             layer)
+        return self._arrays(layer)
 
     def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
         return ops.nf4_linear(x, self.weight_nf4, None if self.bias is None else self.bias[...])

@@ -11,7 +11,8 @@ bitsandbytes' arithmetic, bit for bit) happens in registers per tile; no bf16 co
 Small M splits the reduction across programs to fill the GPU.
 
 `absmax` here is the per-block float32 scale [N, K/64] (double quantization already undone: a vector
-1/16 the size of W's codes). Also here: a dequant-only kernel (NF4 -> bf16 W in memory order, written
+1/16 the size of W's codes); with a layer index it may also be a stack prepared in the kernels' own layout
+[layers, K/64, N] (`ops.prepare_kernel_scales`: done once for every layer outside the layer scan). Also here: a dequant-only kernel (NF4 -> bf16 W in memory order, written
 with strided stores) for "dequantize, then cuBLAS", and the pure-jnp reference.
 """
 
@@ -95,12 +96,23 @@ def _planes(codes: jax.Array, scale: jax.Array, dtype, lut_ref) -> tuple[jax.Arr
     return (hi * scale).astype(dtype), (lo * scale).astype(dtype)
 
 
-def _tile_scale(absmax_ref, byte0, rows: pl.Slice | slice, block_bytes: int) -> jax.Array:
-    """Per-(row, byte) float32 scale of the code tile starting at byte `byte0` (absmax_ref is [K/64, N])."""
-    first = absmax_ref[byte0 // _BYTES_PER_BLOCK, rows]
+def _tile_scale(absmax_ref, layer_ref, byte0, rows: pl.Slice | slice, block_bytes: int, stacked_scales: bool,
+                row_ref=None) -> jax.Array:
+    """Per-(row, byte) float32 scale of the code tile starting at byte `byte0` (absmax_ref is [K/64, N], or with
+    `stacked_scales` [layers, K/64, N] read at layer_ref[0]); with row_ref ([N] or [layers, N]) each row's scales
+    divided by its entry (before the broadcast over the tile's bytes: one division per row and block)."""
+    divisor = None
+    if row_ref is not None:
+        divisor = row_ref[rows] if len(row_ref.shape) == 1 else row_ref[layer_ref[0], rows]
+
+    def scales(block):
+        s = absmax_ref[block, rows] if not stacked_scales else absmax_ref[layer_ref[0], block, rows]
+        return s if divisor is None else s / divisor
+
+    first = scales(byte0 // _BYTES_PER_BLOCK)
     if block_bytes == _BYTES_PER_BLOCK:
         return first[:, None]
-    second = absmax_ref[byte0 // _BYTES_PER_BLOCK + 1, rows]
+    second = scales(byte0 // _BYTES_PER_BLOCK + 1)
     col = jnp.arange(block_bytes)[None, :]
     return jnp.where(col < _BYTES_PER_BLOCK, first[:, None], second[:, None])
 
@@ -108,11 +120,12 @@ def _tile_scale(absmax_ref, byte0, rows: pl.Slice | slice, block_bytes: int) -> 
 # ---------------------------------------------------------------------------------------------- kernels
 
 
-def _optional_refs(refs: tuple, stacked: bool, outputs: int) -> tuple:
-    """(layer_ref, lut_ref, *output refs) from what follows codes and absmax: the layer when `stacked`, the NF4
-    table when the call passed one (None for either when absent)."""
+def _optional_refs(refs: tuple, stacked: bool, outputs: int, row_scaled: bool = False) -> tuple:
+    """(layer_ref, row_scale_ref, lut_ref, *output refs) from what follows codes and absmax: the layer when
+    `stacked`, the row scales when `row_scaled`, the NF4 table when the call passed one (None when absent)."""
     layer_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
-    return (layer_ref, *refs) if len(refs) > outputs else (layer_ref, None, *refs)
+    row_ref, refs = (refs[0], refs[1:]) if row_scaled else (None, refs)
+    return (layer_ref, row_ref, *refs) if len(refs) > outputs else (layer_ref, row_ref, None, *refs)
 
 
 def _codes_tile(codes_ref, layer_ref, index: tuple) -> jax.Array:
@@ -120,9 +133,9 @@ def _codes_tile(codes_ref, layer_ref, index: tuple) -> jax.Array:
     return codes_ref[index] if layer_ref is None else codes_ref[(layer_ref[0], *index)]
 
 
-def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps, stacked):
+def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps, stacked, stacked_scales):
     """y tile [bm, bn] (+= over this program's share of K) = x_even @ W_hiᵀ + x_odd @ W_loᵀ."""
-    layer_ref, lut_ref, y_ref = _optional_refs(refs, stacked, 1)
+    layer_ref, _, lut_ref, y_ref = _optional_refs(refs, stacked, 1)
     s = pl.program_id(2)
     bm, bn = y_ref.shape
     rows = slice(None)
@@ -130,7 +143,8 @@ def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps
     def body(t, acc):
         byte0 = (s * steps + t) * block_bytes
         codes = _codes_tile(codes_ref, layer_ref, (slice(None), pl.ds(byte0, block_bytes)))
-        w_hi, w_lo = _planes(codes, _tile_scale(absmax_ref, byte0, rows, block_bytes), x_ref.dtype, lut_ref)
+        scale = _tile_scale(absmax_ref, layer_ref, byte0, rows, block_bytes, stacked_scales)
+        w_hi, w_lo = _planes(codes, scale, x_ref.dtype, lut_ref)
         x_even = x_ref[:, pl.ds(byte0, block_bytes)]
         x_odd = x_ref[:, pl.ds(half + byte0, block_bytes)]
         acc = acc + pltriton.dot(x_even, w_hi, trans_b=True)
@@ -140,9 +154,9 @@ def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps
     y_ref[...] = acc.astype(y_ref.dtype)
 
 
-def _matmul_t_kernel(dy_ref, codes_ref, absmax_ref, *refs, block_n, block_bytes, steps, stacked):
+def _matmul_t_kernel(dy_ref, codes_ref, absmax_ref, *refs, block_n, block_bytes, steps, stacked, stacked_scales):
     """dx tiles [bm, block_bytes] of the even and odd columns: dy @ W_hi and dy @ W_lo over N."""
-    layer_ref, lut_ref, dx_even_ref, dx_odd_ref = _optional_refs(refs, stacked, 2)
+    layer_ref, _, lut_ref, dx_even_ref, dx_odd_ref = _optional_refs(refs, stacked, 2)
     j = pl.program_id(1)
     s = pl.program_id(2)
     bm = dy_ref.shape[0]
@@ -153,7 +167,8 @@ def _matmul_t_kernel(dy_ref, codes_ref, absmax_ref, *refs, block_n, block_bytes,
         n0 = (s * steps + t) * block_n
         rows = pl.ds(n0, block_n)
         codes = _codes_tile(codes_ref, layer_ref, (rows, slice(None)))
-        w_hi, w_lo = _planes(codes, _tile_scale(absmax_ref, byte0, rows, block_bytes), dy_ref.dtype, lut_ref)
+        scale = _tile_scale(absmax_ref, layer_ref, byte0, rows, block_bytes, stacked_scales)
+        w_hi, w_lo = _planes(codes, scale, dy_ref.dtype, lut_ref)
         dy = dy_ref[:, rows]
         return acc_even + pltriton.dot(dy, w_hi), acc_odd + pltriton.dot(dy, w_lo)
 
@@ -163,16 +178,18 @@ def _matmul_t_kernel(dy_ref, codes_ref, absmax_ref, *refs, block_n, block_bytes,
     dx_odd_ref[...] = acc_odd.astype(dx_odd_ref.dtype)
 
 
-def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, transpose, stacked):
+def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, transpose, stacked, stacked_scales,
+                    row_scaled):
     """W tile [bn, 2 * block_bytes] in memory order: the planes go to even/odd columns, either interleaved in
     registers and stored contiguously (`interleave`), or by two strided stores; `transpose`: the Wᵀ tile, whose
     even / odd rows are the planes.
-    `stacked`: codes_ref spans every layer of a stack and the first of `refs` holds the layer to read."""
-    layer_ref, lut_ref, w_ref = _optional_refs(refs, stacked, 1)
+    `stacked`: codes_ref spans every layer of a stack and the first of `refs` holds the layer to read;
+    `row_scaled`: each row's block scales are divided by that row's entry of the next ref (FP8's power of two)."""
+    layer_ref, row_ref, lut_ref, w_ref = _optional_refs(refs, stacked, 1, row_scaled)
     j = pl.program_id(1)
     codes = _codes_tile(codes_ref, layer_ref, (slice(None), slice(None)))
-    w_hi, w_lo = _planes(codes, _tile_scale(absmax_ref, j * block_bytes, slice(None), block_bytes),
-                         w_ref.dtype, lut_ref)
+    scale = _tile_scale(absmax_ref, layer_ref, j * block_bytes, slice(None), block_bytes, stacked_scales, row_ref)
+    w_hi, w_lo = _planes(codes, scale, w_ref.dtype, lut_ref)
     if transpose:  # each plane's transpose to the even / odd rows: no interleave before the transpose (e4m3
         # alone 1.1-1.5x faster, in the training step the same: benchmarks/results/2026-11-23-stacked-codes-h200.md)
         w_ref[pl.ds(0, block_bytes, stride=2), :] = w_hi.T
@@ -195,8 +212,13 @@ def _check(codes: jax.Array, absmax: jax.Array, k: int | None = None,
     n, half = codes.shape[-2:]
     if n % BLOCK or (2 * half) % BLOCK:
         raise ValueError(f"nf4 kernels need N and K multiples of {BLOCK}; got N={n}, K={2 * half}")
-    if absmax.shape != (n, 2 * half // BLOCK):
-        raise ValueError(f"absmax must be float32 [N, K/{BLOCK}] = {(n, 2 * half // BLOCK)}, got {absmax.shape}")
+    blocks = 2 * half // BLOCK
+    if absmax.ndim == 3 and layer is not None:
+        if absmax.shape != (codes.shape[0], blocks, n):
+            raise ValueError(f"stacked absmax must be float32 [layers, K/{BLOCK}, N] = "
+                             f"{(codes.shape[0], blocks, n)}, got {absmax.shape}")
+    elif absmax.shape != (n, blocks):
+        raise ValueError(f"absmax must be float32 [N, K/{BLOCK}] = {(n, blocks)}, got {absmax.shape}")
     if k is not None and k != 2 * half:
         raise ValueError(f"x has K={k} but the NF4 weight has K={2 * half}")
     return n, 2 * half
@@ -227,6 +249,14 @@ def _codes_args(codes: jax.Array, layer: jax.Array | None, block: tuple[int, int
         return pl.BlockSpec(block, index_map), [], []
     return (pl.BlockSpec((codes.shape[0], *block), lambda *g: (0, *index_map(*g))),
             [pl.BlockSpec((1,), lambda *g: (0,))], [jnp.asarray(layer, jnp.int32).reshape(1)])
+
+
+def _scales_args(absmax: jax.Array, block: tuple[int, int], index_map):
+    """(BlockSpec, arg) of the block scales: a weight's own absmax [N, K/64] goes in transposed ([K/64, N]: the
+    scales of one step of K lie contiguous), a prepared stack [layers, K/64, N] as it is, read at the layer."""
+    if absmax.ndim == 3:
+        return pl.BlockSpec((absmax.shape[0], *block), lambda *g: (0, *index_map(*g))), absmax
+    return pl.BlockSpec(block, index_map), absmax.T
 
 
 def _lut_args(lut: str) -> tuple[list, list]:
@@ -266,13 +296,15 @@ def nf4_matmul_forward(x: jax.Array, codes: jax.Array, absmax: jax.Array, *, til
     out_dtype = x.dtype if split == 1 else jnp.float32
     lut_specs, lut_args = _lut_args(tiles.lut)
     codes_spec, layer_specs, layer_args = _codes_args(codes, layer, (bn, half), lambda i, j, s: (j, 0))
+    scales_spec, scales = _scales_args(absmax, (k // BLOCK, bn), lambda i, j, s: (0, j))
     y = pl.pallas_call(
-        functools.partial(_matmul_kernel, half=half, block_bytes=bb, steps=steps, stacked=layer is not None),
+        functools.partial(_matmul_kernel, half=half, block_bytes=bb, steps=steps, stacked=layer is not None,
+                          stacked_scales=absmax.ndim == 3),
         grid=(mp // bm, n // bn, split),
         in_specs=[
             pl.BlockSpec((bm, k), lambda i, j, s: (i, 0)),
             codes_spec,
-            pl.BlockSpec((k // BLOCK, bn), lambda i, j, s: (0, j)),
+            scales_spec,
             *layer_specs,
             *lut_specs,
         ],
@@ -281,7 +313,7 @@ def nf4_matmul_forward(x: jax.Array, codes: jax.Array, absmax: jax.Array, *, til
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="nf4_matmul",
-    )(xp, codes, absmax.T, *layer_args, *lut_args)
+    )(xp, codes, scales, *layer_args, *lut_args)
     y = y[0] if split == 1 else y.sum(axis=0).astype(x.dtype)
     return y[:m].reshape(*lead, n)
 
@@ -304,13 +336,15 @@ def nf4_matmul_dx(dy: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: 
     out_dtype = dy.dtype if split == 1 else jnp.float32
     lut_specs, lut_args = _lut_args(tiles.lut)
     codes_spec, layer_specs, layer_args = _codes_args(codes, layer, (n, bb), lambda i, j, s: (0, j))
+    scales_spec, scales = _scales_args(absmax, (k // BLOCK, n), lambda i, j, s: (0, 0))
     dx_even, dx_odd = pl.pallas_call(
-        functools.partial(_matmul_t_kernel, block_n=bn, block_bytes=bb, steps=steps, stacked=layer is not None),
+        functools.partial(_matmul_t_kernel, block_n=bn, block_bytes=bb, steps=steps, stacked=layer is not None,
+                          stacked_scales=absmax.ndim == 3),
         grid=(mp // bm, half // bb, split),
         in_specs=[
             pl.BlockSpec((bm, n), lambda i, j, s: (i, 0)),
             codes_spec,
-            pl.BlockSpec((k // BLOCK, n), lambda i, j, s: (0, 0)),
+            scales_spec,
             *layer_specs,
             *lut_specs,
         ],
@@ -319,7 +353,7 @@ def nf4_matmul_dx(dy: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: 
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="nf4_matmul_dx",
-    )(dyp, codes, absmax.T, *layer_args, *lut_args)
+    )(dyp, codes, scales, *layer_args, *lut_args)
     if split > 1:
         dx_even, dx_odd = dx_even.sum(axis=0), dx_odd.sum(axis=0)
     else:
@@ -330,12 +364,15 @@ def nf4_matmul_dx(dy: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: 
 
 def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, block_n: int = 128,
                    block_bytes: int = 64, num_warps: int = 8, lut: str = "gather", interleave: bool = True,
-                   transpose: bool = False, layer: jax.Array | None = None, interpret: bool = False) -> jax.Array:
+                   transpose: bool = False, layer: jax.Array | None = None, row_scale: jax.Array | None = None,
+                   interpret: bool = False) -> jax.Array:
     """W [N, K] (or Wᵀ [K, N] with `transpose`) in dtype from NF4 codes and float32 absmax (for "dequantize,
     then cuBLAS"; float8 dtypes give the FP8 path its operand, Wᵀ the K-major one its input gradient needs).
 
     With `layer` (an int32 scalar), `codes` is a stack [layers, N, K/2] read in place at that layer: inside a
-    layer scan a slice of the stack handed to a custom call is a copy of the whole weight's codes.
+    layer scan a slice of the stack handed to a custom call is a copy of the whole weight's codes (`absmax`
+    then either this layer's [N, K/64] or the prepared stack [layers, K/64, N]). `row_scale` [N] (or [layers, N]
+    with `layer`): W's rows divided by it, as `NF4[code] * (absmax / row_scale)` (FP8's power-of-two scales).
 
     Defaults from benchmarks/results/2026-11-22-dense-step-round2-h200.md: planes interleaved in registers and
     stored contiguously run 1.4-1.5x faster than two strided stores on the 8B shapes."""
@@ -345,14 +382,24 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
     bn, bb = tiles.block_n, tiles.block_bytes
     lut_specs, lut_args = _lut_args(lut)
     codes_spec, layer_specs, layer_args = _codes_args(codes, layer, (bn, bb), lambda i, j: (i, j))
+    scales_spec, scales = _scales_args(absmax, (k // BLOCK, bn), lambda i, j: (0, i))
+    row_specs, row_args = [], []
+    if row_scale is not None:
+        if tuple(row_scale.shape) not in [(n,)] + ([(codes.shape[0], n)] if layer is not None else []):
+            raise ValueError(f"row_scale must be [N] (or [layers, N] with a layer) for N={n}, got {row_scale.shape}")
+        stacked_rows = row_scale.ndim == 2
+        row_specs = [pl.BlockSpec((row_scale.shape[0], bn) if stacked_rows else (bn,),
+                                  (lambda i, j: (0, i)) if stacked_rows else (lambda i, j: (i,)))]
+        row_args = [row_scale.astype(jnp.float32)]
     return pl.pallas_call(
         functools.partial(_dequant_kernel, block_bytes=bb, interleave=interleave, transpose=transpose,
-                          stacked=layer is not None),
+                          stacked=layer is not None, stacked_scales=absmax.ndim == 3, row_scaled=bool(row_args)),
         grid=(n // bn, half // bb),
         in_specs=[
             codes_spec,
-            pl.BlockSpec((k // BLOCK, bn), lambda i, j: (0, i)),
+            scales_spec,
             *layer_specs,
+            *row_specs,
             *lut_specs,
         ],
         out_specs=(pl.BlockSpec((2 * bb, bn), lambda i, j: (j, i)) if transpose
@@ -361,7 +408,7 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="nf4_dequantize",
-    )(codes, absmax.T, *layer_args, *lut_args)
+    )(codes, scales, *layer_args, *row_args, *lut_args)
 
 
 # ------------------------------------------------------------------------------------------ custom VJP

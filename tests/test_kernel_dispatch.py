@@ -187,6 +187,23 @@ def test_layer_scan_reads_nf4_codes_in_place(monkeypatch, compute, impl):
         stacked_twice = [e for e in all_eqns(jaxpr) for v in e.outvars
                          if v.aval.dtype == jnp.uint8 and v.aval.ndim >= 4]
         assert not stacked_twice, (policy, stacked_twice[:1])
+        # the block scales (and FP8's row scales) are prepared for all layers before the scan: the kernels read
+        # a float32 stack [layers, K/64, N], and no layer body dequantizes absmax codes (a gather from the 8-bit
+        # map) or reduces a weight's scales to its rows
+        prepared = {(layers, k // 64, n) for layers, n, k in ((s[0], s[1], 2 * s[2]) for s in stack_shapes)}
+        assert all(any(v.aval.shape in prepared for v in e.invars) for e in nf4_kernels), policy
+        in_scan = [e.primitive.name for e in scan_body_eqns(jaxpr)]
+        assert "gather" not in in_scan and "reduce_max" not in in_scan, policy
+
+
+def scan_body_eqns(jaxpr, inside: bool = False):
+    """The equations inside scan bodies (through other sub-jaxprs, never into a Pallas kernel's own)."""
+    for e in jaxpr.eqns:
+        if inside:
+            yield e
+        if e.primitive.name != "pallas_call":
+            for inner in sub_jaxprs(e):
+                yield from scan_body_eqns(inner, inside or e.primitive.name == "scan")
 
 
 @pytest.mark.parametrize("policy", ["selective", "full"])

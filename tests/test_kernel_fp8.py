@@ -4,6 +4,7 @@ in every dispatch mode, and training with `compute="fp8"`."""
 
 from __future__ import annotations
 
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -327,3 +328,33 @@ def test_projections_sharing_an_input_quantize_it_once():
     text = jax.jit(jax.value_and_grad(loss)).lower(x).compile().as_text()
     calls = [line for line in text.splitlines() if "custom-call(" in line and "fp8_quantize_rows" in line]
     assert len(calls) == 3, calls
+
+
+def test_projections_sharing_an_input_quantize_it_once_in_the_trace():
+    """Inside one FP8 block, projections of one input (gate and up, inside the layer scan, where XLA does not
+    merge the two quantizer calls) quantize it once: three quantizer calls in forward + backward, not four, and
+    the same values and input gradient as each projection on its own."""
+    w1, w2 = quantized(128, 192, seed=4), quantized(128, 192, seed=5)
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 8, 192)), jnp.float32)
+
+    def shared_loss(x):
+        with ops.frozen_compute("fp8"):
+            return (ops.nf4_linear(x, w1) * ops.nf4_linear(x, w2)).sum()
+
+    def separate_loss(x):
+        with ops.frozen_compute("fp8"):
+            y1 = ops.nf4_linear(x, w1)
+        with ops.frozen_compute("fp8"):
+            return (y1 * ops.nf4_linear(x, w2)).sum()
+
+    dispatch.set_kernels("pallas-interpret")
+    try:
+        jaxpr = jax.make_jaxpr(jax.value_and_grad(shared_loss))(x)
+        got = jax.value_and_grad(shared_loss)(x)
+        want = jax.value_and_grad(separate_loss)(x)
+    finally:
+        dispatch.set_kernels(None)
+    quantizers = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call" and "fp8_quantize_rows" in str(e.params)]
+    assert len(quantizers) == 3
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

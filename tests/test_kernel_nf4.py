@@ -92,37 +92,69 @@ def test_dequant_kernel_is_bitwise_the_bnb_dequantization(lut, transpose):
         np.testing.assert_array_equal(np.asarray(got), want.T if transpose else want)
 
 
+def stacked_weights(n, k, layers=3):
+    """A stack of `layers` NF4 weights: codes [layers, N, K/2], each layer's absmax [N, K/64], and the scales
+    prepared in the kernels' layout [layers, K/64, N]."""
+    parts = [quantized(n, k, seed=s) for s in range(layers)]
+    absmax = [p[2] for p in parts]
+    return jnp.stack([p[1] for p in parts]), absmax, jnp.stack([a.T for a in absmax])
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("transpose", [False, True])
 def test_dequant_kernel_reads_one_layer_of_a_stack(dtype, transpose):
-    """With a layer index the kernel reads that layer of a stack of codes in place: bitwise the result of the
-    layer's own codes, for every layer of a stack whose layer count is no power of two."""
-    stack = jnp.stack([quantized(192, 576, seed=s)[1] for s in range(3)])
-    _, _, absmax = quantized(192, 576, seed=9)
+    """With a layer index the kernel reads that layer of a stack of codes in place, with the layer's own absmax
+    or a prepared stack of scales: bitwise the result of the layer's own arrays, for every layer of a stack whose
+    layer count is no power of two."""
+    stack, absmax, prepared = stacked_weights(192, 576)
+    kernel = jax.jit(lambda c, a, i: nf4_dequantize(c, a, dtype, transpose=transpose, layer=i, interpret=True))
     for layer in range(3):
-        got = jax.jit(lambda c, a, i: nf4_dequantize(c, a, dtype, transpose=transpose, layer=i, interpret=True))(
-            stack, absmax, jnp.int32(layer))
-        want = nf4_dequantize(stack[layer], absmax, dtype, transpose=transpose, interpret=True)
-        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+        want = nf4_dequantize(stack[layer], absmax[layer], dtype, transpose=transpose, interpret=True)
+        for scales in (absmax[layer], prepared):
+            got = kernel(stack, scales, jnp.int32(layer))
+            np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
     with pytest.raises(ValueError, match="stacked"):
-        nf4_dequantize(stack[0], absmax, layer=jnp.int32(0), interpret=True)
+        nf4_dequantize(stack[0], absmax[0], layer=jnp.int32(0), interpret=True)
+    with pytest.raises(ValueError, match="stacked absmax"):
+        nf4_dequantize(stack, prepared[:, :, :64], layer=jnp.int32(0), interpret=True)
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_dequant_kernel_divides_rows_by_fp8_scales(transpose):
+    """`row_scale` (per row, or a stack per layer) divides each row as bnb's float32 NF4[code] * absmax / scale
+    rounded once to e4m3: bitwise the numpy float64 value rounded the same way (powers of two divide exactly)."""
+    stack, absmax, prepared = stacked_weights(128, 192)
+    e4m3 = jnp.float8_e4m3fn
+    rows = jnp.stack([2.0 ** -np.random.default_rng(i).integers(-12, 4, 128) for i in range(3)]).astype(jnp.float32)
+    for layer in range(3):
+        w = numpy_weight(stack[layer], absmax[layer]) / np.asarray(rows[layer], np.float64)[:, None]
+        want = np.asarray(jnp.asarray(w.T if transpose else w, jnp.float32).astype(e4m3)).view(np.uint8)
+        own = nf4_dequantize(stack[layer], absmax[layer], e4m3, transpose=transpose, row_scale=rows[layer],
+                             interpret=True)
+        in_place = nf4_dequantize(stack, prepared, e4m3, transpose=transpose, layer=jnp.int32(layer),
+                                  row_scale=rows, interpret=True)
+        np.testing.assert_array_equal(np.asarray(own).view(np.uint8), want)
+        np.testing.assert_array_equal(np.asarray(in_place).view(np.uint8), want)
+    with pytest.raises(ValueError, match="row_scale"):
+        nf4_dequantize(stack[0], absmax[0], e4m3, row_scale=rows, interpret=True)
 
 
 @pytest.mark.parametrize("m", [1, 7, 64])
 def test_fused_kernels_read_one_layer_of_a_stack(m):
-    """The fused forward and dx kernels with a layer index: bitwise the results from that layer's own codes."""
-    stack = jnp.stack([quantized(128, 192, seed=s)[1] for s in range(3)])
-    _, _, absmax = quantized(128, 192, seed=8)
+    """The fused forward and dx kernels with a layer index (own absmax or the prepared stack of scales): bitwise
+    the results from that layer's own arrays."""
+    stack, absmax, prepared = stacked_weights(128, 192)
     rng = np.random.default_rng(m)
     x = jnp.asarray(rng.standard_normal((m, 192)), jnp.float32)
     dy = jnp.asarray(rng.standard_normal((m, 128)), jnp.float32)
     for layer in range(3):
-        y = nf4_matmul_forward(x, stack, absmax, tiles=TILES[0], layer=jnp.int32(layer), interpret=True)
-        dx = nf4_matmul_dx(dy, stack, absmax, tiles=TILES[0], layer=jnp.int32(layer), interpret=True)
-        np.testing.assert_array_equal(np.asarray(y), np.asarray(
-            nf4_matmul_forward(x, stack[layer], absmax, tiles=TILES[0], interpret=True)))
-        np.testing.assert_array_equal(np.asarray(dx), np.asarray(
-            nf4_matmul_dx(dy, stack[layer], absmax, tiles=TILES[0], interpret=True)))
+        y_want = nf4_matmul_forward(x, stack[layer], absmax[layer], tiles=TILES[0], interpret=True)
+        dx_want = nf4_matmul_dx(dy, stack[layer], absmax[layer], tiles=TILES[0], interpret=True)
+        for scales in (absmax[layer], prepared):
+            y = nf4_matmul_forward(x, stack, scales, tiles=TILES[0], layer=jnp.int32(layer), interpret=True)
+            dx = nf4_matmul_dx(dy, stack, scales, tiles=TILES[0], layer=jnp.int32(layer), interpret=True)
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(y_want))
+            np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx_want))
 
 
 def test_kernels_reject_bad_shapes():
@@ -155,11 +187,18 @@ def test_kernels_lower_for_cuda(cuda_export, m, n, k):
     for lut in ("gather", "select"):
         assert cuda_export(lambda c, a: nf4_dequantize(c, a, lut=lut), codes, absmax).count(f"@{CUSTOM_CALL}(") == 1
     stack, layer = jax.ShapeDtypeStruct((32, n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((), jnp.int32)
+    prepared, rows = jax.ShapeDtypeStruct((32, k // 64, n), jnp.float32), jax.ShapeDtypeStruct((32, n), jnp.float32)
     for dtype, transpose in ((jnp.bfloat16, False), (jnp.float8_e4m3fn, True)):
-        text = cuda_export(lambda c, a, i: nf4_dequantize(c, a, dtype, transpose=transpose, layer=i), stack, absmax, layer)
-        assert text.count(f"@{CUSTOM_CALL}(") == 1
+        for scales in (absmax, prepared):
+            text = cuda_export(lambda c, a, i: nf4_dequantize(c, a, dtype, transpose=transpose, layer=i),
+                               stack, scales, layer)
+            assert text.count(f"@{CUSTOM_CALL}(") == 1
+    text = cuda_export(lambda c, a, i, r: nf4_dequantize(c, a, jnp.float8_e4m3fn, transpose=True, layer=i,
+                                                         row_scale=r), stack, prepared, layer, rows)
+    assert text.count(f"@{CUSTOM_CALL}(") == 1
     dy = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
-    text = cuda_export(lambda x, d, c, a, i: (nf4_matmul_forward(x, c, a, tiles=_kernel_tiles(m, "fwd"), layer=i),
-                                              nf4_matmul_dx(d, c, a, tiles=_kernel_tiles(m, "dx"), layer=i)),
-                       x, dy, stack, absmax, layer)
-    assert text.count(f"@{CUSTOM_CALL}(") == 2
+    for scales in (absmax, prepared):
+        text = cuda_export(lambda x, d, c, a, i: (nf4_matmul_forward(x, c, a, tiles=_kernel_tiles(m, "fwd"), layer=i),
+                                                  nf4_matmul_dx(d, c, a, tiles=_kernel_tiles(m, "dx"), layer=i)),
+                           x, dy, stack, scales, layer)
+        assert text.count(f"@{CUSTOM_CALL}(") == 2
