@@ -32,9 +32,16 @@ REPEAT = 20
 
 def candidates(m: int, direction: str) -> list[MatmulTiles]:
     if m <= 16:
-        return [MatmulTiles(16, 64, 32, 8, 4, 3), MatmulTiles(16, 32, 64, 8, 2, 3), MatmulTiles(16, 64, 64, 4, 4, 3),
-                MatmulTiles(16, 64, 32, 16, 4, 3), MatmulTiles(16, 128, 32, 8, 4, 2),
-                MatmulTiles(16, 64, 32, 8, 4, 3, lut="select")]
+        tensor_core = [MatmulTiles(16, 64, 32, 8, 4, 3), MatmulTiles(16, 32, 64, 8, 2, 3),
+                       MatmulTiles(16, 64, 64, 4, 4, 3), MatmulTiles(16, 64, 32, 16, 4, 3),
+                       MatmulTiles(16, 128, 32, 8, 4, 2), MatmulTiles(16, 64, 32, 8, 4, 3, lut="select")]
+        # decoding's few rows on the CUDA cores (forward only): rows x block_n x bytes products per step
+        gemv = [MatmulTiles(min(m, 4), bn, bb, split, warps, 3, lut=lut, gemv=True)
+                for bn, bb, split, warps, lut in ((32, 64, 4, 4, "gather"), (64, 32, 4, 4, "gather"),
+                                                  (16, 64, 8, 2, "gather"), (64, 64, 2, 4, "gather"),
+                                                  (32, 32, 8, 2, "gather"), (32, 64, 4, 4, "select"),
+                                                  (128, 32, 2, 8, "gather"))]
+        return tensor_core + (gemv if direction == "fwd" and m <= 4 else [])
     if m <= 256:
         return [MatmulTiles(64, 64, 64, 2, 4, 3), MatmulTiles(128, 128, 64, 1, 8, 3), MatmulTiles(64, 128, 32, 2, 4, 3),
                 MatmulTiles(32, 64, 64, 4, 4, 3)]
@@ -66,7 +73,8 @@ def time_us(fn, *args, iters: int = 5) -> float:
 
 
 def tiles_name(t: MatmulTiles) -> str:
-    return f"fused-m{t.block_m}n{t.block_n}b{t.block_bytes}s{t.split}w{t.num_warps}p{t.num_stages}-{t.lut}"
+    kind = "gemv" if t.gemv else "fused"
+    return f"{kind}-m{t.block_m}n{t.block_n}b{t.block_bytes}s{t.split}w{t.num_warps}p{t.num_stages}-{t.lut}"
 
 
 def main() -> None:
@@ -132,7 +140,7 @@ def main() -> None:
     for t in table:
         sel = [r for r in rows if r["N"] == t["N"] and r["K"] == t["K"] and r["M"] == t["M"] and r["dir"] == t["dir"] and "us" in r]
         by = {r["impl"]: r["us"] for r in sel}
-        fused = {k: v for k, v in by.items() if k.startswith("fused")}
+        fused = {k: v for k, v in by.items() if k.startswith(("fused", "gemv"))}
         fbest = min(fused, key=fused.get) if fused else "-"
         print(f"| {t['N']}x{t['K']} | {t['M']} | {t['dir']} | {by.get('bf16', 0):.1f} | {by.get('xla', 0):.1f} | "
               f"{by.get('dequant+dot', 0):.1f} | {fbest} | {fused.get(fbest, 0):.1f} | {t['speedup_vs_bf16']:.2f}x |")

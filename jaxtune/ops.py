@@ -174,9 +174,19 @@ def _nf4_matmul_bwd(weight, dy):
 _nf4_matmul.defvjp(_nf4_matmul_fwd, _nf4_matmul_bwd)
 
 
-def _kernel_tiles(m: int, direction: str):
+def _kernel_tiles(m: int, direction: str, shape: tuple[int, int] | None = None):
+    """The fused kernels' tiles for M rows of a weight [N, K]: one row forward (decoding) on the CUDA cores, by N
+    (H200, benchmarks/results/2026-11-23-prepared-scales-h200.md: 1.0-1.35x the tensor-core tile at M = 1, slower
+    from M = 4)."""
     from pallas_kernels.nf4_matmul import MatmulTiles
 
+    if m == 1 and direction == "fwd":
+        n, k = shape or (0, 0)
+        if n >= 8192:
+            return MatmulTiles(1, 64, 32, 4, 4, 3, lut="gather", gemv=True)
+        if n == k:
+            return MatmulTiles(1, 16, 64, 8, 2, 3, lut="gather", gemv=True)
+        return MatmulTiles(1, 32, 32, 8, 2, 3, lut="gather", gemv=True)
     if m <= 16:
         return MatmulTiles(16, 64, 32, 8, 4, 3)
     if m <= 256:
@@ -266,7 +276,7 @@ def _nf4_kernel_matmul(x, weight, impl: str, interpret: bool):
     from pallas_kernels import nf4_matmul as kernels
 
     if impl == "fused":
-        tiles = _kernel_tiles(_rows(x), "fwd")
+        tiles = _kernel_tiles(_rows(x), "fwd", weight.shape)
         return _with_codes(weight, functools.partial(kernels.nf4_matmul_forward, tiles=tiles, interpret=interpret), x)
     return linear(x, _dequantized(weight, x.dtype, interpret))
 

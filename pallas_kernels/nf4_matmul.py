@@ -52,6 +52,9 @@ class MatmulTiles:
     num_warps: int = 4
     num_stages: int = 3
     lut: str = "select"  # NF4 value lookup: "select" (bit tree) or "gather" (16-entry table load)
+    # forward only, for a few rows (decoding): products and row sums on the CUDA cores instead of a tensor-core
+    # dot, whose tiles need 16 rows (block_m then needs no more than the rows there are, padded to a power of 2)
+    gemv: bool = False
 
 
 # ------------------------------------------------------------------------------------------- reference
@@ -133,8 +136,9 @@ def _codes_tile(codes_ref, layer_ref, index: tuple) -> jax.Array:
     return codes_ref[index] if layer_ref is None else codes_ref[(layer_ref[0], *index)]
 
 
-def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps, stacked, stacked_scales):
-    """y tile [bm, bn] (+= over this program's share of K) = x_even @ W_hiᵀ + x_odd @ W_loᵀ."""
+def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps, stacked, stacked_scales, gemv):
+    """y tile [bm, bn] (+= over this program's share of K) = x_even @ W_hiᵀ + x_odd @ W_loᵀ (`gemv`: as
+    products summed over K in float32, no tensor-core dot)."""
     layer_ref, _, lut_ref, y_ref = _optional_refs(refs, stacked, 1)
     s = pl.program_id(2)
     bm, bn = y_ref.shape
@@ -144,9 +148,12 @@ def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps
         byte0 = (s * steps + t) * block_bytes
         codes = _codes_tile(codes_ref, layer_ref, (slice(None), pl.ds(byte0, block_bytes)))
         scale = _tile_scale(absmax_ref, layer_ref, byte0, rows, block_bytes, stacked_scales)
-        w_hi, w_lo = _planes(codes, scale, x_ref.dtype, lut_ref)
+        w_hi, w_lo = _planes(codes, scale, jnp.float32 if gemv else x_ref.dtype, lut_ref)
         x_even = x_ref[:, pl.ds(byte0, block_bytes)]
         x_odd = x_ref[:, pl.ds(half + byte0, block_bytes)]
+        if gemv:  # [bm, bn, block_bytes] products, summed over the bytes
+            x_even, x_odd = x_even.astype(jnp.float32)[:, None, :], x_odd.astype(jnp.float32)[:, None, :]
+            return acc + jnp.sum(x_even * w_hi[None] + x_odd * w_lo[None], axis=2)
         acc = acc + pltriton.dot(x_even, w_hi, trans_b=True)
         return acc + pltriton.dot(x_odd, w_lo, trans_b=True)
 
@@ -290,6 +297,8 @@ def nf4_matmul_forward(x: jax.Array, codes: jax.Array, absmax: jax.Array, *, til
     m = x2.shape[0]
     tiles = _fit(tiles, n, half, "k")
     bm, bn, bb, split = tiles.block_m, tiles.block_n, tiles.block_bytes, tiles.split
+    if tiles.gemv:  # no tensor-core tile to fill: as few rows as there are
+        bm = min(bm, pl.next_power_of_2(m))
     steps = half // bb // split
     xp = _pad_rows(_split_even_odd(x2), bm)
     mp = xp.shape[0]
@@ -299,7 +308,7 @@ def nf4_matmul_forward(x: jax.Array, codes: jax.Array, absmax: jax.Array, *, til
     scales_spec, scales = _scales_args(absmax, (k // BLOCK, bn), lambda i, j, s: (0, j))
     y = pl.pallas_call(
         functools.partial(_matmul_kernel, half=half, block_bytes=bb, steps=steps, stacked=layer is not None,
-                          stacked_scales=absmax.ndim == 3),
+                          stacked_scales=absmax.ndim == 3, gemv=tiles.gemv),
         grid=(mp // bm, n // bn, split),
         in_specs=[
             pl.BlockSpec((bm, k), lambda i, j, s: (i, 0)),
@@ -324,6 +333,8 @@ def nf4_matmul_dx(dy: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: 
     n, k = _check(codes, absmax, layer=layer)
     if dy.shape[-1] != n:
         raise ValueError(f"dy has N={dy.shape[-1]} but the NF4 weight has N={n}")
+    if tiles.gemv:
+        raise ValueError("gemv tiles are for the forward kernel; dx takes tensor-core tiles")
     lead = dy.shape[:-1]
     half = k // 2
     dy2 = dy.reshape(-1, n)

@@ -71,6 +71,35 @@ def test_split_reductions_cover_all_of_k_and_n_when_tiles_shrink(tiles):
     np.testing.assert_allclose(np.asarray(dx, np.float64), dy @ w, atol=2e-6 * np.abs(dy).max() * np.abs(w).sum(0).max())
 
 
+GEMV_TILES = [MatmulTiles(1, 64, 32, 4, 4, lut="gather", gemv=True), MatmulTiles(4, 32, 64, 2, 2, gemv=True),
+              MatmulTiles(8, 128, 32, 1, 4, gemv=True)]
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("tiles", GEMV_TILES)
+def test_gemv_forward_matches_float64(m, tiles):
+    """The forward kernel's CUDA-core mode (few rows, no tensor-core dot) on every test shape, rows padded to a
+    power of two or split over programs, and reading one layer of a stack in place."""
+    rng = np.random.default_rng(m)
+    for n, k in SHAPES:
+        _, codes, absmax = quantized(n, k, seed=n + k)
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        want = x.astype(np.float64) @ numpy_weight(codes, absmax).T
+        y = nf4_matmul_forward(jnp.asarray(x), codes, absmax, tiles=tiles, interpret=True)
+        atol = 2e-6 * np.abs(x).max() * np.abs(numpy_weight(codes, absmax)).sum(1).max()
+        np.testing.assert_allclose(np.asarray(y, np.float64), want, atol=atol)
+    stack = jnp.stack([quantized(128, 192, seed=s)[1] for s in range(3)])
+    _, _, absmax = quantized(128, 192, seed=8)
+    x = jnp.asarray(rng.standard_normal((m, 192)), jnp.float32)
+    for layer in range(3):
+        want = np.asarray(x, np.float64) @ numpy_weight(stack[layer], absmax).T
+        for scales in (absmax, jnp.stack([absmax.T] * 3)):  # the layer's own, or a prepared stack
+            y = nf4_matmul_forward(x, stack, scales, tiles=tiles, layer=jnp.int32(layer), interpret=True)
+            np.testing.assert_allclose(np.asarray(y, np.float64), want, atol=1e-4 * np.abs(want).max())
+    with pytest.raises(ValueError, match="gemv"):
+        nf4_matmul_dx(jnp.zeros((m, 128)), stack[0], absmax, tiles=tiles, interpret=True)
+
+
 def test_bf16_inputs_and_leading_axes():
     _, codes, absmax = quantized(128, 256, seed=3)
     x = jax.random.normal(jax.random.key(0), (2, 5, 256), jnp.bfloat16)
@@ -184,6 +213,10 @@ def test_kernels_lower_for_cuda(cuda_export, m, n, k):
         return y, vjp(y)[0]
 
     assert cuda_export(grad, x, codes, absmax).count(f"@{CUSTOM_CALL}(") == 2
+    if m <= 16:
+        for tiles in GEMV_TILES:
+            assert cuda_export(lambda x, c, a: nf4_matmul_forward(x, c, a, tiles=tiles), x, codes, absmax).count(
+                f"@{CUSTOM_CALL}(") == 1
     for lut in ("gather", "select"):
         assert cuda_export(lambda c, a: nf4_dequantize(c, a, lut=lut), codes, absmax).count(f"@{CUSTOM_CALL}(") == 1
     stack, layer = jax.ShapeDtypeStruct((32, n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((), jnp.int32)
