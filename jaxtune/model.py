@@ -317,16 +317,14 @@ class CausalLM(nnx.Module):
     def _kernel_ready_layers(self) -> nnx.Module:
         """The decoder layers with every NF4 projection's kernel scales prepared for all layers at once (a copy
         local to this trace) when Pallas kernels run; else the layers as they are."""
-        if not ops.kernels_read_prepared_scales():
-            return self.layers
-        projections = [m for _, m in nnx.iter_modules(self.layers) if hasattr(m, "prepare_kernel_scales")]
-        if all(m.kernel_absmax is not None for m in projections):
+        def projections(layers):
+            return [m for _, m in nnx.iter_modules(layers) if hasattr(m, "prepare_kernel_scales")]
+
+        if not ops.kernels_read_prepared_scales() or all(m.kernel_absmax is not None for m in projections(self.layers)):
             return self.layers
         layers = nnx.clone(self.layers)
-        fp8 = ops.frozen_compute_mode() == "fp8"
-        for _, module in nnx.iter_modules(layers):
-            if hasattr(module, "prepare_kernel_scales"):
-                module.prepare_kernel_scales(fp8)
+        for module in projections(layers):
+            module.prepare_kernel_scales(ops.frozen_compute_mode() == "fp8")
         return layers
 
     def prepare_for_kernels(self) -> None:

@@ -247,8 +247,8 @@ def _with_codes(weight, kernel, *args: jax.Array, fp8_rows: bool = False) -> jax
         prepared = weight.kernel_absmax is not None
         absmax = weight.kernel_absmax if prepared else _kernel_absmax(weight)
         rows = {}
-        if fp8_rows:
-            rows["row_scale"] = weight.fp8_scale if prepared and weight.fp8_scale is not None else _fp8_row_scale(weight)
+        if fp8_rows:  # the prepared stack as it is, else this layer's own
+            rows["row_scale"] = weight.fp8_scale if weight.fp8_scale is not None else _fp8_row_scale(weight)
         return kernel(*args, jnp.asarray(weight.codes), absmax, layer=weight.layer, **rows)
     absmax = _kernel_absmax(weight)
     if not fp8_rows:
@@ -340,6 +340,7 @@ def frozen_compute(mode: str):
 
 
 def frozen_compute_mode() -> str:
+    """The mode `frozen_compute` set for what is traced now ("bf16" outside any block)."""
     return _frozen_compute.get()
 
 
@@ -445,8 +446,8 @@ def nf4_linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array
     """
     impl = dispatch.nf4_impl(_rows(x))
     if _frozen_compute.get() == "fp8" and _kernel_shaped(weight):
-        impl, interpret = dispatch.fp8_impl(), dispatch.interpret()
-        y = _fp8_nf4_matmul(x, *_fp8_input(x, impl, interpret), weight, impl, interpret)
+        fp8, interpret = dispatch.fp8_impl(), dispatch.interpret()
+        y = _fp8_nf4_matmul(x, *_fp8_input(x, fp8, interpret), weight, fp8, interpret)
     elif impl != "xla" and _kernel_shaped(weight):
         y = _nf4_kernel_matmul(x, weight, impl, dispatch.interpret())
     else:
