@@ -392,8 +392,8 @@ def _fp8_quantize_rows(a, col_scale, fmt: str, impl: str, interpret: bool):
 
 
 def _fp8_input(x: jax.Array, impl: str, interpret: bool) -> tuple[jax.Array, jax.Array]:
-    """x's e4m3 rows and scales, quantized once per traced array in the current "fp8" block: XLA does not
-    merge two quantizer kernels of one input inside the layer scan."""
+    """x's e4m3 rows and scales, quantized once per traced array in the current "fp8" block (gate and up share
+    their input; XLA was seen to keep both quantizer kernels inside the layer scan)."""
     seen = _fp8_inputs.get()
     for a, quantized in seen or ():
         if a is x:
