@@ -331,9 +331,9 @@ def test_projections_sharing_an_input_quantize_it_once():
 
 
 def test_projections_sharing_an_input_quantize_it_once_in_the_trace():
-    """Inside one FP8 block, projections of one input (gate and up, inside the layer scan, where XLA does not
-    merge the two quantizer calls) quantize it once: three quantizer calls in forward + backward, not four, and
-    the same values and input gradient as each projection on its own."""
+    """Inside one FP8 block, projections of one input (gate and up; XLA was seen to keep both quantizer calls
+    inside the layer scan) quantize it once: three quantizer calls in forward + backward, not four, and the
+    same values and input gradient as each projection on its own."""
     w1, w2 = quantized(128, 192, seed=4), quantized(128, 192, seed=5)
     x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 8, 192)), jnp.float32)
 
