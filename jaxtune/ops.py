@@ -209,14 +209,20 @@ def _kernel_absmax(weight) -> jax.Array:
     return dequantize_absmax(weight).reshape(n, k // 64)
 
 
-def _fp8_row_scale(weight, absmax: jax.Array | None = None) -> jax.Array:
-    """The power-of-two scale [out] that brings each row's largest |w| (its largest block absmax) to e4m3's range."""
+def _pow2_row_scale(absmax: jax.Array) -> jax.Array:
+    """The power-of-two scale per row [..., out] that brings the row's largest |w| (its largest block absmax,
+    absmax [..., out, in / 64]) to e4m3's range."""
     from pallas_kernels.fp8_quantize import E4M3, pow2_scale
 
+    return pow2_scale(jnp.max(absmax, axis=-1), E4M3)
+
+
+def _fp8_row_scale(weight, absmax: jax.Array | None = None) -> jax.Array:
+    """This weight's FP8 row scales [out]: its layer's prepared ones, else from its absmax."""
     if weight.fp8_scale is not None:
         return weight.fp8_scale if weight.layer is None else jax.lax.dynamic_index_in_dim(
             weight.fp8_scale, weight.layer, keepdims=False)
-    return pow2_scale(jnp.max(_kernel_absmax(weight) if absmax is None else absmax, axis=1), E4M3)
+    return _pow2_row_scale(_kernel_absmax(weight) if absmax is None else absmax)
 
 
 def prepare_kernel_scales(weight, fp8: bool) -> tuple[jax.Array, jax.Array | None]:
@@ -224,12 +230,10 @@ def prepare_kernel_scales(weight, fp8: bool) -> tuple[jax.Array, jax.Array | Non
     [..., in / 64, out] (the kernels' layout) and, for FP8, each row's power-of-two scale [..., out]. Inside the
     layer scan each is a small fusion (and a row reduction) per projection, layer and pass, ~900 per 8B step."""
     from jaxtune.nf4 import dequantize_absmax
-    from pallas_kernels.fp8_quantize import E4M3, pow2_scale
 
     n, k = weight.shape
-    codes = jnp.asarray(weight.codes)
-    absmax = dequantize_absmax(weight).reshape(*codes.shape[:-2], n, k // 64)
-    return jnp.swapaxes(absmax, -1, -2), (pow2_scale(jnp.max(absmax, axis=-1), E4M3) if fp8 else None)
+    absmax = dequantize_absmax(weight).reshape(*jnp.shape(weight.codes)[:-2], n, k // 64)
+    return jnp.swapaxes(absmax, -1, -2), (_pow2_row_scale(absmax) if fp8 else None)
 
 
 def kernels_read_prepared_scales() -> bool:
@@ -244,8 +248,7 @@ def _with_codes(weight, kernel, *args: jax.Array, fp8_rows: bool = False) -> jax
     call would be a copy of the layer's codes); on a mesh the weight's own codes are gathered whole on every
     device first. `fp8_rows`: the kernel also takes FP8's row scales."""
     if weight.layer is not None and current_mesh() is None:
-        prepared = weight.kernel_absmax is not None
-        absmax = weight.kernel_absmax if prepared else _kernel_absmax(weight)
+        absmax = weight.kernel_absmax if weight.kernel_absmax is not None else _kernel_absmax(weight)
         rows = {}
         if fp8_rows:  # the prepared stack as it is, else this layer's own
             rows["row_scale"] = weight.fp8_scale if weight.fp8_scale is not None else _fp8_row_scale(weight)

@@ -12,8 +12,9 @@ Small M splits the reduction across programs to fill the GPU.
 
 `absmax` here is the per-block float32 scale [N, K/64] (double quantization already undone: a vector
 1/16 the size of W's codes); with a layer index it may also be a stack prepared in the kernels' own layout
-[layers, K/64, N] (`ops.prepare_kernel_scales`: done once for every layer outside the layer scan). Also here: a dequant-only kernel (NF4 -> bf16 W in memory order, written
-with strided stores) for "dequantize, then cuBLAS", and the pure-jnp reference.
+[layers, K/64, N] (`ops.prepare_kernel_scales`: done once for every layer outside the layer scan).
+Also here: a dequant-only kernel (NF4 -> bf16 W in memory order, written with strided stores) for
+"dequantize, then cuBLAS", and the pure-jnp reference.
 """
 
 from __future__ import annotations
@@ -99,17 +100,19 @@ def _planes(codes: jax.Array, scale: jax.Array, dtype, lut_ref) -> tuple[jax.Arr
     return (hi * scale).astype(dtype), (lo * scale).astype(dtype)
 
 
-def _tile_scale(absmax_ref, layer_ref, byte0, rows: pl.Slice | slice, block_bytes: int, stacked_scales: bool,
-                row_ref=None) -> jax.Array:
-    """Per-(row, byte) float32 scale of the code tile starting at byte `byte0` (absmax_ref is [K/64, N], or with
-    `stacked_scales` [layers, K/64, N] read at layer_ref[0]); with row_ref ([N] or [layers, N]) each row's scales
-    divided by its entry (before the broadcast over the tile's bytes: one division per row and block)."""
-    divisor = None
-    if row_ref is not None:
-        divisor = row_ref[rows] if len(row_ref.shape) == 1 else row_ref[layer_ref[0], rows]
+def _at_layer(ref, layer_ref, index: tuple) -> jax.Array:
+    """ref[index], or for a ref with one more (leading, layer) axis than `index` covers, ref[layer, *index]."""
+    return ref[index] if len(ref.shape) == len(index) else ref[(layer_ref[0], *index)]
+
+
+def _tile_scale(absmax_ref, layer_ref, byte0, rows: pl.Slice | slice, block_bytes: int, row_ref=None) -> jax.Array:
+    """Per-(row, byte) float32 scale of the code tile starting at byte `byte0` (absmax_ref is [K/64, N], or a
+    stack [layers, K/64, N] read at layer_ref[0]); with row_ref ([N] or [layers, N]) each row's scales divided by
+    its entry (before the broadcast over the tile's bytes: one division per row and block)."""
+    divisor = None if row_ref is None else _at_layer(row_ref, layer_ref, (rows,)).astype(jnp.float32)
 
     def scales(block):
-        s = absmax_ref[block, rows] if not stacked_scales else absmax_ref[layer_ref[0], block, rows]
+        s = _at_layer(absmax_ref, layer_ref, (block, rows))
         return s if divisor is None else s / divisor
 
     first = scales(byte0 // _BYTES_PER_BLOCK)
@@ -131,12 +134,7 @@ def _optional_refs(refs: tuple, stacked: bool, outputs: int, row_scaled: bool = 
     return (layer_ref, row_ref, *refs) if len(refs) > outputs else (layer_ref, row_ref, None, *refs)
 
 
-def _codes_tile(codes_ref, layer_ref, index: tuple) -> jax.Array:
-    """codes_ref[index], or, for a stack of layers' codes, the same tile of layer layer_ref[0]."""
-    return codes_ref[index] if layer_ref is None else codes_ref[(layer_ref[0], *index)]
-
-
-def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps, stacked, stacked_scales, gemv):
+def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps, stacked, gemv):
     """y tile [bm, bn] (+= over this program's share of K) = x_even @ W_hiᵀ + x_odd @ W_loᵀ (`gemv`: as
     products summed over K in float32, no tensor-core dot)."""
     layer_ref, _, lut_ref, y_ref = _optional_refs(refs, stacked, 1)
@@ -146,8 +144,8 @@ def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps
 
     def body(t, acc):
         byte0 = (s * steps + t) * block_bytes
-        codes = _codes_tile(codes_ref, layer_ref, (slice(None), pl.ds(byte0, block_bytes)))
-        scale = _tile_scale(absmax_ref, layer_ref, byte0, rows, block_bytes, stacked_scales)
+        codes = _at_layer(codes_ref, layer_ref, (slice(None), pl.ds(byte0, block_bytes)))
+        scale = _tile_scale(absmax_ref, layer_ref, byte0, rows, block_bytes)
         w_hi, w_lo = _planes(codes, scale, jnp.float32 if gemv else x_ref.dtype, lut_ref)
         x_even = x_ref[:, pl.ds(byte0, block_bytes)]
         x_odd = x_ref[:, pl.ds(half + byte0, block_bytes)]
@@ -161,7 +159,7 @@ def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps
     y_ref[...] = acc.astype(y_ref.dtype)
 
 
-def _matmul_t_kernel(dy_ref, codes_ref, absmax_ref, *refs, block_n, block_bytes, steps, stacked, stacked_scales):
+def _matmul_t_kernel(dy_ref, codes_ref, absmax_ref, *refs, block_n, block_bytes, steps, stacked):
     """dx tiles [bm, block_bytes] of the even and odd columns: dy @ W_hi and dy @ W_lo over N."""
     layer_ref, _, lut_ref, dx_even_ref, dx_odd_ref = _optional_refs(refs, stacked, 2)
     j = pl.program_id(1)
@@ -173,8 +171,8 @@ def _matmul_t_kernel(dy_ref, codes_ref, absmax_ref, *refs, block_n, block_bytes,
         acc_even, acc_odd = carry
         n0 = (s * steps + t) * block_n
         rows = pl.ds(n0, block_n)
-        codes = _codes_tile(codes_ref, layer_ref, (rows, slice(None)))
-        scale = _tile_scale(absmax_ref, layer_ref, byte0, rows, block_bytes, stacked_scales)
+        codes = _at_layer(codes_ref, layer_ref, (rows, slice(None)))
+        scale = _tile_scale(absmax_ref, layer_ref, byte0, rows, block_bytes)
         w_hi, w_lo = _planes(codes, scale, dy_ref.dtype, lut_ref)
         dy = dy_ref[:, rows]
         return acc_even + pltriton.dot(dy, w_hi), acc_odd + pltriton.dot(dy, w_lo)
@@ -185,8 +183,7 @@ def _matmul_t_kernel(dy_ref, codes_ref, absmax_ref, *refs, block_n, block_bytes,
     dx_odd_ref[...] = acc_odd.astype(dx_odd_ref.dtype)
 
 
-def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, transpose, stacked, stacked_scales,
-                    row_scaled):
+def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, transpose, stacked, row_scaled):
     """W tile [bn, 2 * block_bytes] in memory order: the planes go to even/odd columns, either interleaved in
     registers and stored contiguously (`interleave`), or by two strided stores; `transpose`: the Wᵀ tile, whose
     even / odd rows are the planes.
@@ -194,8 +191,8 @@ def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, trans
     `row_scaled`: each row's block scales are divided by that row's entry of the next ref (FP8's power of two)."""
     layer_ref, row_ref, lut_ref, w_ref = _optional_refs(refs, stacked, 1, row_scaled)
     j = pl.program_id(1)
-    codes = _codes_tile(codes_ref, layer_ref, (slice(None), slice(None)))
-    scale = _tile_scale(absmax_ref, layer_ref, j * block_bytes, slice(None), block_bytes, stacked_scales, row_ref)
+    codes = _at_layer(codes_ref, layer_ref, (slice(None), slice(None)))
+    scale = _tile_scale(absmax_ref, layer_ref, j * block_bytes, slice(None), block_bytes, row_ref)
     w_hi, w_lo = _planes(codes, scale, w_ref.dtype, lut_ref)
     if transpose:  # each plane's transpose to the even / odd rows: no interleave before the transpose (e4m3
         # alone 1.1-1.5x faster, in the training step the same: benchmarks/results/2026-11-23-stacked-codes-h200.md)
@@ -249,21 +246,25 @@ def _fit(tiles: MatmulTiles, n: int, half: int, reduce: str) -> MatmulTiles:
     return dataclasses.replace(tiles, block_bytes=block_bytes, block_n=block_n, split=split)
 
 
-def _codes_args(codes: jax.Array, layer: jax.Array | None, block: tuple[int, int], index_map):
-    """(codes BlockSpec, layer BlockSpecs, layer args): a tile of one weight's codes, or with `layer` the same
-    tile in a block spanning the stack (read at the layer in the kernel, never sliced out of the stack)."""
+def _spec(a: jax.Array, block: tuple[int, ...], index_map) -> pl.BlockSpec:
+    """A tile `block` of a, or, for an a with one more (leading, layer) axis, the same tile in a block spanning
+    the stack (read at the layer in the kernel, never sliced out of the stack)."""
+    if a.ndim == len(block):
+        return pl.BlockSpec(block, index_map)
+    return pl.BlockSpec((a.shape[0], *block), lambda *g: (0, *index_map(*g)))
+
+
+def _layer_args(layer: jax.Array | None) -> tuple[list, list]:
+    """(BlockSpecs, args) of the layer index a stacked call reads its layer at."""
     if layer is None:
-        return pl.BlockSpec(block, index_map), [], []
-    return (pl.BlockSpec((codes.shape[0], *block), lambda *g: (0, *index_map(*g))),
-            [pl.BlockSpec((1,), lambda *g: (0,))], [jnp.asarray(layer, jnp.int32).reshape(1)])
+        return [], []
+    return [pl.BlockSpec((1,), lambda *g: (0,))], [jnp.asarray(layer, jnp.int32).reshape(1)]
 
 
-def _scales_args(absmax: jax.Array, block: tuple[int, int], index_map):
-    """(BlockSpec, arg) of the block scales: a weight's own absmax [N, K/64] goes in transposed ([K/64, N]: the
-    scales of one step of K lie contiguous), a prepared stack [layers, K/64, N] as it is, read at the layer."""
-    if absmax.ndim == 3:
-        return pl.BlockSpec((absmax.shape[0], *block), lambda *g: (0, *index_map(*g))), absmax
-    return pl.BlockSpec(block, index_map), absmax.T
+def _scales_operand(absmax: jax.Array) -> jax.Array:
+    """The block scales in the kernels' layout [K/64, N] (the scales of one step of K contiguous): a weight's own
+    absmax [N, K/64] transposed, a prepared stack [layers, K/64, N] as it is."""
+    return absmax if absmax.ndim == 3 else absmax.T
 
 
 def _lut_args(lut: str) -> tuple[list, list]:
@@ -304,16 +305,16 @@ def nf4_matmul_forward(x: jax.Array, codes: jax.Array, absmax: jax.Array, *, til
     mp = xp.shape[0]
     out_dtype = x.dtype if split == 1 else jnp.float32
     lut_specs, lut_args = _lut_args(tiles.lut)
-    codes_spec, layer_specs, layer_args = _codes_args(codes, layer, (bn, half), lambda i, j, s: (j, 0))
-    scales_spec, scales = _scales_args(absmax, (k // BLOCK, bn), lambda i, j, s: (0, j))
+    layer_specs, layer_args = _layer_args(layer)
+    scales = _scales_operand(absmax)
     y = pl.pallas_call(
         functools.partial(_matmul_kernel, half=half, block_bytes=bb, steps=steps, stacked=layer is not None,
-                          stacked_scales=absmax.ndim == 3, gemv=tiles.gemv),
+                          gemv=tiles.gemv),
         grid=(mp // bm, n // bn, split),
         in_specs=[
             pl.BlockSpec((bm, k), lambda i, j, s: (i, 0)),
-            codes_spec,
-            scales_spec,
+            _spec(codes, (bn, half), lambda i, j, s: (j, 0)),
+            _spec(scales, (k // BLOCK, bn), lambda i, j, s: (0, j)),
             *layer_specs,
             *lut_specs,
         ],
@@ -346,16 +347,15 @@ def nf4_matmul_dx(dy: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: 
     mp = dyp.shape[0]
     out_dtype = dy.dtype if split == 1 else jnp.float32
     lut_specs, lut_args = _lut_args(tiles.lut)
-    codes_spec, layer_specs, layer_args = _codes_args(codes, layer, (n, bb), lambda i, j, s: (0, j))
-    scales_spec, scales = _scales_args(absmax, (k // BLOCK, n), lambda i, j, s: (0, 0))
+    layer_specs, layer_args = _layer_args(layer)
+    scales = _scales_operand(absmax)
     dx_even, dx_odd = pl.pallas_call(
-        functools.partial(_matmul_t_kernel, block_n=bn, block_bytes=bb, steps=steps, stacked=layer is not None,
-                          stacked_scales=absmax.ndim == 3),
+        functools.partial(_matmul_t_kernel, block_n=bn, block_bytes=bb, steps=steps, stacked=layer is not None),
         grid=(mp // bm, half // bb, split),
         in_specs=[
             pl.BlockSpec((bm, n), lambda i, j, s: (i, 0)),
-            codes_spec,
-            scales_spec,
+            _spec(codes, (n, bb), lambda i, j, s: (0, j)),
+            _spec(scales, (k // BLOCK, n), lambda i, j, s: (0, 0)),
             *layer_specs,
             *lut_specs,
         ],
@@ -392,23 +392,21 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
     tiles = _fit(MatmulTiles(block_n=block_n, block_bytes=block_bytes), n, half, "k")
     bn, bb = tiles.block_n, tiles.block_bytes
     lut_specs, lut_args = _lut_args(lut)
-    codes_spec, layer_specs, layer_args = _codes_args(codes, layer, (bn, bb), lambda i, j: (i, j))
-    scales_spec, scales = _scales_args(absmax, (k // BLOCK, bn), lambda i, j: (0, i))
+    layer_specs, layer_args = _layer_args(layer)
+    scales = _scales_operand(absmax)
     row_specs, row_args = [], []
     if row_scale is not None:
-        if tuple(row_scale.shape) not in [(n,)] + ([(codes.shape[0], n)] if layer is not None else []):
+        allowed = [(n,)] + ([(codes.shape[0], n)] if layer is not None else [])
+        if tuple(row_scale.shape) not in allowed:
             raise ValueError(f"row_scale must be [N] (or [layers, N] with a layer) for N={n}, got {row_scale.shape}")
-        stacked_rows = row_scale.ndim == 2
-        row_specs = [pl.BlockSpec((row_scale.shape[0], bn) if stacked_rows else (bn,),
-                                  (lambda i, j: (0, i)) if stacked_rows else (lambda i, j: (i,)))]
-        row_args = [row_scale.astype(jnp.float32)]
+        row_specs, row_args = [_spec(row_scale, (bn,), lambda i, j: (i,))], [row_scale]
     return pl.pallas_call(
         functools.partial(_dequant_kernel, block_bytes=bb, interleave=interleave, transpose=transpose,
-                          stacked=layer is not None, stacked_scales=absmax.ndim == 3, row_scaled=bool(row_args)),
+                          stacked=layer is not None, row_scaled=bool(row_args)),
         grid=(n // bn, half // bb),
         in_specs=[
-            codes_spec,
-            scales_spec,
+            _spec(codes, (bn, bb), lambda i, j: (i, j)),
+            _spec(scales, (k // BLOCK, bn), lambda i, j: (0, i)),
             *layer_specs,
             *row_specs,
             *lut_specs,
