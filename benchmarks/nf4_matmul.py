@@ -40,7 +40,12 @@ def candidates(m: int, direction: str) -> list[MatmulTiles]:
                 for bn, bb, split, warps, lut in ((32, 64, 4, 4, "gather"), (64, 32, 4, 4, "gather"),
                                                   (16, 64, 8, 2, "gather"), (64, 64, 2, 4, "gather"),
                                                   (32, 32, 8, 2, "gather"), (32, 64, 4, 4, "select"),
-                                                  (128, 32, 2, 8, "gather"))]
+                                                  (128, 32, 2, 8, "gather"), (64, 64, 4, 4, "gather"),
+                                                  (128, 64, 4, 4, "gather"), (128, 64, 8, 8, "gather"),
+                                                  (64, 64, 8, 4, "gather"), (32, 64, 8, 2, "gather"),
+                                                  (256, 64, 4, 8, "gather"), (128, 32, 8, 4, "gather"),
+                                                  (64, 64, 16, 4, "gather"), (16, 64, 16, 2, "gather"),
+                                                  (64, 64, 8, 4, "select"), (128, 64, 8, 4, "gather"))]
         return tensor_core + (gemv if direction == "fwd" and m <= 4 else [])
     if m <= 256:
         return [MatmulTiles(64, 64, 64, 2, 4, 3), MatmulTiles(128, 128, 64, 1, 8, 3), MatmulTiles(64, 128, 32, 2, 4, 3),

@@ -176,17 +176,17 @@ _nf4_matmul.defvjp(_nf4_matmul_fwd, _nf4_matmul_bwd)
 
 def _kernel_tiles(m: int, direction: str, shape: tuple[int, int] | None = None):
     """The fused kernels' tiles for M rows of a weight [N, K]: one row forward (decoding) on the CUDA cores, by N
-    (H200, benchmarks/results/2026-11-23-prepared-scales-h200.md: 1.0-1.35x the tensor-core tile at M = 1, slower
-    from M = 4)."""
+    (H200, benchmarks/results/2026-11-24-decode-gemv-h200.md: the best tile of each 8B shape, 1.1-1.6x the
+    tensor-core tile), the tensor-core tiles from M = 2."""
     from pallas_kernels.nf4_matmul import MatmulTiles
 
     if m == 1 and direction == "fwd":
-        n, k = shape or (0, 0)
+        n = (shape or (0, 0))[0]
         if n >= 8192:
-            return MatmulTiles(1, 64, 32, 4, 4, 3, lut="gather", gemv=True)
-        if n == k:
-            return MatmulTiles(1, 16, 64, 8, 2, 3, lut="gather", gemv=True)
-        return MatmulTiles(1, 32, 32, 8, 2, 3, lut="gather", gemv=True)
+            return MatmulTiles(1, 32, 64, 4, 4, 3, lut="gather", gemv=True)
+        if n >= 4096:
+            return MatmulTiles(1, 64, 64, 8, 4, 3, lut="gather", gemv=True)
+        return MatmulTiles(1, 64, 64, 16, 4, 3, lut="gather", gemv=True)
     if m <= 16:
         return MatmulTiles(16, 64, 32, 8, 4, 3)
     if m <= 256:

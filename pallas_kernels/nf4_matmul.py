@@ -135,8 +135,9 @@ def _optional_refs(refs: tuple, stacked: bool, outputs: int, row_scaled: bool = 
 
 
 def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps, stacked, gemv):
-    """y tile [bm, bn] (+= over this program's share of K) = x_even @ W_hiᵀ + x_odd @ W_loᵀ (`gemv`: as
-    products summed over K in float32, no tensor-core dot)."""
+    """y tile [bm, bn] (+= over this program's share of K) = x_even @ W_hiᵀ + x_odd @ W_loᵀ (`gemv`: products
+    accumulated elementwise in float32 over the steps, no tensor-core dot, and summed over the tile's bytes once
+    at the end: a sum per step costs a cross-thread reduction per step)."""
     layer_ref, _, lut_ref, y_ref = _optional_refs(refs, stacked, 1)
     s = pl.program_id(2)
     bm, bn = y_ref.shape
@@ -149,14 +150,14 @@ def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps
         w_hi, w_lo = _planes(codes, scale, jnp.float32 if gemv else x_ref.dtype, lut_ref)
         x_even = x_ref[:, pl.ds(byte0, block_bytes)]
         x_odd = x_ref[:, pl.ds(half + byte0, block_bytes)]
-        if gemv:  # [bm, bn, block_bytes] products, summed over the bytes
+        if gemv:  # [bm, bn, block_bytes] products
             x_even, x_odd = x_even.astype(jnp.float32)[:, None, :], x_odd.astype(jnp.float32)[:, None, :]
-            return acc + jnp.sum(x_even * w_hi[None] + x_odd * w_lo[None], axis=2)
+            return acc + x_even * w_hi[None] + x_odd * w_lo[None]
         acc = acc + pltriton.dot(x_even, w_hi, trans_b=True)
         return acc + pltriton.dot(x_odd, w_lo, trans_b=True)
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
-    y_ref[...] = acc.astype(y_ref.dtype)
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn, block_bytes) if gemv else (bm, bn), jnp.float32))
+    y_ref[...] = (jnp.sum(acc, axis=2) if gemv else acc).astype(y_ref.dtype)
 
 
 def _matmul_t_kernel(dy_ref, codes_ref, absmax_ref, *refs, block_n, block_bytes, steps, stacked):

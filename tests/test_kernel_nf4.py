@@ -71,8 +71,8 @@ def test_split_reductions_cover_all_of_k_and_n_when_tiles_shrink(tiles):
     np.testing.assert_allclose(np.asarray(dx, np.float64), dy @ w, atol=2e-6 * np.abs(dy).max() * np.abs(w).sum(0).max())
 
 
-GEMV_TILES = [MatmulTiles(1, 64, 32, 4, 4, lut="gather", gemv=True), MatmulTiles(4, 32, 64, 2, 2, gemv=True),
-              MatmulTiles(8, 128, 32, 1, 4, gemv=True)]
+GEMV_TILES = [MatmulTiles(1, 32, 64, 4, 4, lut="gather", gemv=True), MatmulTiles(1, 64, 64, 16, 4, gemv=True),
+              MatmulTiles(4, 32, 64, 2, 2, gemv=True), MatmulTiles(8, 128, 32, 1, 4, gemv=True)]
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
