@@ -174,19 +174,23 @@ def _nf4_matmul_bwd(weight, dy):
 _nf4_matmul.defvjp(_nf4_matmul_fwd, _nf4_matmul_bwd)
 
 
+# decoding's few rows on the CUDA cores: (block_n, block_bytes, split, num_warps) by rows and by the weight's N (at
+# least), the fastest tile of each Llama-3-8B shape on the H200 (benchmarks/results/2026-11-24-decode-gemv-h200.md)
+_GEMV_TILES = {
+    1: ((8192, (32, 64, 4, 4)), (4096, (64, 64, 8, 4)), (0, (64, 64, 16, 4))),
+    4: ((8192, (64, 32, 4, 4)), (4096, (32, 64, 4, 4)), (0, (16, 64, 16, 2))),
+}
+
+
 def _kernel_tiles(m: int, direction: str, shape: tuple[int, int] | None = None):
-    """The fused kernels' tiles for M rows of a weight [N, K]: one row forward (decoding) on the CUDA cores, by N
-    (H200, benchmarks/results/2026-11-24-decode-gemv-h200.md: the best tile of each 8B shape, 1.1-1.6x the
-    tensor-core tile), the tensor-core tiles from M = 2."""
+    """The fused kernels' tiles for M rows of a weight [N, K]: up to 4 rows forward (decoding) on the CUDA cores
+    (1.1-1.7x the tensor-core tile there), by N; tensor-core tiles otherwise."""
     from pallas_kernels.nf4_matmul import MatmulTiles
 
-    if m == 1 and direction == "fwd":
+    if m <= 4 and direction == "fwd":
         n = (shape or (0, 0))[0]
-        if n >= 8192:
-            return MatmulTiles(1, 32, 64, 4, 4, 3, lut="gather", gemv=True)
-        if n >= 4096:
-            return MatmulTiles(1, 64, 64, 8, 4, 3, lut="gather", gemv=True)
-        return MatmulTiles(1, 64, 64, 16, 4, 3, lut="gather", gemv=True)
+        block_n, block_bytes, split, warps = next(t for at_least, t in _GEMV_TILES[1 if m == 1 else 4] if n >= at_least)
+        return MatmulTiles(1 if m == 1 else 4, block_n, block_bytes, split, warps, 3, lut="gather", gemv=True)
     if m <= 16:
         return MatmulTiles(16, 64, 32, 8, 4, 3)
     if m <= 256:
