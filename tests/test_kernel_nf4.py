@@ -201,20 +201,22 @@ def test_kernels_reject_bad_shapes():
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (16, 1024, 4096), (300, 14336, 4096), (2048, 4096, 14336),
                                    (7, 576, 1536)])
 def test_kernels_lower_for_cuda(cuda_export, m, n, k):
-    from jaxtune.ops import _kernel_tiles
+    from jaxtune.ops import _GEMV_TILES, _kernel_tiles
 
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     codes = jax.ShapeDtypeStruct((n, k // 2), jnp.uint8)
     absmax = jax.ShapeDtypeStruct((n, k // 64), jnp.float32)
 
     def grad(x, codes, absmax):
-        f = lambda x: nf4_matmul(x, codes, absmax, tiles=_kernel_tiles(m, "fwd"), dx_tiles=_kernel_tiles(m, "dx"))  # noqa: E731
+        f = lambda x: nf4_matmul(x, codes, absmax, tiles=_kernel_tiles(m, "fwd", (n, k)),  # noqa: E731
+                                 dx_tiles=_kernel_tiles(m, "dx"))
         y, vjp = jax.vjp(f, x)
         return y, vjp(y)[0]
 
     assert cuda_export(grad, x, codes, absmax).count(f"@{CUSTOM_CALL}(") == 2
-    if m <= 16:
-        for tiles in GEMV_TILES:
+    if m <= 16:  # every few-row tile the dispatch table holds, and the tests' own
+        table = [_kernel_tiles(rows, "fwd", (at_least or n, k)) for rows in (1, 4) for at_least, _ in _GEMV_TILES[rows]]
+        for tiles in GEMV_TILES + table:
             assert cuda_export(lambda x, c, a: nf4_matmul_forward(x, c, a, tiles=tiles), x, codes, absmax).count(
                 f"@{CUSTOM_CALL}(") == 1
     for lut in ("gather", "select"):
