@@ -198,6 +198,24 @@ def test_kernels_reject_bad_shapes():
         nf4_dequantize(codes, absmax[:, :1], interpret=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 4])
+@pytest.mark.parametrize("n, k", [(14336, 4096), (4096, 14336), (1024, 4096)])
+def test_decoding_tiles_on_gpu_match_float64(m, n, k):
+    """Compiled (not interpreted): the few-row tiles the dispatch takes for decoding on the 8B shapes, in float32,
+    against float64 numpy."""
+    from jaxtune.ops import _kernel_tiles
+
+    _, codes, absmax = quantized(n, k, seed=n + m)
+    x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+    tiles = _kernel_tiles(m, "fwd", (n, k))
+    assert tiles.gemv
+    y = jax.jit(lambda x, c, a: nf4_matmul_forward(x, c, a, tiles=tiles))(jnp.asarray(x), codes, absmax)
+    w = numpy_weight(codes, absmax)
+    np.testing.assert_allclose(np.asarray(y, np.float64), x.astype(np.float64) @ w.T,
+                               atol=2e-6 * np.abs(x).max() * np.abs(w).sum(1).max())
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (16, 1024, 4096), (300, 14336, 4096), (2048, 4096, 14336),
                                    (7, 576, 1536)])
 def test_kernels_lower_for_cuda(cuda_export, m, n, k):
