@@ -188,9 +188,9 @@ def _kernel_tiles(m: int, direction: str, shape: tuple[int, int] | None = None):
     from pallas_kernels.nf4_matmul import MatmulTiles
 
     if m <= 4 and direction == "fwd":
-        n = (shape or (0, 0))[0]
-        block_n, block_bytes, split, warps = next(t for at_least, t in _GEMV_TILES[1 if m == 1 else 4] if n >= at_least)
-        return MatmulTiles(1 if m == 1 else 4, block_n, block_bytes, split, warps, 3, lut="gather", gemv=True)
+        n, rows = (shape or (0, 0))[0], 1 if m == 1 else 4
+        block_n, block_bytes, split, warps = next(t for at_least, t in _GEMV_TILES[rows] if n >= at_least)
+        return MatmulTiles(rows, block_n, block_bytes, split, warps, 3, lut="gather", gemv=True)
     if m <= 16:
         return MatmulTiles(16, 64, 32, 8, 4, 3)
     if m <= 256:

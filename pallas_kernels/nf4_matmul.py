@@ -13,8 +13,8 @@ Small M splits the reduction across programs to fill the GPU.
 `absmax` here is the per-block float32 scale [N, K/64] (double quantization already undone: a vector
 1/16 the size of W's codes); with a layer index it may also be a stack prepared in the kernels' own layout
 [layers, K/64, N] (`ops.prepare_kernel_scales`: done once for every layer outside the layer scan).
-Also here: a dequant-only kernel (NF4 -> bf16 W in memory order, written with strided stores) for
-"dequantize, then cuBLAS", and the pure-jnp reference.
+Also here: a dequant-only kernel (NF4 -> W in memory order, or Wᵀ, in bf16 or e4m3) for "dequantize, then
+cuBLAS", and the pure-jnp reference.
 """
 
 from __future__ import annotations
