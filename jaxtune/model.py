@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtune import ops
 from jaxtune.config import ModelConfig
+from jaxtune.layer_loop import layer_loop
 from jaxtune.rope import apply_rope, rope_tables
 
 _INIT_STD = 0.02
@@ -308,6 +309,18 @@ class CausalLM(nnx.Module):
             with ops.stacked_layer(index):
                 return body(h, (nnx.merge_state(codes_state, sliced), layer_cache, rng))
 
+        if cache is None and self.remat_policy != "offload":  # training: residuals written in place
+            def layer_fn(h, per_layer, invariant, index):
+                (sliced, rng), (codes, cos, sin, segment_ids) = per_layer, invariant
+                with ops.stacked_layer(index):
+                    layer = nnx.merge(graphdef, nnx.merge_state(codes, sliced))
+                    return layer(h, cos, sin, segment_ids, None, None, None, rng, mlp_token_tile)[0]
+
+            if self.remat_policy != "none":
+                layer_fn = jax.checkpoint(layer_fn, policy=remat_policy(self.remat_policy), prevent_cse=False)
+            h = layer_loop(layer_fn, h, (sliced_state, layer_rngs), (codes_state, cos, sin, segment_ids),
+                           self.config.num_layers)
+            return self.norm(h), None
         if self.remat_policy != "none":
             stacked_body = jax.checkpoint(stacked_body, policy=remat_policy(self.remat_policy), prevent_cse=False)
         layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
