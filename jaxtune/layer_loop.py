@@ -126,7 +126,8 @@ def layer_loop(layer_fn: LayerFn, h: jax.Array, per_layer: Any, invariant: Any, 
             out, vjp_fn = one_layer_vjp(h, t_i, f_i, inv, i, trained)
             got, stacked = _layout(vjp_fn, t_i, f_i, inv, i)
             if got.signature() != layout.signature():
-                raise AssertionError(f"a decoder layer traced twice kept different residuals: {got.signature()} vs {layout.signature()}")
+                raise RuntimeError("a decoder layer traced twice kept different residuals (a layer whose "
+                                   "trace is not deterministic cannot run in the layer loop)")
             traced["layout"] = got  # the backward pass runs this trace's VJP (the probe's was of another trace)
             stacks = [jax.lax.dynamic_update_index_in_dim(s, r, i, 0) for s, r in zip(stacks, stacked)]
             return (out, stacks, inv), None
@@ -137,6 +138,8 @@ def layer_loop(layer_fn: LayerFn, h: jax.Array, per_layer: Any, invariant: Any, 
     def run_bwd(residuals, dh):
         stacks, t_stack, f_stack, inv_leaves = residuals
         layout, trained = traced["layout"], traced["trained"]
+        if isinstance(dh, jax.custom_derivatives.SymbolicZero):  # the output takes no part in the loss
+            dh = jnp.zeros(dh.shape, dh.dtype)
 
         def body(dh, xs):
             t_i, f_i, i, stacked_i = xs

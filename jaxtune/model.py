@@ -1,8 +1,9 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) as Flax NNX modules.
 
 Parameter paths mirror Hugging Face names (`layers.self_attn.q_proj.weight`, ...) so checkpoint I/O is a
-rename. Decoder layers are stored stacked along a leading layer axis and run with `jax.lax.scan`: one
-compiled layer body, so compile time does not grow with depth.
+rename. Decoder layers are stored stacked along a leading layer axis and run as one loop (`jax.lax.scan`;
+for training `jaxtune.layer_loop`, which saves activations in place): one compiled layer body, so compile time
+does not grow with depth.
 """
 
 from __future__ import annotations

@@ -78,3 +78,13 @@ def test_differentiating_a_loop_constant_is_refused():
     h, params, (table, scale) = _inputs()
     with pytest.raises(NotImplementedError, match="loop constants"):
         jax.grad(lambda s: jnp.sum(layer_loop(_layer, h, params, (table, s), LAYERS)))(scale)
+
+
+def test_an_output_outside_the_loss_gives_zero_gradients_through_the_loop():
+    h, params, invariant = _inputs()
+
+    def loss(w):
+        out = layer_loop(_layer, h, {**params, "w": w}, invariant, LAYERS)
+        return jnp.sum(jax.lax.stop_gradient(out)) + jnp.sum(w ** 2)
+
+    np.testing.assert_allclose(np.asarray(jax.grad(loss)(params["w"])), 2 * np.asarray(params["w"]), rtol=1e-6)
