@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import core as jax_core
 
+from jaxtune.sharding import current_mesh
+
 # layer_fn(h, per_layer_i, invariant, index) -> h: one decoder layer
 LayerFn = Callable[[jax.Array, Any, Any, jax.Array], jax.Array]
 
@@ -33,8 +35,8 @@ class _ResidualLayout:
     stacked: list = dataclasses.field(default_factory=list)  # avals of the stacked leaves
 
     def signature(self) -> tuple:
-        return (self.treedef.num_leaves, tuple((kind, type(where) if kind == "static" else where) for kind, where in self.sources),
-                tuple(self.stacked))
+        sources = tuple((kind, type(where) if kind == "static" else where) for kind, where in self.sources)
+        return self.treedef.num_leaves, sources, tuple(self.stacked)
 
 
 def _layout(vjp_fn, trainable_i, frozen_i, invariant, index) -> tuple[_ResidualLayout, list]:
@@ -60,8 +62,6 @@ def _layout(vjp_fn, trainable_i, frozen_i, invariant, index) -> tuple[_ResidualL
 def _uninitialized(shape: tuple[int, ...], dtype) -> jax.Array:
     """An array whose contents are never read before being written: uninitialized on GPU and TPU (no fill);
     zeros on a mesh of several devices (where the partitioner must see how it is laid out) and elsewhere."""
-    from jaxtune.sharding import current_mesh
-
     if current_mesh() is not None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         return jnp.zeros(shape, dtype)
     return jax.lax.empty(shape, dtype)

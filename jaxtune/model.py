@@ -291,11 +291,11 @@ class CausalLM(nnx.Module):
         # long-context mode: with layer inputs offloaded, the MLP's [tokens, intermediate] tensors are the peak
         mlp_token_tile = OFFLOAD_MLP_TOKEN_TILE if self.remat_policy == "offload" else None
 
-        def body(h, xs):
+        def body(h, xs, constants=(cos, sin, segment_ids)):
             state, layer_cache, rng = xs
             layer = nnx.merge(graphdef, state)
             h = checkpoint_name(h, "layer_input")  # what the "offload" policy moves to host memory
-            return layer(h, cos, sin, segment_ids, layer_cache, cache_seg, cache_index, rng, mlp_token_tile)
+            return layer(h, *constants, layer_cache, cache_seg, cache_index, rng, mlp_token_tile)
 
         if group > 1 or on_device:
             return self.norm(self._split_offload_scan(body, h, layer_state, layer_rngs, group, on_device)), None
@@ -305,27 +305,27 @@ class CausalLM(nnx.Module):
         whole = nnx.Any(*(nnx.PathContains(name) for name in WHOLE_IN_LAYER_SCAN))
         _, codes_state, sliced_state = nnx.split(layers, whole, ...)
 
-        def stacked_body(h, xs):
+        def stacked_body(h, xs, codes=codes_state, constants=(cos, sin, segment_ids)):
             sliced, layer_cache, rng, index = xs
             with ops.stacked_layer(index):
-                return body(h, (nnx.merge_state(codes_state, sliced), layer_cache, rng))
+                return body(h, (nnx.merge_state(codes, sliced), layer_cache, rng), constants)
+
+        def rematerialized(fn):
+            if self.remat_policy == "none":
+                return fn
+            return jax.checkpoint(fn, policy=remat_policy(self.remat_policy), prevent_cse=False)
 
         if cache is None and self.remat_policy != "offload":  # training: residuals written in place
+            # the loop's constants are arguments of the layer: the loop tells them from per-layer values by identity
             def layer_fn(h, per_layer, invariant, index):
-                (sliced, rng), (codes, cos, sin, segment_ids) = per_layer, invariant
-                with ops.stacked_layer(index):
-                    layer = nnx.merge(graphdef, nnx.merge_state(codes, sliced))
-                    return layer(h, cos, sin, segment_ids, None, None, None, rng, mlp_token_tile)[0]
+                (sliced, rng), (codes, *constants) = per_layer, invariant
+                return stacked_body(h, (sliced, None, rng, index), codes, tuple(constants))[0]
 
-            if self.remat_policy != "none":
-                layer_fn = jax.checkpoint(layer_fn, policy=remat_policy(self.remat_policy), prevent_cse=False)
-            h = layer_loop(layer_fn, h, (sliced_state, layer_rngs), (codes_state, cos, sin, segment_ids),
-                           self.config.num_layers)
+            h = layer_loop(rematerialized(layer_fn), h, (sliced_state, layer_rngs),
+                           (codes_state, cos, sin, segment_ids), self.config.num_layers)
             return self.norm(h), None
-        if self.remat_policy != "none":
-            stacked_body = jax.checkpoint(stacked_body, policy=remat_policy(self.remat_policy), prevent_cse=False)
         layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-        h, new_cache = jax.lax.scan(stacked_body, h, (sliced_state, cache, layer_rngs, layers))
+        h, new_cache = jax.lax.scan(rematerialized(stacked_body), h, (sliced_state, cache, layer_rngs, layers))
         return self.norm(h), new_cache
 
     def _kernel_ready_layers(self) -> nnx.Module:
