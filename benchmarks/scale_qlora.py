@@ -110,7 +110,7 @@ def main() -> None:
     model.compute = args.compute
     build_s = time.perf_counter() - t0
     cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch_per_gpu * args.gpus, max_steps=1000,
-                              learning_rate=1e-4, remat=args.remat)
+                              learning_rate=1e-4, remat=args.remat, compute=args.compute)
     graphdef, lora, frozen = split_model(model)
     optimizer, schedule = make_optimizer(cfg)
     lora, frozen, opt_state = (shard_state(mesh, tree) for tree in (lora, frozen, optimizer.init(lora)))

@@ -84,7 +84,7 @@ def main() -> None:
     model.single_sequence_rows = args.data == "dense"
     model.compute = args.compute
     cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch if args.batch == "auto" else int(args.batch),
-                              max_steps=1000, learning_rate=1e-4, remat=args.remat)
+                              max_steps=1000, learning_rate=1e-4, remat=args.remat, compute=args.compute)
     graphdef, lora, frozen = split_model(model)
     optimizer, schedule = make_optimizer(cfg)
     opt_state = optimizer.init(lora)

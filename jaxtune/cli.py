@@ -85,6 +85,8 @@ def _train(args: argparse.Namespace) -> None:
         overrides["micro_batch_size"] = int(overrides["micro_batch_size"])
     if args.no_packing:
         overrides["packing"] = False
+    if args.no_compile_cache:
+        overrides["compile_cache"] = False
     cfg = (jaxtune.TrainConfig.from_yaml(args.config, **overrides) if args.config
            else jaxtune.TrainConfig.from_dict(overrides, where="command line"))
     if cfg.mesh:  # a mesh that does not fit the devices fails before the model loads
@@ -153,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fp8: the frozen projections but q/k as FP8 GEMMs on Ada/Hopper (opt-in; default bf16)")
     tr.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=4 (default: every device on data)")
     tr.add_argument("--no-packing", action="store_true", help="pad each example to --seq-len instead of packing")
+    tr.add_argument("--no-compile-cache", action="store_true",
+                    help="GPU: compile the step afresh instead of keeping it in $JAXTUNE_CACHE_DIR (~/.cache/jaxtune/xla)")
     tr.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                     help="compute dtype (float32 is faster on most CPUs)")
     tr.set_defaults(func=_train)

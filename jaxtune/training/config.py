@@ -48,6 +48,9 @@ class TrainConfig:
     # "fp8": the frozen projections but q/k (forward and input gradient) as FP8 GEMMs; LoRA, norms,
     # attention and the loss keep the model's dtype. Opt-in: see benchmarks/results for speed and accuracy
     compute: str = "bf16"
+    # GPU: keep compiled steps in JAX's persistent compilation cache (jaxtune.training.compilation), so a rerun
+    # or a resumed run loads its step in seconds instead of compiling it again
+    compile_cache: bool = True
     # devices: "data=2,fsdp=4" (see jaxtune.sharding); None = every device on the data axis
     mesh: str | None = None
     # loop

@@ -30,6 +30,7 @@ from jaxtune.qlora import get_peft_model
 from jaxtune.sharding import batch_shards, make_mesh, shard_state
 from jaxtune.training.autobatch import MARGIN, choose_micro_batch, step_bytes_or_none
 from jaxtune.training.checkpoint import RunCheckpoints
+from jaxtune.training.compilation import use_compilation_cache
 from jaxtune.training.config import TrainConfig
 from jaxtune.training.host_memory import HostMemoryGuard, offload_plan, offloads_to_host
 from jaxtune.training.step import (REMAT_POLICIES, make_eval_step, make_optimizer, make_train_step, split_model,
@@ -170,6 +171,7 @@ def train(
                                if r is not None)
     if cfg.compute == "fp8":
         check_fp8_device()
+    use_compilation_cache(cfg.compile_cache)
     layouts = [(0, 1)]  # remat "offload": (layers whose inputs stay on device, offload group)
     offloading = cfg.remat == "offload" and offloads_to_host()
     if offloading:  # host memory must hold the layer inputs, in the pinned region they make XLA's pool take

@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 from jaxtune.data.packing import IGNORE
 from jaxtune.model import CausalLM
 from jaxtune.sharding import global_batch, state_shardings
+from jaxtune.training.compilation import step_compiler_options
 from jaxtune.training.config import TrainConfig
 from jaxtune.training.loss import chunked_cross_entropy
 
@@ -126,7 +127,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
             new_opt_state = jax.lax.with_sharding_constraint(new_opt_state, state_shardings(mesh, new_opt_state))
         return new_lora, new_opt_state, metrics
 
-    return OnMesh(jax.jit(step, donate_argnums=(0, 1)), mesh)
+    return OnMesh(jax.jit(step, donate_argnums=(0, 1), compiler_options=step_compiler_options(cfg.compute)), mesh)
 
 
 def make_eval_step(graphdef: nnx.GraphDef, cfg: TrainConfig, mesh: Mesh | None = None) -> OnMesh:
@@ -139,7 +140,7 @@ def make_eval_step(graphdef: nnx.GraphDef, cfg: TrainConfig, mesh: Mesh | None =
         total, _ = jax.lax.scan(body, jnp.float32(0), batch)
         return total, jnp.sum(batch["labels"] != IGNORE)
 
-    return OnMesh(jax.jit(evaluate), mesh)
+    return OnMesh(jax.jit(evaluate, compiler_options=step_compiler_options(cfg.compute)), mesh)
 
 
 def to_device_batch(batch: dict[str, Any], mesh: Mesh | None = None) -> dict[str, jax.Array]:

@@ -1,0 +1,44 @@
+"""How the training step is compiled on GPU: XLA options per compute mode, and a persistent compilation cache."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+# FP8 GEMMs: XLA tunes each one over its Triton candidates and cuBLASLt. At the default level (4) it also checks
+# every candidate's output against a reference GEMM; that check reports a disagreeing candidate and drops it only
+# at level 5 (XLA's flag documentation), and for the 8B FP8 step on an H200 it made compilation take 28 / 52 /
+# 100 s at batch 1 / 4 / 8. Level 3 (candidates timed on initialized buffers, re-initialized between runs)
+# compiles the step in 11-14 s and runs it at the same speed with the same losses
+# (benchmarks/results/2026-11-24-fp8-compile-h200.md)
+FP8_AUTOTUNE_LEVEL = 3
+
+
+def step_compiler_options(compute: str, backend: str | None = None) -> dict[str, int] | None:
+    """XLA compiler options for a step whose frozen projections compute in `compute` ("bf16" / "fp8")."""
+    backend = backend or jax.default_backend()
+    if backend == "gpu" and compute == "fp8":
+        return {"xla_gpu_autotune_level": FP8_AUTOTUNE_LEVEL}
+    return None
+
+
+def default_cache_dir() -> str:
+    """$JAXTUNE_CACHE_DIR, else $XDG_CACHE_HOME/jaxtune/xla (~/.cache/jaxtune/xla)."""
+    if os.environ.get("JAXTUNE_CACHE_DIR"):
+        return os.environ["JAXTUNE_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxtune", "xla")
+
+
+def use_compilation_cache(enabled: bool, backend: str | None = None) -> str | None:
+    """Point JAX's persistent compilation cache at `default_cache_dir()` (GPU only), so a rerun or a resumed run
+    loads its compiled step instead of compiling it again (8B step: ~2 s instead of 10-50 s). A cache directory
+    the user set (`jax_compilation_cache_dir`, JAX_COMPILATION_CACHE_DIR) is kept. Returns the directory in use."""
+    current = jax.config.jax_compilation_cache_dir
+    if current or not enabled or (backend or jax.default_backend()) != "gpu":
+        return current
+    path = default_cache_dir()
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    return path
