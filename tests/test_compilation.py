@@ -46,6 +46,15 @@ def test_a_users_cache_dir_is_kept_and_off_or_cpu_changes_nothing(tmp_path, monk
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "theirs")
 
 
+def test_an_unwritable_cache_dir_warns_and_trains_without_the_cache(tmp_path, monkeypatch, restore_cache_dir):
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("JAXTUNE_CACHE_DIR", str(tmp_path / "a_file" / "xla"))
+    jax.config.update("jax_compilation_cache_dir", None)
+    with pytest.warns(UserWarning, match="cannot create .*a_file/xla.*JAXTUNE_CACHE_DIR"):
+        assert use_compilation_cache(True, backend="gpu") is None
+    assert jax.config.jax_compilation_cache_dir is None
+
+
 def test_fp8_steps_on_gpu_tune_their_gemms_without_the_reference_check_and_bf16_keeps_the_default():
     assert step_compiler_options("fp8", "gpu") == {"xla_gpu_autotune_level": 3}
     assert step_compiler_options("bf16", "gpu") is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import jax
 
@@ -39,6 +40,11 @@ def use_compilation_cache(enabled: bool, backend: str | None = None) -> str | No
     if current or not enabled or (backend or jax.default_backend()) != "gpu":
         return current
     path = default_cache_dir()
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:  # a read-only home: train without the cache rather than not at all
+        warnings.warn(f"compiled steps are not cached: cannot create {path} ({e.strerror}); set JAXTUNE_CACHE_DIR "
+                      "to a writable directory, or pass compile_cache=False / --no-compile-cache", stacklevel=2)
+        return None
     jax.config.update("jax_compilation_cache_dir", path)
     return path
