@@ -17,7 +17,8 @@ MARGIN = 0.9  # use at most this fraction of device memory
 LINE_SLACK = 1.03  # how far over the budget the fitted line may put a candidate that is still compiled to check
 BATCH_KEYS = ("input_ids", "labels", "segment_ids", "positions")
 # Sizing compiles skip GEMM autotuning on GPU: the memory plan does not depend on the GEMM algorithms, and
-# autotuning is most of an FP8 step's compile time (65 s of 70 at batch 4 on an H200)
+# autotuning is most of a step's compile time. These options override the step's own (compilation.py: jit's
+# options first, then these, in one dict)
 SIZING_OPTIONS_GPU = {"xla_gpu_autotune_level": 0}
 
 
