@@ -184,14 +184,15 @@ def _matmul_t_kernel(dy_ref, codes_ref, absmax_ref, *refs, block_n, block_bytes,
     dx_odd_ref[...] = acc_odd.astype(dx_odd_ref.dtype)
 
 
-def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, transpose, stacked, row_scaled):
+def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, transpose, stacked, row_scaled,
+                    column_axis):
     """W tile [bn, 2 * block_bytes] in memory order: the planes go to even/odd columns, either interleaved in
     registers and stored contiguously (`interleave`), or by two strided stores; `transpose`: the Wᵀ tile, whose
     even / odd rows are the planes.
     `stacked`: codes_ref spans every layer of a stack and the first of `refs` holds the layer to read;
     `row_scaled`: each row's block scales are divided by that row's entry of the next ref (FP8's power of two)."""
     layer_ref, row_ref, lut_ref, w_ref = _optional_refs(refs, stacked, 1, row_scaled)
-    j = pl.program_id(1)
+    j = pl.program_id(column_axis)
     codes = _at_layer(codes_ref, layer_ref, (slice(None), slice(None)))
     scale = _tile_scale(absmax_ref, layer_ref, j * block_bytes, slice(None), block_bytes, row_ref)
     w_hi, w_lo = _planes(codes, scale, w_ref.dtype, lut_ref)
@@ -374,10 +375,10 @@ def nf4_matmul_dx(dy: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: 
     return dx.reshape(*lead, k)
 
 
-def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, block_n: int = 128,
-                   block_bytes: int = 64, num_warps: int = 8, lut: str = "gather", interleave: bool = True,
+def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, block_n: int = 64,
+                   block_bytes: int = 64, num_warps: int = 4, lut: str = "gather", interleave: bool = True,
                    transpose: bool = False, layer: jax.Array | None = None, row_scale: jax.Array | None = None,
-                   interpret: bool = False) -> jax.Array:
+                   columns_first: bool = True, interpret: bool = False) -> jax.Array:
     """W [N, K] (or Wᵀ [K, N] with `transpose`) in dtype from NF4 codes and float32 absmax (for "dequantize,
     then cuBLAS"; float8 dtypes give the FP8 path its operand, Wᵀ the K-major one its input gradient needs).
 
@@ -385,9 +386,13 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
     layer scan a slice of the stack handed to a custom call is a copy of the whole weight's codes (`absmax`
     then either this layer's [N, K/64] or the prepared stack [layers, K/64, N]). `row_scale` [N] (or [layers, N]
     with `layer`): W's rows divided by it, as `NF4[code] * (absmax / row_scale)` (FP8's power-of-two scales).
+    `columns_first`: consecutive programs take consecutive tiles along a row of codes (the launch grid's fastest
+    axis), so the programs in flight read and write whole rows, instead of one tile column down all rows.
 
-    Defaults from benchmarks/results/2026-11-22-dense-step-round2-h200.md: planes interleaved in registers and
-    stored contiguously run 1.4-1.5x faster than two strided stores on the 8B shapes."""
+    Defaults from benchmarks/results/2026-11-22-dense-step-round2-h200.md (planes interleaved in registers and
+    stored contiguously: 1.4-1.5x faster than two strided stores on the 8B shapes) and
+    2026-11-24-dequant-launch-order-h200.md (64-row tiles, 4 warps, launched along rows of codes: gate/up 5-13%
+    faster than 128-row tiles launched down columns)."""
     n, k = _check(codes, absmax, layer=layer)
     half = k // 2
     tiles = _fit(MatmulTiles(block_n=block_n, block_bytes=block_bytes), n, half, "k")
@@ -395,25 +400,28 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
     lut_specs, lut_args = _lut_args(lut)
     layer_specs, layer_args = _layer_args(layer)
     scales = _scales_operand(absmax)
+    # index maps take (row block i, byte block j) whichever grid axis varies fastest
+    grid, ij = ((half // bb, n // bn), lambda f: lambda j, i: f(i, j)) if columns_first else (
+        (n // bn, half // bb), lambda f: f)
     row_specs, row_args = [], []
     if row_scale is not None:
         allowed = [(n,)] + ([(codes.shape[0], n)] if layer is not None else [])
         if tuple(row_scale.shape) not in allowed:
             raise ValueError(f"row_scale must be [N] (or [layers, N] with a layer) for N={n}, got {row_scale.shape}")
-        row_specs, row_args = [_spec(row_scale, (bn,), lambda i, j: (i,))], [row_scale]
+        row_specs, row_args = [_spec(row_scale, (bn,), ij(lambda i, j: (i,)))], [row_scale]
     return pl.pallas_call(
         functools.partial(_dequant_kernel, block_bytes=bb, interleave=interleave, transpose=transpose,
-                          stacked=layer is not None, row_scaled=bool(row_args)),
-        grid=(n // bn, half // bb),
+                          stacked=layer is not None, row_scaled=bool(row_args), column_axis=0 if columns_first else 1),
+        grid=grid,
         in_specs=[
-            _spec(codes, (bn, bb), lambda i, j: (i, j)),
-            _spec(scales, (k // BLOCK, bn), lambda i, j: (0, i)),
+            _spec(codes, (bn, bb), ij(lambda i, j: (i, j))),
+            _spec(scales, (k // BLOCK, bn), ij(lambda i, j: (0, i))),
             *layer_specs,
             *row_specs,
             *lut_specs,
         ],
-        out_specs=(pl.BlockSpec((2 * bb, bn), lambda i, j: (j, i)) if transpose
-                   else pl.BlockSpec((bn, 2 * bb), lambda i, j: (i, j))),
+        out_specs=(pl.BlockSpec((2 * bb, bn), ij(lambda i, j: (j, i))) if transpose
+                   else pl.BlockSpec((bn, 2 * bb), ij(lambda i, j: (i, j)))),
         out_shape=jax.ShapeDtypeStruct((k, n) if transpose else (n, k), dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,

@@ -113,12 +113,16 @@ def test_bf16_inputs_and_leading_axes():
 
 @pytest.mark.parametrize("lut", ["gather", "select"])
 @pytest.mark.parametrize("transpose", [False, True])
-def test_dequant_kernel_is_bitwise_the_bnb_dequantization(lut, transpose):
+@pytest.mark.parametrize("columns_first", [False, True])
+def test_dequant_kernel_is_bitwise_the_bnb_dequantization(lut, transpose, columns_first):
+    """Either launch order, 64- and 128-row tiles, N not a multiple of 128 (tiles shrink) and K of 9 blocks."""
     q, codes, absmax = quantized(192, 576, seed=1)
     for dtype in (jnp.float32, jnp.bfloat16):
-        got = nf4_dequantize(codes, absmax, dtype, lut=lut, transpose=transpose, interpret=True)
         want = np.asarray(nf4.dequantize(q, dtype))
-        np.testing.assert_array_equal(np.asarray(got), want.T if transpose else want)
+        for block_n in (64, 128):
+            got = nf4_dequantize(codes, absmax, dtype, lut=lut, transpose=transpose, block_n=block_n,
+                                 columns_first=columns_first, interpret=True)
+            np.testing.assert_array_equal(np.asarray(got), want.T if transpose else want)
 
 
 def stacked_weights(n, k, layers=3):
@@ -238,7 +242,9 @@ def test_kernels_lower_for_cuda(cuda_export, m, n, k):
             assert cuda_export(lambda x, c, a: nf4_matmul_forward(x, c, a, tiles=tiles), x, codes, absmax).count(
                 f"@{CUSTOM_CALL}(") == 1
     for lut in ("gather", "select"):
-        assert cuda_export(lambda c, a: nf4_dequantize(c, a, lut=lut), codes, absmax).count(f"@{CUSTOM_CALL}(") == 1
+        for columns_first in (False, True):
+            text = cuda_export(lambda c, a: nf4_dequantize(c, a, lut=lut, columns_first=columns_first), codes, absmax)
+            assert text.count(f"@{CUSTOM_CALL}(") == 1
     stack, layer = jax.ShapeDtypeStruct((32, n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((), jnp.int32)
     prepared, rows = jax.ShapeDtypeStruct((32, k // 64, n), jnp.float32), jax.ShapeDtypeStruct((32, n), jnp.float32)
     for dtype, transpose in ((jnp.bfloat16, False), (jnp.float8_e4m3fn, True)):
