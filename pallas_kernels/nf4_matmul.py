@@ -400,28 +400,28 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
     lut_specs, lut_args = _lut_args(lut)
     layer_specs, layer_args = _layer_args(layer)
     scales = _scales_operand(absmax)
-    # index maps take (row block i, byte block j) whichever grid axis varies fastest
-    grid, ij = ((half // bb, n // bn), lambda f: lambda j, i: f(i, j)) if columns_first else (
+    # the index maps below take (row block i, byte block j); `by_tile` adapts them to the grid's axis order
+    grid, by_tile = ((half // bb, n // bn), lambda f: lambda j, i: f(i, j)) if columns_first else (
         (n // bn, half // bb), lambda f: f)
     row_specs, row_args = [], []
     if row_scale is not None:
         allowed = [(n,)] + ([(codes.shape[0], n)] if layer is not None else [])
         if tuple(row_scale.shape) not in allowed:
             raise ValueError(f"row_scale must be [N] (or [layers, N] with a layer) for N={n}, got {row_scale.shape}")
-        row_specs, row_args = [_spec(row_scale, (bn,), ij(lambda i, j: (i,)))], [row_scale]
+        row_specs, row_args = [_spec(row_scale, (bn,), by_tile(lambda i, j: (i,)))], [row_scale]
     return pl.pallas_call(
         functools.partial(_dequant_kernel, block_bytes=bb, interleave=interleave, transpose=transpose,
                           stacked=layer is not None, row_scaled=bool(row_args), column_axis=0 if columns_first else 1),
         grid=grid,
         in_specs=[
-            _spec(codes, (bn, bb), ij(lambda i, j: (i, j))),
-            _spec(scales, (k // BLOCK, bn), ij(lambda i, j: (0, i))),
+            _spec(codes, (bn, bb), by_tile(lambda i, j: (i, j))),
+            _spec(scales, (k // BLOCK, bn), by_tile(lambda i, j: (0, i))),
             *layer_specs,
             *row_specs,
             *lut_specs,
         ],
-        out_specs=(pl.BlockSpec((2 * bb, bn), ij(lambda i, j: (j, i))) if transpose
-                   else pl.BlockSpec((bn, 2 * bb), ij(lambda i, j: (i, j)))),
+        out_specs=(pl.BlockSpec((2 * bb, bn), by_tile(lambda i, j: (j, i))) if transpose
+                   else pl.BlockSpec((bn, 2 * bb), by_tile(lambda i, j: (i, j)))),
         out_shape=jax.ShapeDtypeStruct((k, n) if transpose else (n, k), dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,

@@ -153,7 +153,8 @@ def test_dequant_kernel_reads_one_layer_of_a_stack(dtype, transpose):
 
 
 @pytest.mark.parametrize("transpose", [False, True])
-def test_dequant_kernel_divides_rows_by_fp8_scales(transpose):
+@pytest.mark.parametrize("columns_first", [False, True])
+def test_dequant_kernel_divides_rows_by_fp8_scales(transpose, columns_first):
     """`row_scale` (per row, or a stack per layer) divides each row as bnb's float32 NF4[code] * absmax / scale
     rounded once to e4m3: bitwise the numpy float64 value rounded the same way (powers of two divide exactly)."""
     stack, absmax, prepared = stacked_weights(128, 192)
@@ -163,9 +164,9 @@ def test_dequant_kernel_divides_rows_by_fp8_scales(transpose):
         w = numpy_weight(stack[layer], absmax[layer]) / np.asarray(rows[layer], np.float64)[:, None]
         want = np.asarray(jnp.asarray(w.T if transpose else w, jnp.float32).astype(e4m3)).view(np.uint8)
         own = nf4_dequantize(stack[layer], absmax[layer], e4m3, transpose=transpose, row_scale=rows[layer],
-                             interpret=True)
+                             columns_first=columns_first, interpret=True)
         in_place = nf4_dequantize(stack, prepared, e4m3, transpose=transpose, layer=jnp.int32(layer),
-                                  row_scale=rows, interpret=True)
+                                  row_scale=rows, columns_first=columns_first, interpret=True)
         np.testing.assert_array_equal(np.asarray(own).view(np.uint8), want)
         np.testing.assert_array_equal(np.asarray(in_place).view(np.uint8), want)
     with pytest.raises(ValueError, match="row_scale"):
