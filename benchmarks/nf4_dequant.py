@@ -37,16 +37,13 @@ VARIANTS = {  # name: nf4_dequantize keyword arguments
     "n256b64w8-interleave-select": dict(block_n=256, block_bytes=64, num_warps=8, interleave=True, lut="select"),
     "n64b64w2-interleave": dict(block_n=64, block_bytes=64, num_warps=2, interleave=True),
     "n32b64w4-interleave": dict(block_n=32, block_bytes=64, num_warps=4, interleave=True),
-    # the same tiles launched along rows of codes first (`columns_first`)
-    "n128b64w8-interleave-cols": dict(block_n=128, block_bytes=64, num_warps=8, interleave=True, columns_first=True),
-    "n64b64w4-interleave-cols": dict(block_n=64, block_bytes=64, num_warps=4, interleave=True, columns_first=True),
-    "n256b64w8-interleave-cols": dict(block_n=256, block_bytes=64, num_warps=8, interleave=True, columns_first=True),
-    "n128b64w4-interleave-cols": dict(block_n=128, block_bytes=64, num_warps=4, interleave=True, columns_first=True),
-    "n64b64w2-interleave-cols": dict(block_n=64, block_bytes=64, num_warps=2, interleave=True, columns_first=True),
-    "n32b64w4-interleave-cols": dict(block_n=32, block_bytes=64, num_warps=4, interleave=True, columns_first=True),
 }
-# names without "-cols": launched down columns of tiles (the kernel's default before 2026-11-24)
-VARIANTS = {k: v if "columns_first" in v else dict(v, columns_first=False) for k, v in VARIANTS.items()}
+# names without "-cols": launched down columns of tiles (the kernel's default before 2026-11-24); "-cols": the same
+# tiles launched along rows of codes first (`columns_first`, the default now with n64b64w4)
+VARIANTS = {k: dict(v, columns_first=False) for k, v in VARIANTS.items()} | {
+    f"{k}-cols": dict(VARIANTS[k], columns_first=True) for k in (
+        "n128b64w8-interleave", "n64b64w4-interleave", "n256b64w8-interleave", "n128b64w4-interleave",
+        "n64b64w2-interleave", "n32b64w4-interleave")}
 DTYPES = {"bf16": jnp.bfloat16, "e4m3": jnp.float8_e4m3fn}
 
 
