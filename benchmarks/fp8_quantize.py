@@ -2,11 +2,10 @@
 
 Run on the GPU machine from the repository root:
     PYTHONPATH=. python3 benchmarks/fp8_quantize.py [--tokens 2048,8192]
-Per [tokens, K] bf16 operand (K = 1024 v's output gradient, 4096 the hidden size, 14336 the MLP width) and with
-or without a per-column factor (an output gradient times the weight's row scales) it prints one JSON line: µs
-per call of XLA's quantizer (`quantize_rows_reference`: a row reduction, then the cast), of the kernel in each
-launch configuration, the kernel's HBM traffic rate (one bf16 read, one e4m3 write), and whether the kernel's
-bytes equal XLA's.
+Per [tokens, K] bf16 operand (K = 1024 v's output gradient, 4096 the hidden size, 14336 the MLP width) it
+prints one JSON line: µs per call of XLA's quantizer (`quantize_rows_reference`: a row reduction, then the cast),
+of the kernel in each launch configuration, the kernel's HBM traffic rate (one bf16 read, one e4m3 write), and
+whether the kernel's bytes equal XLA's.
 """
 
 from __future__ import annotations
@@ -46,27 +45,22 @@ def main() -> None:
     args = ap.parse_args()
     for m in (int(t) for t in args.tokens.split(",")):
         for k in (1024, 4096, 14336):
-            for with_cols in (False, True):
-                rng = np.random.default_rng(k)
-                a = jnp.asarray(rng.standard_normal((m, k)) * np.exp(rng.uniform(-3, 3, (m, 1))), jnp.bfloat16)
-                cols = (jnp.asarray(np.exp2(rng.integers(-3, 4, k)), jnp.bfloat16),) if with_cols else ()
-                row = {"tokens": m, "k": k, "col_scale": with_cols,
-                       "xla_us": round(time_us(quantize_rows_reference, a, *cols), 1)}
-                q_ref, s_ref = jax.jit(quantize_rows_reference)(a, *cols)
-                for chunk, elements, warps in CONFIGS:
-                    def op(a, *c, chunk=chunk, elements=elements, warps=warps):
-                        return quantize_rows(a, *c, max_chunk=chunk, max_elements=elements, num_warps=warps)
+            rng = np.random.default_rng(k)
+            a = jnp.asarray(rng.standard_normal((m, k)) * np.exp(rng.uniform(-3, 3, (m, 1))), jnp.bfloat16)
+            row = {"tokens": m, "k": k, "xla_us": round(time_us(quantize_rows_reference, a), 1)}
+            q_ref, s_ref = jax.jit(quantize_rows_reference)(a)
+            for chunk, elements, warps in CONFIGS:
+                def op(a, chunk=chunk, elements=elements, warps=warps):
+                    return quantize_rows(a, max_chunk=chunk, max_elements=elements, num_warps=warps)
 
-                    name = f"kernel_c{chunk}e{elements}w{warps}"
-                    row[name + "_us"] = round(time_us(op, a, *cols), 1)
-                    q, s = jax.jit(op)(a, *cols)
-                    row[name + "_equal"] = bool(np.array_equal(np.asarray(q).view(np.uint8),
-                                                               np.asarray(q_ref).view(np.uint8))
-                                                and np.array_equal(np.asarray(s), np.asarray(s_ref)))
-                best = min(v for key, v in row.items() if key.startswith("kernel") and key.endswith("_us"))
-                row["kernel_best_gb_s"] = round(m * k * 3 / best / 1e3, 1)
-                print(json.dumps(row), flush=True)
-
+                name = f"kernel_c{chunk}e{elements}w{warps}"
+                row[name + "_us"] = round(time_us(op, a), 1)
+                q, s = jax.jit(op)(a)
+                row[name + "_equal"] = bool(np.array_equal(np.asarray(q).view(np.uint8), np.asarray(q_ref).view(np.uint8))
+                                            and np.array_equal(np.asarray(s), np.asarray(s_ref)))
+            best = min(v for key, v in row.items() if key.startswith("kernel") and key.endswith("_us"))
+            row["kernel_best_gb_s"] = round(m * k * 3 / best / 1e3, 1)
+            print(json.dumps(row), flush=True)
 
 if __name__ == "__main__":
     main()

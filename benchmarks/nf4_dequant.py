@@ -44,6 +44,10 @@ VARIANTS = {k: dict(v, columns_first=False) for k, v in VARIANTS.items()} | {
     f"{k}-cols": dict(VARIANTS[k], columns_first=True) for k in (
         "n128b64w8-interleave", "n64b64w4-interleave", "n256b64w8-interleave", "n128b64w4-interleave",
         "n64b64w2-interleave", "n32b64w4-interleave")}
+# e4m3 only: each (row, block)'s 16 values rounded once into a byte table, code bytes turned into output bytes by
+# byte permutes (the FP8 path's default since 2026-11-24)
+E4M3_VARIANTS = {"n64b64w4-permute": dict(block_n=64, block_bytes=64, num_warps=4, permute=True),
+                 "n64b64w8-permute": dict(block_n=64, block_bytes=64, num_warps=8, permute=True)}
 DTYPES = {"bf16": jnp.bfloat16, "e4m3": jnp.float8_e4m3fn}
 
 
@@ -54,7 +58,8 @@ def main() -> None:
     ap.add_argument("--variants", help="comma-separated subset of the variant names")
     args = ap.parse_args()
     dtype, transpose = DTYPES[args.dtype], args.transpose
-    variants = {k: v for k, v in VARIANTS.items() if not args.variants or k in args.variants.split(",")}
+    candidates = VARIANTS | (E4M3_VARIANTS if args.dtype == "e4m3" else {})
+    variants = {k: v for k, v in candidates.items() if not args.variants or k in args.variants.split(",")}
     print(json.dumps({"device": jax.local_devices()[0].device_kind, "jax": jax.__version__, "dtype": args.dtype,
                       "transpose": transpose}), flush=True)
     rng = np.random.default_rng(0)

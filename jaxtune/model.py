@@ -384,7 +384,7 @@ class CausalLM(nnx.Module):
 OFFLOAD_MLP_TOKEN_TILE = 16384
 
 # variables the layer scan keeps whole (read at the layer's index in place) instead of slicing per layer
-WHOLE_IN_LAYER_SCAN = ("codes", "kernel_absmax", "fp8_scale")
+WHOLE_IN_LAYER_SCAN = ("codes", "kernel_absmax", "fp8_scale", "fp8_block_scale")
 
 # What the "selective" policy keeps per layer: every projection output but down_proj's (whose only user is the
 # residual add), the attention output and its logsumexp, LoRA's rank-r hidden. The backward pass then

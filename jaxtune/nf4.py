@@ -70,9 +70,10 @@ class NF4Weight:
     layer: jax.Array | None = None
     # prepared for the Pallas kernels once per call, outside the layer scan (`ops.prepare_kernel_scales`), and
     # stacked like the codes: the block scales in the kernels' layout [layers, K/64, N] and, for FP8, each row's
-    # power-of-two scale [layers, N]
+    # power-of-two scale [layers, N] and each input block's [layers, K/64]
     kernel_absmax: jax.Array | None = None
     fp8_scale: jax.Array | None = None
+    fp8_block_scale: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:

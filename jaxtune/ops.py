@@ -221,23 +221,46 @@ def _pow2_row_scale(absmax: jax.Array) -> jax.Array:
     return pow2_scale(jnp.max(absmax, axis=-1), E4M3)
 
 
+def _pow2_block_scale(absmax: jax.Array) -> jax.Array:
+    """The power-of-two scale per 64-block of input columns [..., in / 64] that brings the block's largest |w|
+    over all rows (its largest absmax down the rows) to e4m3's range: Wᵀ's scales along its output axis."""
+    from pallas_kernels.fp8_quantize import E4M3, pow2_scale
+
+    return pow2_scale(jnp.max(absmax, axis=-2), E4M3)
+
+
+def _at_weight_layer(prepared: jax.Array, weight) -> jax.Array:
+    """A prepared stack's entry for this weight (the whole array when the weight is not a layer of a stack)."""
+    return prepared if weight.layer is None else jax.lax.dynamic_index_in_dim(prepared, weight.layer, keepdims=False)
+
+
 def _fp8_row_scale(weight, absmax: jax.Array | None = None) -> jax.Array:
     """This weight's FP8 row scales [out]: its layer's prepared ones, else from its absmax."""
     if weight.fp8_scale is not None:
-        return weight.fp8_scale if weight.layer is None else jax.lax.dynamic_index_in_dim(
-            weight.fp8_scale, weight.layer, keepdims=False)
+        return _at_weight_layer(weight.fp8_scale, weight)
     return _pow2_row_scale(_kernel_absmax(weight) if absmax is None else absmax)
 
 
-def prepare_kernel_scales(weight, fp8: bool) -> tuple[jax.Array, jax.Array | None]:
+def _fp8_block_scale(weight, absmax: jax.Array | None = None) -> jax.Array:
+    """This weight's FP8 scales per 64-block of input columns [in / 64]: its layer's prepared ones, else from its
+    absmax."""
+    if weight.fp8_block_scale is not None:
+        return _at_weight_layer(weight.fp8_block_scale, weight)
+    return _pow2_block_scale(_kernel_absmax(weight) if absmax is None else absmax)
+
+
+def prepare_kernel_scales(weight, fp8: bool) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """What the Pallas kernels read of a stack of NF4 weights, for all layers at once: the block scales
-    [..., in / 64, out] (the kernels' layout) and, for FP8, each row's power-of-two scale [..., out]. Inside the
-    layer scan each is a small fusion (and a row reduction) per projection, layer and pass, ~900 per 8B step."""
+    [..., in / 64, out] (the kernels' layout) and, for FP8, each row's power-of-two scale [..., out] (W's, for
+    the forward) and each input block's [..., in / 64] (Wᵀ's, for the input gradient). Inside the layer scan each
+    is a small fusion (and a reduction) per projection, layer and pass, ~900 per 8B step."""
     from jaxtune.nf4 import dequantize_absmax
 
     n, k = weight.shape
     absmax = dequantize_absmax(weight).reshape(*jnp.shape(weight.codes)[:-2], n, k // 64)
-    return jnp.swapaxes(absmax, -1, -2), (_pow2_row_scale(absmax) if fp8 else None)
+    if not fp8:
+        return jnp.swapaxes(absmax, -1, -2), None, None
+    return jnp.swapaxes(absmax, -1, -2), _pow2_row_scale(absmax), _pow2_block_scale(absmax)
 
 
 def kernels_read_prepared_scales() -> bool:
@@ -246,32 +269,42 @@ def kernels_read_prepared_scales() -> bool:
     return current_mesh() is None and dispatch.nf4_impl(1) != "xla"
 
 
-def _with_codes(weight, kernel, *args: jax.Array, fp8_rows: bool = False) -> jax.Array:
-    """kernel(*args, codes, absmax[, layer=][, row_scale=]) for a Pallas kernel: a layer of a stack is read in
-    place from the stack, with its prepared scales when the weight carries them (a slice handed to a custom
-    call would be a copy of the layer's codes); on a mesh the weight's own codes are gathered whole on every
-    device first. `fp8_rows`: the kernel also takes FP8's row scales."""
+# FP8 weight scales a kernel may take: the keyword it takes them by, the prepared stack, this weight's own
+_FP8_SCALES = {
+    "rows": ("row_scale", lambda w: w.fp8_scale, _fp8_row_scale),
+    "blocks": ("block_scale", lambda w: w.fp8_block_scale, _fp8_block_scale),
+}
+
+
+def _with_codes(weight, kernel, *args: jax.Array, fp8_scales: str | None = None) -> jax.Array:
+    """kernel(*args, codes, absmax[, layer=][, row_scale= | block_scale=]) for a Pallas kernel: a layer of a stack
+    is read in place from the stack, with its prepared scales when the weight carries them (a slice handed to a
+    custom call would be a copy of the layer's codes); on a mesh the weight's own codes are gathered whole on
+    every device first. `fp8_scales` ("rows" / "blocks"): the kernel also takes FP8's scales of that kind."""
+    keyword, prepared, own_scales = _FP8_SCALES[fp8_scales] if fp8_scales else (None, None, None)
     if weight.layer is not None and current_mesh() is None:
         absmax = weight.kernel_absmax if weight.kernel_absmax is not None else _kernel_absmax(weight)
-        rows = {}
-        if fp8_rows:  # the prepared stack as it is, else this layer's own
-            rows["row_scale"] = weight.fp8_scale if weight.fp8_scale is not None else _fp8_row_scale(weight)
-        return kernel(*args, jnp.asarray(weight.codes), absmax, layer=weight.layer, **rows)
+        scales = {}
+        if keyword:  # the prepared stack as it is, else this layer's own
+            scales[keyword] = prepared(weight) if prepared(weight) is not None else own_scales(weight)
+        return kernel(*args, jnp.asarray(weight.codes), absmax, layer=weight.layer, **scales)
     absmax = _kernel_absmax(weight)
-    if not fp8_rows:
+    if not keyword:
         return _replicated(kernel, *args, weight.own_codes(), absmax)
-    own = lambda *a: kernel(*a[:-1], row_scale=a[-1])  # noqa: E731
-    return _replicated(own, *args, weight.own_codes(), absmax, _fp8_row_scale(weight, absmax))
+    own = lambda *a: kernel(*a[:-1], **{keyword: a[-1]})  # noqa: E731
+    return _replicated(own, *args, weight.own_codes(), absmax, own_scales(weight, absmax))
 
 
-def _dequantized(weight, dtype, interpret: bool, transpose: bool = False, fp8_rows: bool = False):
-    """W (or Wᵀ) in dtype by the Pallas dequant kernel (`fp8_rows`: each row divided by its FP8 scale)."""
+def _dequantized(weight, dtype, interpret: bool, transpose: bool = False, fp8_scales: str | None = None,
+                 permute: bool = False):
+    """W (or Wᵀ) in dtype by the Pallas dequant kernel (`fp8_scales`: divided by FP8's scales of that kind;
+    `permute`: e4m3 W by the kernel's byte-permute path)."""
     from pallas_kernels.nf4_matmul import nf4_dequantize
 
     def dequant(codes, absmax, **kw):
-        return nf4_dequantize(codes, absmax, dtype, transpose=transpose, interpret=interpret, **kw)
+        return nf4_dequantize(codes, absmax, dtype, transpose=transpose, permute=permute, interpret=interpret, **kw)
 
-    return _with_codes(weight, dequant, fp8_rows=fp8_rows)
+    return _with_codes(weight, dequant, fp8_scales=fp8_scales)
 
 
 def _rows(a: jax.Array) -> int:
@@ -356,19 +389,34 @@ def frozen_compute_mode() -> str:
 FP8_GRAD_FORMAT = "e4m3"
 
 
-def _fp8_weight(weight, kernel: bool, interpret: bool, transpose: bool = False) -> tuple[jax.Array, jax.Array]:
+def _fp8_weight(weight, kernel: bool, interpret: bool) -> tuple[jax.Array, jax.Array]:
     """(wq e4m3 [out, in], scale float32 [out]): W ≈ wq * scale per output row, the scale the power of two
     that brings the row's largest |w| (its largest NF4 absmax) to e4m3's range. One rounding of bnb's
-    float32 value NF4[code] * absmax; on GPU by the Pallas NF4 dequant kernel writing e4m3 directly.
-    `transpose`: wq as [in, out] (K-major for the input gradient's GEMM), written so by the kernel."""
+    float32 value NF4[code] * absmax; on GPU by the Pallas NF4 dequant kernel writing e4m3 directly."""
     from jaxtune.nf4 import dequantize
     from pallas_kernels.fp8_quantize import E4M3
 
     scale = _fp8_row_scale(weight)
     if kernel:
-        return _dequantized(weight, E4M3, interpret, transpose=transpose, fp8_rows=True), scale
-    wq = (dequantize(weight, jnp.float32) / scale[:, None]).astype(E4M3)
-    return (wq.T if transpose else wq), scale
+        return _dequantized(weight, E4M3, interpret, fp8_scales="rows", permute=True), scale
+    return (dequantize(weight, jnp.float32) / scale[:, None]).astype(E4M3), scale
+
+
+def _fp8_weight_t(weight, kernel: bool, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """(wtq e4m3 [in, out], scale float32 [in]): Wᵀ ≈ wtq * scale per row of Wᵀ (K-major for the input
+    gradient's GEMM, written so by the kernel), the scale constant over each 64-block of W's input columns: the
+    power of two that brings the block's largest absmax down all rows to e4m3's range. The scale then multiplies
+    the GEMM's output columns, so the output gradient is quantized as it is (no factor along the contraction).
+    The values are those of the forward's `_fp8_weight` (powers of two commute with the rounding) wherever
+    both land in e4m3's normal range, i.e. for rows whose absmax is within ~2^10 of the block's largest."""
+    from jaxtune.nf4 import dequantize
+    from pallas_kernels.fp8_quantize import E4M3
+
+    blocks = _fp8_block_scale(weight)
+    scale = jnp.broadcast_to(blocks[:, None], (blocks.shape[0], 64)).reshape(-1)
+    if kernel:
+        return _dequantized(weight, E4M3, interpret, transpose=True, fp8_scales="blocks", permute=True), scale
+    return (dequantize(weight, jnp.float32) / scale[None, :]).astype(E4M3).T, scale
 
 
 def _fp8_gemm(aq, a_scale, bq, b_scale, out_dtype, impl: str, interpret: bool):
@@ -385,17 +433,16 @@ def _fp8_gemm(aq, a_scale, bq, b_scale, out_dtype, impl: str, interpret: bool):
     return fp8.fp8_matmul_reference(aq, a_scale, bq, b_scale[:, None], out_dtype)
 
 
-def _fp8_quantize_rows(a, col_scale, fmt: str, impl: str, interpret: bool):
-    """(aq, scale [..., 1]): a (times col_scale per column) in FP8 with a power-of-two scale per row. Off the
-    XLA reference path, one Pallas pass per tensor (pallas_kernels/fp8_quantize.py) instead of XLA's row
-    reduction fused into a's producer plus a separate cast pass; the same bits either way."""
+def _fp8_quantize_rows(a, fmt: str, impl: str, interpret: bool):
+    """(aq, scale [..., 1]): a in FP8 with a power-of-two scale per row. Off the XLA reference path, one Pallas
+    pass per tensor (pallas_kernels/fp8_quantize.py) instead of XLA's row reduction fused into a's producer plus a
+    separate cast pass; the same bits either way."""
     from pallas_kernels import fp8_quantize
 
     if impl == "xla":
-        return fp8_quantize.quantize_rows_reference(a, col_scale, fmt)
-    cols = () if col_scale is None else (col_scale,)
-    quantize = lambda a, *c: fp8_quantize.quantize_rows(a, *c, fmt=fmt, interpret=interpret)  # noqa: E731
-    return _per_batch_shard_with(quantize, (a,), cols)
+        return fp8_quantize.quantize_rows_reference(a, fmt)
+    quantize = lambda a: fp8_quantize.quantize_rows(a, fmt=fmt, interpret=interpret)  # noqa: E731
+    return _per_batch_shard_with(quantize, (a,), ())
 
 
 def _fp8_input(x: jax.Array, impl: str, interpret: bool) -> tuple[jax.Array, jax.Array]:
@@ -405,7 +452,7 @@ def _fp8_input(x: jax.Array, impl: str, interpret: bool) -> tuple[jax.Array, jax
     for a, quantized in seen or ():
         if a is x:
             return quantized
-    quantized = _fp8_quantize_rows(jax.lax.stop_gradient(x), None, "e4m3", impl, interpret)
+    quantized = _fp8_quantize_rows(jax.lax.stop_gradient(x), "e4m3", impl, interpret)
     if seen is not None:
         seen.append((x, quantized))
     return quantized
@@ -426,13 +473,11 @@ def _fp8_nf4_matmul_fwd(x, xq, x_scale, weight, impl, interpret):
 def _fp8_nf4_matmul_bwd(impl, interpret, weight, dy):
     from pallas_kernels.fp8_quantize import E4M3
 
-    wtq, w_scale = _fp8_weight(weight, impl != "xla", interpret, transpose=True)
-    # dx = dy @ W = (dy * w_scale) @ wq: the weight's row scales fold into the output gradient before it is
-    # quantized per row, so the backward GEMM reads the forward's e4m3 values (transposed: K-major)
-    # the row scales are powers of two: exact in bf16, which the quantizer reads at half the bytes
-    gq, g_scale = _fp8_quantize_rows(dy, w_scale.astype(jnp.bfloat16), FP8_GRAD_FORMAT, impl, interpret)
-    ones = jnp.ones((wtq.shape[0],), jnp.float32)
-    dx = _fp8_gemm(gq, g_scale, wtq, ones, dy.dtype, impl, interpret)
+    # dx = dy @ W = (dy quantized per row) @ (Wᵀ quantized per input block)ᵀ: both scales sit outside the
+    # contraction, so they multiply dx's rows and columns after the GEMM
+    wtq, wt_scale = _fp8_weight_t(weight, impl != "xla", interpret)
+    gq, g_scale = _fp8_quantize_rows(dy, FP8_GRAD_FORMAT, impl, interpret)
+    dx = _fp8_gemm(gq, g_scale, wtq, wt_scale, dy.dtype, impl, interpret)
     # xq and its scales come from x through stop_gradient: their cotangents are dropped
     rows = dy.shape[:-1]
     return (dx, jnp.zeros((*rows, dx.shape[-1]), E4M3), jnp.zeros((*rows, 1), jnp.float32),

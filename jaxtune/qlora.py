@@ -42,18 +42,21 @@ class NF4Linear(nnx.Module):
         self.bias = None if bias is None else nnx.Param(bias)
         self.kernel_absmax: KernelScales | None = nnx.data(None)
         self.fp8_scale: KernelScales | None = nnx.data(None)
+        self.fp8_block_scale: KernelScales | None = nnx.data(None)
 
     def prepare_kernel_scales(self, fp8: bool) -> None:
         """Computes the kernels' scales of every layer at once (`ops.prepare_kernel_scales`); call it on a copy
         of the model made inside the traced function, never on the caller's model."""
-        absmax, row_scale = ops.prepare_kernel_scales(self._arrays(), fp8)
+        absmax, row_scale, block_scale = ops.prepare_kernel_scales(self._arrays(), fp8)
         self.kernel_absmax = KernelScales(absmax)
         self.fp8_scale = None if row_scale is None else KernelScales(row_scale)
+        self.fp8_block_scale = None if block_scale is None else KernelScales(block_scale)
 
     def _arrays(self, layer: jax.Array | None = None) -> nf4.NF4Weight:
         prepared = lambda v: None if v is None else v[...]  # noqa: E731
         return nf4.NF4Weight(self.codes[...], self.absmax_codes[...], self.nested_absmax[...], self.offset[...],
-                             self.nested_map[...], layer, prepared(self.kernel_absmax), prepared(self.fp8_scale))
+                             self.nested_map[...], layer, prepared(self.kernel_absmax), prepared(self.fp8_scale),
+                             prepared(self.fp8_block_scale))
 
     @property
     def weight_nf4(self) -> nf4.NF4Weight:

@@ -4,8 +4,7 @@ An FP8 GEMM's activation or output-gradient operand is quantized with one power-
 row's absolute maximum picks the scale, then every value is divided by it and rounded. Left to XLA that is a
 row reduction fused into the tensor's producer (a multi-output reduction fusion, measured much slower than the
 plain elementwise producer) and a second pass that reads the tensor again to cast it. The kernel here reads each
-bf16 row once, keeps it in registers while it takes the maximum, and writes e4m3 and the row's scale, optionally
-multiplying each column by a factor first (the weight's row scales folded into an output gradient).
+bf16 row once, keeps it in registers while it takes the maximum, and writes e4m3 and the row's scale.
 
 Scales are exact powers of two, so a / scale is exact and the only rounding is the cast to FP8 (round to
 nearest even). They are computed from exponent bits: the smallest 2^e >= amax / max_finite, where every FP8
@@ -89,27 +88,20 @@ def dequantize_blocks(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.
     return blocks.reshape(q.shape).astype(dtype)
 
 
-def quantize_rows_reference(a: jax.Array, col_scale: jax.Array | None = None,
-                            fmt: str = "e4m3") -> tuple[jax.Array, jax.Array]:
-    """quantize_blocks(a * col_scale, None, fmt), products in float32."""
-    if col_scale is not None:
-        a = a.astype(jnp.float32) * col_scale.astype(jnp.float32)
+def quantize_rows_reference(a: jax.Array, fmt: str = "e4m3") -> tuple[jax.Array, jax.Array]:
+    """quantize_blocks(a, None, fmt): one power-of-two scale per row."""
     return quantize_blocks(a, None, fmt)
 
 
 # --------------------------------------------------------------------------------------------- kernel
 
 
-def _kernel(x_ref, *refs, chunk: int, fmax: float, dtype):
+def _kernel(x_ref, q_ref, s_ref, *, chunk: int, fmax: float, dtype):
     """A block of rows, read once: the chunks' loads are unrolled (all in flight together) and kept in
     registers for the rows' |max|, then scaled, rounded and written."""
-    col_ref, q_ref, s_ref = refs if len(refs) == 3 else (None, *refs)
     rows, k = x_ref.shape
     starts = range(0, k, chunk)
-    values = []
-    for k0 in starts:
-        v = x_ref[:, k0:k0 + chunk].astype(jnp.float32)
-        values.append(v if col_ref is None else v * col_ref[:, k0:k0 + chunk].astype(jnp.float32))
+    values = [x_ref[:, k0:k0 + chunk].astype(jnp.float32) for k0 in starts]
     amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v), axis=1) for v in values])
     scale, inverse = _pow2_scale_and_inverse(amax, dtype)
     for k0, v in zip(starts, values):
@@ -124,36 +116,30 @@ def _largest_power_of_two_dividing(n: int, limit: int) -> int:
     return p
 
 
-def quantize_rows(a: jax.Array, col_scale: jax.Array | None = None, fmt: str = "e4m3", *,
+def quantize_rows(a: jax.Array, fmt: str = "e4m3", *,
                   max_chunk: int = 2048, max_elements: int = 16384, num_warps: int = 8,
                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(aq [..., K] float8, scale [..., 1] float32) = `quantize_rows_reference(a, col_scale, fmt)`, bit for bit.
+    """(aq [..., K] float8, scale [..., 1] float32) = `quantize_rows_reference(a, fmt)`, bit for bit.
 
-    `col_scale` (float32 or bfloat16) is read in its own dtype: powers of two, as the weight's row scales are,
-    are exact in bfloat16 at half the bytes. K must be a multiple of 16. A program takes whole rows, as many as
+    K must be a multiple of 16. A program takes whole rows, as many as
     fit `max_elements` (a power of two dividing the row count, at least one), loaded in chunks of a power of two
     dividing K."""
     dtype = fp8_dtype(fmt)
     lead, k = a.shape[:-1], a.shape[-1]
     if k % 16:
         raise ValueError(f"quantize_rows needs the last axis a multiple of 16, got {k}")
-    if col_scale is not None and col_scale.shape != (k,):
-        raise ValueError(f"col_scale must be [{k}], got {col_scale.shape}")
     a2 = a.reshape(-1, k)
     m = a2.shape[0]
     chunk = _largest_power_of_two_dividing(k, max_chunk)
     rows = _largest_power_of_two_dividing(m, max(1, max_elements // k))
-    col_specs, col_args = [], []
-    if col_scale is not None:
-        col_specs, col_args = [pl.BlockSpec((1, k), lambda i: (0, 0))], [col_scale[None]]
     q, scale = pl.pallas_call(
         functools.partial(_kernel, chunk=chunk, fmax=float(jnp.finfo(dtype).max), dtype=dtype),
         grid=(m // rows,),
-        in_specs=[pl.BlockSpec((rows, k), lambda i: (i, 0)), *col_specs],
+        in_specs=[pl.BlockSpec((rows, k), lambda i: (i, 0))],
         out_specs=(pl.BlockSpec((rows, k), lambda i: (i, 0)), pl.BlockSpec((rows, 1), lambda i: (i, 0))),
         out_shape=(jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((m, 1), jnp.float32)),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="fp8_quantize_rows",
-    )(a2, *col_args)
+    )(a2)
     return q.reshape(a.shape), scale.reshape(*lead, 1)

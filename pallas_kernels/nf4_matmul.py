@@ -100,45 +100,118 @@ def _planes(codes: jax.Array, scale: jax.Array, dtype, lut_ref) -> tuple[jax.Arr
     return (hi * scale).astype(dtype), (lo * scale).astype(dtype)
 
 
+# e4m3 W by byte permutes: the 16 e4m3 values NF4[c] * scale of a (row, 64-block) are 16 bytes in 4 registers, and
+# PTX `prmt` picks 4 bytes of 8 by a selector of 4 nibbles, so 2 code bytes (4 values) become their 4 output bytes,
+# in memory order, in 5 integer ops and 3 permutes instead of 4 table loads, multiplies and roundings
+_E4M3_BY_PERMUTE_PTX = """{
+.reg .b32 s, t, s7, s2, lo, hi;
+shr.b32 t, $1, 4;
+and.b32 t, t, 0x0F0F;
+and.b32 s, $1, 0x0F0F;
+shl.b32 s, s, 4;
+or.b32 s, s, t;
+and.b32 s7, s, 0x7777;
+prmt.b32 lo, $2, $3, s7;
+prmt.b32 hi, $4, $5, s7;
+and.b32 s2, s, 0x8888;
+shr.b32 s2, s2, 1;
+add.u32 s2, s2, 0x3210;
+prmt.b32 $0, lo, hi, s2;
+}"""
+
+
+def _prmt(a: jax.Array, b: jax.Array, selector: jax.Array) -> jax.Array:
+    """PTX `prmt.b32` (default mode, selector nibbles below 8): byte i of the result is byte (nibble i of the
+    selector) of the 8 bytes of b:a. The interpreter's stand-in for the instruction."""
+    out = jnp.zeros_like(a)
+    for i in range(4):
+        index = (selector >> (4 * i)) & 7
+        byte = jnp.zeros_like(a)
+        for j in range(8):
+            byte = jnp.where(index == j, ((a if j < 4 else b) >> (8 * (j % 4))) & 0xFF, byte)
+        out = out | (byte << (8 * i))
+    return out
+
+
+def _e4m3_by_permute(codes16: jax.Array, table: tuple, interpret: bool) -> jax.Array:
+    """uint32 words of 4 e4m3 values in memory order from uint32 holding 2 code bytes each (low 16 bits) and the
+    4 table words of each element's (row, block); the PTX above on a GPU, the same steps in jnp when interpreted."""
+    if not interpret:  # declared int32: Triton takes signless integer results only
+        [out] = pltriton.elementwise_inline_asm(
+            _E4M3_BY_PERMUTE_PTX, args=[codes16, *table], constraints="=r,r,r,r,r,r", pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(codes16.shape, jnp.int32)])
+        return jax.lax.bitcast_convert_type(out, jnp.uint32)
+    selector = ((codes16 & 0x0F0F) << 4) | ((codes16 >> 4) & 0x0F0F)  # nibbles hi0, lo0, hi1, lo1
+    lo = _prmt(table[0], table[1], selector & 0x7777)
+    hi = _prmt(table[2], table[3], selector & 0x7777)
+    return _prmt(lo, hi, ((selector & 0x8888) >> 1) + 0x3210)
+
+
+def _e4m3_table(scale: jax.Array) -> tuple:
+    """The 4 uint32 words whose bytes are e4m3(NF4[c] * scale) for c = 0..15 (scale float32, any shape): the
+    rounding the other paths do per value, done 16 times per (row, block)."""
+    words = []
+    for w in range(4):
+        word = None
+        for b in range(4):
+            value = (jnp.float32(NF4_VALUES[4 * w + b]) * scale).astype(jnp.float8_e4m3fn)
+            byte = jax.lax.bitcast_convert_type(value, jnp.uint8).astype(jnp.uint32) << (8 * b)
+            word = byte if word is None else word | byte
+        words.append(word)
+    return tuple(words)
+
+
 def _at_layer(ref, layer_ref, index: tuple) -> jax.Array:
     """ref[index], or for a ref with one more (leading, layer) axis than `index` covers, ref[layer, *index]."""
     return ref[index] if len(ref.shape) == len(index) else ref[(layer_ref[0], *index)]
 
 
-def _tile_scale(absmax_ref, layer_ref, byte0, rows: pl.Slice | slice, block_bytes: int, row_ref=None) -> jax.Array:
+def _tile_scale(absmax_ref, layer_ref, byte0, rows: pl.Slice | slice, block_bytes: int, row_ref=None,
+                block_ref=None) -> jax.Array:
     """Per-(row, byte) float32 scale of the code tile starting at byte `byte0` (absmax_ref is [K/64, N], or a
     stack [layers, K/64, N] read at layer_ref[0]); with row_ref ([N] or [layers, N]) each row's scales divided by
-    its entry (before the broadcast over the tile's bytes: one division per row and block)."""
+    its entry, with block_ref ([K/64] or [layers, K/64]) each 64-block's by its entry (before the broadcast over
+    the tile's bytes: one division per row and block)."""
     divisor = None if row_ref is None else _at_layer(row_ref, layer_ref, (rows,)).astype(jnp.float32)
 
     def scales(block):
         s = _at_layer(absmax_ref, layer_ref, (block, rows))
-        return s if divisor is None else s / divisor
+        s = s if divisor is None else s / divisor
+        return s if block_ref is None else s / _at_layer(block_ref, layer_ref, (block,))
 
-    first = scales(byte0 // _BYTES_PER_BLOCK)
-    if block_bytes == _BYTES_PER_BLOCK:
-        return first[:, None]
-    second = scales(byte0 // _BYTES_PER_BLOCK + 1)
-    col = jnp.arange(block_bytes)[None, :]
-    return jnp.where(col < _BYTES_PER_BLOCK, first[:, None], second[:, None])
+    return _by_block([scales(byte0 // _BYTES_PER_BLOCK + b) for b in range(block_bytes // _BYTES_PER_BLOCK)],
+                     block_bytes)
+
+
+def _by_block(per_block: list, width: int) -> jax.Array:
+    """[rows, 1] values per 64-block of a tile row (one or two [rows] arrays) spread over the tile's `width`
+    columns (one block: [rows, 1], broadcast by the caller)."""
+    if len(per_block) == 1:
+        return per_block[0][:, None]
+    col = jnp.arange(width)[None, :]
+    return jnp.where(col < width // 2, per_block[0][:, None], per_block[1][:, None])
 
 
 # ---------------------------------------------------------------------------------------------- kernels
 
 
-def _optional_refs(refs: tuple, stacked: bool, outputs: int, row_scaled: bool = False) -> tuple:
-    """(layer_ref, row_scale_ref, lut_ref, *output refs) from what follows codes and absmax: the layer when
-    `stacked`, the row scales when `row_scaled`, the NF4 table when the call passed one (None when absent)."""
+def _optional_refs(refs: tuple, stacked: bool, outputs: int, row_scaled: bool = False,
+                   block_scaled: bool = False) -> tuple:
+    """(layer_ref, row_scale_ref, block_scale_ref, lut_ref, *output refs) from what follows codes and absmax: the
+    layer when `stacked`, the row scales when `row_scaled`, the 64-block scales when `block_scaled`, the NF4 table
+    when the call passed one (None when absent)."""
     layer_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
     row_ref, refs = (refs[0], refs[1:]) if row_scaled else (None, refs)
-    return (layer_ref, row_ref, *refs) if len(refs) > outputs else (layer_ref, row_ref, None, *refs)
+    block_ref, refs = (refs[0], refs[1:]) if block_scaled else (None, refs)
+    lut_ref, refs = (refs[0], refs[1:]) if len(refs) > outputs else (None, refs)
+    return (layer_ref, row_ref, block_ref, lut_ref, *refs)
 
 
 def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps, stacked, gemv):
     """y tile [bm, bn] (+= over this program's share of K) = x_even @ W_hiᵀ + x_odd @ W_loᵀ (`gemv`: products
     accumulated elementwise in float32 over the steps, no tensor-core dot, and summed over the tile's bytes once
     at the end: a sum per step costs a cross-thread reduction per step)."""
-    layer_ref, _, lut_ref, y_ref = _optional_refs(refs, stacked, 1)
+    layer_ref, _, _, lut_ref, y_ref = _optional_refs(refs, stacked, 1)
     s = pl.program_id(2)
     bm, bn = y_ref.shape
     rows = slice(None)
@@ -162,7 +235,7 @@ def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps
 
 def _matmul_t_kernel(dy_ref, codes_ref, absmax_ref, *refs, block_n, block_bytes, steps, stacked):
     """dx tiles [bm, block_bytes] of the even and odd columns: dy @ W_hi and dy @ W_lo over N."""
-    layer_ref, _, lut_ref, dx_even_ref, dx_odd_ref = _optional_refs(refs, stacked, 2)
+    layer_ref, _, _, lut_ref, dx_even_ref, dx_odd_ref = _optional_refs(refs, stacked, 2)
     j = pl.program_id(1)
     s = pl.program_id(2)
     bm = dy_ref.shape[0]
@@ -185,16 +258,17 @@ def _matmul_t_kernel(dy_ref, codes_ref, absmax_ref, *refs, block_n, block_bytes,
 
 
 def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, transpose, stacked, row_scaled,
-                    column_axis):
+                    block_scaled, column_axis):
     """W tile [bn, 2 * block_bytes] in memory order: the planes go to even/odd columns, either interleaved in
     registers and stored contiguously (`interleave`), or by two strided stores; `transpose`: the Wᵀ tile, whose
     even / odd rows are the planes.
     `stacked`: codes_ref spans every layer of a stack and the first of `refs` holds the layer to read;
-    `row_scaled`: each row's block scales are divided by that row's entry of the next ref (FP8's power of two)."""
-    layer_ref, row_ref, lut_ref, w_ref = _optional_refs(refs, stacked, 1, row_scaled)
+    `row_scaled`: each row's block scales are divided by that row's entry of the next ref (FP8's power of two);
+    `block_scaled`: each 64-block's by its entry of the ref after that (FP8's scales per input block, for Wᵀ)."""
+    layer_ref, row_ref, block_ref, lut_ref, w_ref = _optional_refs(refs, stacked, 1, row_scaled, block_scaled)
     j = pl.program_id(column_axis)
     codes = _at_layer(codes_ref, layer_ref, (slice(None), slice(None)))
-    scale = _tile_scale(absmax_ref, layer_ref, j * block_bytes, slice(None), block_bytes, row_ref)
+    scale = _tile_scale(absmax_ref, layer_ref, j * block_bytes, slice(None), block_bytes, row_ref, block_ref)
     w_hi, w_lo = _planes(codes, scale, w_ref.dtype, lut_ref)
     if transpose:  # each plane's transpose to the even / odd rows: no interleave before the transpose (e4m3
         # alone 1.1-1.5x faster, in the training step the same: benchmarks/results/2026-11-23-stacked-codes-h200.md)
@@ -205,6 +279,33 @@ def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, trans
     else:
         w_ref[:, pl.ds(0, block_bytes, stride=2)] = w_hi
         w_ref[:, pl.ds(1, block_bytes, stride=2)] = w_lo
+
+
+def _dequant_e4m3_kernel(codes_ref, absmax_ref, *refs, block_bytes, stacked, row_scaled, block_scaled,
+                         column_axis, transpose, interpret):
+    """e4m3 W tile in memory order as uint32 words [bn, block_bytes / 2], each from one uint16 of codes (2 code
+    bytes): a 16-entry byte table per (row, block) and byte permutes (`_e4m3_by_permute`). `transpose`: the Wᵀ
+    tile [2 * block_bytes, bn] of bytes instead, byte j of every word going to the rows j, j + 4, ..."""
+    layer_ref, row_ref, block_ref, _, w_ref = _optional_refs(refs, stacked, 1, row_scaled, block_scaled)
+    j = pl.program_id(column_axis)
+    codes16 = _at_layer(codes_ref, layer_ref, (slice(None), slice(None))).astype(jnp.uint32)
+    divisor = None if row_ref is None else _at_layer(row_ref, layer_ref, (slice(None),)).astype(jnp.float32)
+    tables = []
+    for b in range(block_bytes // _BYTES_PER_BLOCK):
+        block = j * (block_bytes // _BYTES_PER_BLOCK) + b
+        s = _at_layer(absmax_ref, layer_ref, (block, slice(None)))
+        s = s if divisor is None else s / divisor
+        s = s if block_ref is None else s / _at_layer(block_ref, layer_ref, (block,))
+        tables.append(_e4m3_table(s))
+    width = codes16.shape[1]
+    table = tuple(jnp.broadcast_to(_by_block([t[w] for t in tables], width), codes16.shape) for w in range(4))
+    words = _e4m3_by_permute(codes16, table, interpret)
+    if not transpose:
+        w_ref[...] = words
+        return
+    for byte in range(4):
+        plane = ((words >> (8 * byte)) & 0xFF).astype(jnp.uint8)
+        w_ref[pl.ds(byte, width, stride=4), :] = plane.T
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
@@ -378,16 +479,21 @@ def nf4_matmul_dx(dy: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: 
 def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, block_n: int = 64,
                    block_bytes: int = 64, num_warps: int = 4, lut: str = "gather", interleave: bool = True,
                    transpose: bool = False, layer: jax.Array | None = None, row_scale: jax.Array | None = None,
-                   columns_first: bool = True, interpret: bool = False) -> jax.Array:
+                   block_scale: jax.Array | None = None, columns_first: bool = True, permute: bool = False,
+                   interpret: bool = False) -> jax.Array:
     """W [N, K] (or Wᵀ [K, N] with `transpose`) in dtype from NF4 codes and float32 absmax (for "dequantize,
     then cuBLAS"; float8 dtypes give the FP8 path its operand, Wᵀ the K-major one its input gradient needs).
 
     With `layer` (an int32 scalar), `codes` is a stack [layers, N, K/2] read in place at that layer: inside a
     layer scan a slice of the stack handed to a custom call is a copy of the whole weight's codes (`absmax`
     then either this layer's [N, K/64] or the prepared stack [layers, K/64, N]). `row_scale` [N] (or [layers, N]
-    with `layer`): W's rows divided by it, as `NF4[code] * (absmax / row_scale)` (FP8's power-of-two scales).
+    with `layer`): W's rows divided by it, as `NF4[code] * (absmax / row_scale)` (FP8's power-of-two scales);
+    `block_scale` [K/64] (or [layers, K/64]): each 64-block of W's columns divided by its entry the same way (FP8's
+    scales per input block, which leave Wᵀ's contraction axis unscaled).
     `columns_first`: consecutive programs take consecutive tiles along a row of codes (the launch grid's fastest
     axis), so the programs in flight read and write whole rows, instead of one tile column down all rows.
+    `permute` (e4m3 W only): each (row, block)'s 16 possible e4m3 values are rounded once into a byte table and
+    every pair of code bytes becomes 4 output bytes by byte permutes (`_e4m3_by_permute`); the same bits.
 
     Defaults from benchmarks/results/2026-11-22-dense-step-round2-h200.md (planes interleaved in registers and
     stored contiguously: 1.4-1.5x faster than two strided stores on the 8B shapes) and
@@ -409,15 +515,50 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
         if tuple(row_scale.shape) not in allowed:
             raise ValueError(f"row_scale must be [N] (or [layers, N] with a layer) for N={n}, got {row_scale.shape}")
         row_specs, row_args = [_spec(row_scale, (bn,), by_tile(lambda i, j: (i,)))], [row_scale]
+    if permute and jnp.dtype(dtype) != jnp.float8_e4m3fn:
+        raise ValueError(f"permute writes e4m3 through byte tables: dtype must be float8_e4m3fn, got {dtype}")
+    block_specs, block_args = [], []
+    if block_scale is not None:
+        allowed = [(k // BLOCK,)] + ([(codes.shape[0], k // BLOCK)] if layer is not None else [])
+        if tuple(block_scale.shape) not in allowed:
+            raise ValueError(f"block_scale must be [K/{BLOCK}] (or [layers, K/{BLOCK}] with a layer) for K={k}, "
+                             f"got {block_scale.shape}")
+        block_specs, block_args = [_spec(block_scale, (k // BLOCK,), lambda *g: (0,))], [block_scale]
+    if permute:
+        codes16 = jax.lax.bitcast_convert_type(codes.reshape(*codes.shape[:-1], half // 2, 2), jnp.uint16)
+        words = pl.pallas_call(
+            functools.partial(_dequant_e4m3_kernel, block_bytes=bb, stacked=layer is not None,
+                              row_scaled=bool(row_args), block_scaled=bool(block_args),
+                              column_axis=0 if columns_first else 1, transpose=transpose, interpret=interpret),
+            grid=grid,
+            in_specs=[
+                _spec(codes16, (bn, bb // 2), by_tile(lambda i, j: (i, j))),
+                _spec(scales, (k // BLOCK, bn), by_tile(lambda i, j: (0, i))),
+                *layer_specs,
+                *row_specs,
+                *block_specs,
+            ],
+            out_specs=(pl.BlockSpec((2 * bb, bn), by_tile(lambda i, j: (j, i))) if transpose
+                       else pl.BlockSpec((bn, bb // 2), by_tile(lambda i, j: (i, j)))),
+            out_shape=(jax.ShapeDtypeStruct((k, n), jnp.uint8) if transpose
+                       else jax.ShapeDtypeStruct((n, k // 4), jnp.uint32)),
+            compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+            interpret=interpret,
+            name="nf4_dequantize_e4m3",
+        )(codes16, scales, *layer_args, *row_args, *block_args)
+        raw = words if transpose else jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(n, k)
+        return jax.lax.bitcast_convert_type(raw, jnp.float8_e4m3fn)
     return pl.pallas_call(
         functools.partial(_dequant_kernel, block_bytes=bb, interleave=interleave, transpose=transpose,
-                          stacked=layer is not None, row_scaled=bool(row_args), column_axis=0 if columns_first else 1),
+                          stacked=layer is not None, row_scaled=bool(row_args), block_scaled=bool(block_args),
+                          column_axis=0 if columns_first else 1),
         grid=grid,
         in_specs=[
             _spec(codes, (bn, bb), by_tile(lambda i, j: (i, j))),
             _spec(scales, (k // BLOCK, bn), by_tile(lambda i, j: (0, i))),
             *layer_specs,
             *row_specs,
+            *block_specs,
             *lut_specs,
         ],
         out_specs=(pl.BlockSpec((2 * bb, bn), by_tile(lambda i, j: (j, i))) if transpose
@@ -426,7 +567,7 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="nf4_dequantize",
-    )(codes, scales, *layer_args, *row_args, *lut_args)
+    )(codes, scales, *layer_args, *row_args, *block_args, *lut_args)
 
 
 # ------------------------------------------------------------------------------------------ custom VJP

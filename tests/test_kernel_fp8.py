@@ -90,22 +90,18 @@ def rows_to_quantize(m: int, k: int, seed: int) -> np.ndarray:
 
 @pytest.mark.parametrize("m, k", [(1, 64), (5, 192), (12, 576), (40, 1040), (16, 4096), (3, 14336)])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("with_cols", [False, True])
-def test_row_quantize_kernel_rounds_like_ml_dtypes(m, k, fmt, with_cols):
+def test_row_quantize_kernel_rounds_like_ml_dtypes(m, k, fmt):
     """The one-pass Pallas quantizer (interpret mode) against float64 numpy and ml_dtypes' rounding, bit for bit,
-    on ragged row counts and widths that no power of two covers; with a per-column factor (an output gradient
-    times the weight's row scales) the product is formed in float32 first, as the GEMM's operand is."""
+    on ragged row counts and widths that no power of two covers."""
     a = rows_to_quantize(m, k, seed=m * k)
-    cols = np.exp2(np.random.default_rng(k).integers(-3, 4, k)).astype(np.float32) if with_cols else None
-    col_dtype = jnp.bfloat16 if k % 3 == 0 else jnp.float32  # both are read as given (powers of two: exact)
     lead = (m,) if m % 2 else (2, m // 2)  # leading axes are kept
     x = jnp.asarray(a, jnp.bfloat16).reshape(*lead, k)
-    q, scale = quantize_rows(x, None if cols is None else jnp.asarray(cols, col_dtype), fmt, interpret=True)
+    q, scale = quantize_rows(x, fmt, interpret=True)
     assert q.shape == (*lead, k) and scale.shape == (*lead, 1)
-    q_ref, scale_ref = numpy_quantize(a.astype(np.float64) * (1.0 if cols is None else cols), None, fmt)
+    q_ref, scale_ref = numpy_quantize(a.astype(np.float64), None, fmt)
     np.testing.assert_array_equal(np.asarray(scale, np.float64).reshape(m, 1), scale_ref)
     np.testing.assert_array_equal(np.asarray(q).reshape(m, k).view(np.uint8), q_ref.view(np.uint8))
-    q_jnp, scale_jnp = quantize_rows_reference(x, None if cols is None else jnp.asarray(cols), fmt)
+    q_jnp, scale_jnp = quantize_rows_reference(x, fmt)
     np.testing.assert_array_equal(np.asarray(q_jnp).view(np.uint8), np.asarray(q).view(np.uint8))
     np.testing.assert_array_equal(np.asarray(scale_jnp), np.asarray(scale))
 
@@ -113,8 +109,6 @@ def test_row_quantize_kernel_rounds_like_ml_dtypes(m, k, fmt, with_cols):
 def test_row_quantize_refusals():
     with pytest.raises(ValueError, match="multiple of 16"):
         quantize_rows(jnp.ones((4, 72)), interpret=True)
-    with pytest.raises(ValueError, match="col_scale"):
-        quantize_rows(jnp.ones((4, 64)), jnp.ones((32,)), interpret=True)
     with pytest.raises(ValueError, match="FP8 format"):
         quantize_rows(jnp.ones((4, 64)), fmt="e3m4", interpret=True)
 
@@ -169,16 +163,38 @@ def numpy_weight(q) -> np.ndarray:
     return nf4.NF4_CODE.astype(np.float64)[idx] * np.repeat(absmax, 64, axis=1)
 
 
-@pytest.mark.parametrize("transpose", [False, True])
-def test_nf4_to_e4m3_weight_kernel_is_one_rounding_of_the_bnb_value(transpose):
+def numpy_absmax(q) -> np.ndarray:
+    return np.asarray(nf4.dequantize_absmax(q), np.float64).reshape(q.shape[0], -1)
+
+
+def numpy_input_block_scale(q) -> np.ndarray:
+    """float64 [in]: per 64-block of W's input columns, the power of two bringing the block's largest absmax down
+    all rows to e4m3's range (the scale of Wᵀ's rows in the input gradient)."""
+    return np.repeat(numpy_pow2_scale(numpy_absmax(q).max(0), 448.0), 64)
+
+
+def test_nf4_to_e4m3_weight_kernel_is_one_rounding_of_the_bnb_value():
+    """W for the forward (rows scaled by their largest absmax) and Wᵀ for the input gradient (input blocks
+    scaled by theirs), kernel and reference: bitwise bnb's value / scale rounded once by ml_dtypes; Wᵀ's values
+    times their scale equal W's times theirs wherever both are normal e4m3 numbers."""
     q = quantized(192, 576, seed=3)
     w = numpy_weight(q)
-    scale = 2.0 ** np.ceil(np.log2(np.abs(w).max(1) / 448.0))  # per output row
-    expect = (w.astype(np.float32) / scale[:, None]).astype(ml_dtypes.float8_e4m3fn)
+    row_scale = numpy_pow2_scale(numpy_absmax(q).max(1), 448.0)
+    block_scale = numpy_input_block_scale(q)
+    expect = (w.astype(np.float32) / row_scale[:, None]).astype(ml_dtypes.float8_e4m3fn)
+    expect_t = (w.astype(np.float32) / block_scale[None, :]).astype(ml_dtypes.float8_e4m3fn).T
     for kernel in (True, False):
-        wq, s = ops._fp8_weight(q, kernel, interpret=True, transpose=transpose)
-        np.testing.assert_array_equal(np.asarray(s, np.float64), scale)
-        np.testing.assert_array_equal(np.asarray(wq).view(np.uint8), (expect.T if transpose else expect).view(np.uint8))
+        wq, s = ops._fp8_weight(q, kernel, interpret=True)
+        np.testing.assert_array_equal(np.asarray(s, np.float64), row_scale)
+        np.testing.assert_array_equal(np.asarray(wq).view(np.uint8), expect.view(np.uint8))
+        wtq, t = ops._fp8_weight_t(q, kernel, interpret=True)
+        np.testing.assert_array_equal(np.asarray(t, np.float64), block_scale)
+        np.testing.assert_array_equal(np.asarray(wtq).view(np.uint8), expect_t.view(np.uint8))
+    tiny = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).smallest_normal)
+    fwd, bwd = expect.astype(np.float64), expect_t.T.astype(np.float64)
+    normal = (np.abs(fwd) >= tiny) & (np.abs(bwd) >= tiny)
+    assert normal.mean() > 0.9
+    np.testing.assert_array_equal((fwd * row_scale[:, None])[normal], (bwd * block_scale[None, :])[normal])
 
 
 def fp8_projection(q, x: np.ndarray, dy: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
@@ -197,13 +213,16 @@ def fp8_projection(q, x: np.ndarray, dy: np.ndarray, mode: str) -> tuple[np.ndar
 
 
 def numpy_fp8_projection(q, x: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float64 numpy: y = quant(x) @ quant(W)ᵀ, dx = quant(dy * s_w) @ quant(W), per-row power-of-two scales."""
+    """float64 numpy: y = quant(x) @ quant(W)ᵀ with power-of-two scales per row of x and of W; dx = quant(dy) @
+    quant(W) with power-of-two scales per row of dy and per 64-block of W's input columns."""
     w = numpy_weight(q)
-    w_scale = 2.0 ** np.ceil(np.log2(np.abs(w).max(1) / 448.0))
+    w_scale = numpy_pow2_scale(numpy_absmax(q).max(1), 448.0)
     wq = (w.astype(np.float32) / w_scale[:, None]).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    t_scale = numpy_input_block_scale(q)
+    wtq = (w.astype(np.float32) / t_scale[None, :]).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
     xq, x_scale = numpy_quantize(np.asarray(x, np.float32), None, "e4m3")
-    gq, g_scale = numpy_quantize(np.asarray(dy, np.float64) * w_scale, None, "e4m3")
-    return (xq.astype(np.float64) @ wq.T) * x_scale * w_scale, (gq.astype(np.float64) @ wq) * g_scale
+    gq, g_scale = numpy_quantize(np.asarray(dy, np.float64), None, "e4m3")
+    return (xq.astype(np.float64) @ wq.T) * x_scale * w_scale, (gq.astype(np.float64) @ wtq) * g_scale * t_scale
 
 
 @pytest.mark.parametrize("mode", ["xla", "pallas-interpret"])
@@ -235,9 +254,8 @@ def test_fp8_kernels_lower_for_cuda(cuda_export, m, n, k):
         text = cuda_export(lambda c, a: nf4_dequantize(c, a, f8, transpose=transpose),
                            S((n, k // 2), jnp.uint8), S((n, k // 64), f32))
         assert text.count(f"@{CUSTOM_CALL}(") == 1
-    for cols in ((), (S((k,), f32),), (S((k,), jnp.bfloat16),)):
-        text = cuda_export(lambda a, *c: quantize_rows(a, *c), S((m, k), jnp.bfloat16), *cols)
-        assert text.count(f"@{CUSTOM_CALL}(") == 1
+    text = cuda_export(quantize_rows, S((m, k), jnp.bfloat16))
+    assert text.count(f"@{CUSTOM_CALL}(") == 1
 
 
 ROWS = [{"messages": [{"role": "user", "content": f"hello {i}"},
@@ -302,16 +320,12 @@ def test_fp8_on_gpu_matches_float64_of_the_quantized_operands(mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, k", [(2048, 14336), (300, 4096), (8, 1024)])
 def test_row_quantizer_on_gpu_rounds_like_ml_dtypes(m, k):
-    """The compiled kernel (not the interpreter) against float64 numpy and ml_dtypes, bit for bit, with and without
-    the bf16 column factor the input gradient passes."""
+    """The compiled kernel (not the interpreter) against float64 numpy and ml_dtypes, bit for bit."""
     a = rows_to_quantize(m, k, seed=k)
-    cols = np.exp2(np.random.default_rng(m).integers(-3, 4, k)).astype(np.float32)
-    for factor in (None, cols):
-        q, scale = jax.jit(lambda x, *c: quantize_rows(x, *c))(
-            jnp.asarray(a, jnp.bfloat16), *(() if factor is None else (jnp.asarray(factor, jnp.bfloat16),)))
-        q_ref, scale_ref = numpy_quantize(a.astype(np.float64) * (1.0 if factor is None else factor), None, "e4m3")
-        np.testing.assert_array_equal(np.asarray(scale, np.float64), scale_ref)
-        np.testing.assert_array_equal(np.asarray(q).view(np.uint8), q_ref.view(np.uint8))
+    q, scale = jax.jit(quantize_rows)(jnp.asarray(a, jnp.bfloat16))
+    q_ref, scale_ref = numpy_quantize(a.astype(np.float64), None, "e4m3")
+    np.testing.assert_array_equal(np.asarray(scale, np.float64), scale_ref)
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), q_ref.view(np.uint8))
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.experimental.pallas.triton import CUSTOM_CALL_TARGET_NAME as CUSTOM_CALL
@@ -173,6 +174,54 @@ def test_dequant_kernel_divides_rows_by_fp8_scales(transpose, columns_first):
         nf4_dequantize(stack[0], absmax[0], e4m3, row_scale=rows, interpret=True)
 
 
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("columns_first", [False, True])
+def test_dequant_kernel_divides_column_blocks_by_fp8_scales(transpose, columns_first):
+    """`block_scale` (per 64-block of W's columns, or a stack per layer) divides each block as bnb's float32
+    NF4[code] * absmax / scale rounded once to e4m3: bitwise the numpy float64 value rounded the same way, for a
+    K whose block count is no power of two (576 = 9 blocks)."""
+    stack, absmax, prepared = stacked_weights(128, 576)
+    e4m3 = jnp.float8_e4m3fn
+    blocks = jnp.stack([2.0 ** -np.random.default_rng(i).integers(-12, 4, 9) for i in range(3)]).astype(jnp.float32)
+    for layer in range(3):
+        w = numpy_weight(stack[layer], absmax[layer]) / np.repeat(np.asarray(blocks[layer], np.float64), 64)[None, :]
+        want = np.asarray(jnp.asarray(w.T if transpose else w, jnp.float32).astype(e4m3)).view(np.uint8)
+        own = nf4_dequantize(stack[layer], absmax[layer], e4m3, transpose=transpose, block_scale=blocks[layer],
+                             columns_first=columns_first, interpret=True)
+        in_place = nf4_dequantize(stack, prepared, e4m3, transpose=transpose, layer=jnp.int32(layer),
+                                  block_scale=blocks, columns_first=columns_first, interpret=True)
+        np.testing.assert_array_equal(np.asarray(own).view(np.uint8), want)
+        np.testing.assert_array_equal(np.asarray(in_place).view(np.uint8), want)
+    with pytest.raises(ValueError, match="block_scale"):
+        nf4_dequantize(stack[0], absmax[0], e4m3, block_scale=blocks, interpret=True)
+
+
+@pytest.mark.parametrize("n, k", [(128, 192), (64, 576), (192, 128), (128, 1024)])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_e4m3_by_byte_permutes_is_the_per_value_rounding(n, k, transpose):
+    """The e4m3 path through per-(row, block) byte tables and permutes, W with row scales and Wᵀ with input-block
+    scales (what FP8 runs): bitwise numpy's float64 bnb value (NF4[code] * absmax / scale) rounded once by
+    ml_dtypes, on its own and from a stack, with one and two 64-blocks per tile (K/2 a multiple of 64 or not)."""
+    stack, absmax, prepared = stacked_weights(n, k)
+    e4m3 = jnp.float8_e4m3fn
+    rng = np.random.default_rng(n + k)
+    size, key = (k // 64, "block_scale") if transpose else (n, "row_scale")
+    scales = jnp.asarray(2.0 ** -rng.integers(-12, 4, (3, size)), jnp.float32)
+    for layer in range(3):
+        divisor = np.asarray(scales[layer], np.float64)
+        w = numpy_weight(stack[layer], absmax[layer])
+        w = w / np.repeat(divisor, 64)[None, :] if transpose else w / divisor[:, None]
+        want = (w.T if transpose else w).astype(np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        own = nf4_dequantize(stack[layer], absmax[layer], e4m3, transpose=transpose, permute=True, interpret=True,
+                             **{key: scales[layer]})
+        in_place = nf4_dequantize(stack, prepared, e4m3, layer=jnp.int32(layer), transpose=transpose, permute=True,
+                                  interpret=True, **{key: scales})
+        np.testing.assert_array_equal(np.asarray(own).view(np.uint8), want)
+        np.testing.assert_array_equal(np.asarray(in_place).view(np.uint8), want)
+    with pytest.raises(ValueError, match="permute"):
+        nf4_dequantize(stack[0], absmax[0], jnp.bfloat16, permute=True, interpret=True)
+
+
 @pytest.mark.parametrize("m", [1, 7, 64])
 def test_fused_kernels_read_one_layer_of_a_stack(m):
     """The fused forward and dx kernels with a layer index (own absmax or the prepared stack of scales): bitwise
@@ -253,9 +302,15 @@ def test_kernels_lower_for_cuda(cuda_export, m, n, k):
             text = cuda_export(lambda c, a, i: nf4_dequantize(c, a, dtype, transpose=transpose, layer=i),
                                stack, scales, layer)
             assert text.count(f"@{CUSTOM_CALL}(") == 1
-    text = cuda_export(lambda c, a, i, r: nf4_dequantize(c, a, jnp.float8_e4m3fn, transpose=True, layer=i,
-                                                         row_scale=r), stack, prepared, layer, rows)
-    assert text.count(f"@{CUSTOM_CALL}(") == 1
+    blocks = jax.ShapeDtypeStruct((32, k // 64), jnp.float32)
+    # FP8's operands: W divided by its row scales (forward), Wᵀ by its input blocks' scales (input gradient), by
+    # the per-value path and by byte permutes (inline PTX)
+    for transpose, key, scales in ((False, "row_scale", rows), (True, "block_scale", blocks)):
+        for permute in (False, True):
+            text = cuda_export(lambda c, a, i, s: nf4_dequantize(c, a, jnp.float8_e4m3fn, transpose=transpose, layer=i,
+                                                                 permute=permute, **{key: s}),
+                               stack, prepared, layer, scales)
+            assert text.count(f"@{CUSTOM_CALL}(") == 1 and ("prmt.b32" in text) == permute
     dy = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
     for scales in (absmax, prepared):
         text = cuda_export(lambda x, d, c, a, i: (nf4_matmul_forward(x, c, a, tiles=_kernel_tiles(m, "fwd"), layer=i),
