@@ -493,8 +493,9 @@ def nf4_linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array
     XLA reference: dequantize then dot. On GPU (per `dispatch`) the fused Pallas kernel or the Pallas
     dequant kernel + cuBLAS. Either way the VJP gives dx only (W is frozen) and saves just the 4-bit
     arrays for the backward pass, re-dequantizing there. Under `frozen_compute("fp8")` the forward and the
-    input gradient are FP8 GEMMs (e4m3, power-of-two scales per token row and per weight row; see
-    `_fp8_nf4_matmul`), through cuBLASLt or the Pallas kernel per `dispatch`.
+    input gradient are FP8 GEMMs (e4m3, power-of-two scales per token row and per weight row, or per input
+    block of Wᵀ for the input gradient; see `_fp8_nf4_matmul`), through cuBLASLt or the Pallas kernel per
+    `dispatch`.
     """
     impl = dispatch.nf4_impl(_rows(x))
     if _frozen_compute.get() == "fp8" and _kernel_shaped(weight):
