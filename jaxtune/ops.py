@@ -298,7 +298,7 @@ def _with_codes(weight, kernel, *args: jax.Array, fp8_scales: str | None = None)
 def _dequantized(weight, dtype, interpret: bool, transpose: bool = False, fp8_scales: str | None = None,
                  permute: bool = False):
     """W (or Wᵀ) in dtype by the Pallas dequant kernel (`fp8_scales`: divided by FP8's scales of that kind;
-    `permute`: e4m3 W by the kernel's byte-permute path)."""
+    `permute`: e4m3 W or Wᵀ by the kernel's byte-permute path)."""
     from pallas_kernels.nf4_matmul import nf4_dequantize
 
     def dequant(codes, absmax, **kw):

@@ -100,7 +100,7 @@ def _planes(codes: jax.Array, scale: jax.Array, dtype, lut_ref) -> tuple[jax.Arr
     return (hi * scale).astype(dtype), (lo * scale).astype(dtype)
 
 
-# e4m3 W by byte permutes: the 16 e4m3 values NF4[c] * scale of a (row, 64-block) are 16 bytes in 4 registers, and
+# e4m3 weights by byte permutes: the 16 e4m3 values NF4[c] * scale of a (row, 64-block) are 16 bytes in 4 registers, and
 # PTX `prmt` picks 4 bytes of 8 by a selector of 4 nibbles, so 2 code bytes (4 values) become their 4 output bytes,
 # in memory order, in 5 integer ops and 3 permutes instead of 4 table loads, multiplies and roundings
 _E4M3_BY_PERMUTE_PTX = """{
@@ -166,12 +166,11 @@ def _at_layer(ref, layer_ref, index: tuple) -> jax.Array:
     return ref[index] if len(ref.shape) == len(index) else ref[(layer_ref[0], *index)]
 
 
-def _tile_scale(absmax_ref, layer_ref, byte0, rows: pl.Slice | slice, block_bytes: int, row_ref=None,
-                block_ref=None) -> jax.Array:
-    """Per-(row, byte) float32 scale of the code tile starting at byte `byte0` (absmax_ref is [K/64, N], or a
-    stack [layers, K/64, N] read at layer_ref[0]); with row_ref ([N] or [layers, N]) each row's scales divided by
-    its entry, with block_ref ([K/64] or [layers, K/64]) each 64-block's by its entry (before the broadcast over
-    the tile's bytes: one division per row and block)."""
+def _block_scales(absmax_ref, layer_ref, byte0, rows: pl.Slice | slice, block_bytes: int, row_ref=None,
+                  block_ref=None) -> list:
+    """The float32 scale [rows] of each 64-block (one or two) of the code tile starting at byte `byte0` (absmax_ref
+    is [K/64, N], or a stack [layers, K/64, N] read at layer_ref[0]); with row_ref ([N] or [layers, N]) each row's
+    scales divided by its entry, with block_ref ([K/64] or [layers, K/64]) each block's by its entry."""
     divisor = None if row_ref is None else _at_layer(row_ref, layer_ref, (rows,)).astype(jnp.float32)
 
     def scales(block):
@@ -179,8 +178,14 @@ def _tile_scale(absmax_ref, layer_ref, byte0, rows: pl.Slice | slice, block_byte
         s = s if divisor is None else s / divisor
         return s if block_ref is None else s / _at_layer(block_ref, layer_ref, (block,))
 
-    return _by_block([scales(byte0 // _BYTES_PER_BLOCK + b) for b in range(block_bytes // _BYTES_PER_BLOCK)],
-                     block_bytes)
+    return [scales(byte0 // _BYTES_PER_BLOCK + b) for b in range(block_bytes // _BYTES_PER_BLOCK)]
+
+
+def _tile_scale(absmax_ref, layer_ref, byte0, rows: pl.Slice | slice, block_bytes: int, row_ref=None,
+                block_ref=None) -> jax.Array:
+    """Per-(row, byte) float32 scale of the code tile starting at byte `byte0` (`_block_scales`, divided before the
+    broadcast over the tile's bytes: one division per row and block)."""
+    return _by_block(_block_scales(absmax_ref, layer_ref, byte0, rows, block_bytes, row_ref, block_ref), block_bytes)
 
 
 def _by_block(per_block: list, width: int) -> jax.Array:
@@ -289,14 +294,8 @@ def _dequant_e4m3_kernel(codes_ref, absmax_ref, *refs, block_bytes, stacked, row
     layer_ref, row_ref, block_ref, _, w_ref = _optional_refs(refs, stacked, 1, row_scaled, block_scaled)
     j = pl.program_id(column_axis)
     codes16 = _at_layer(codes_ref, layer_ref, (slice(None), slice(None))).astype(jnp.uint32)
-    divisor = None if row_ref is None else _at_layer(row_ref, layer_ref, (slice(None),)).astype(jnp.float32)
-    tables = []
-    for b in range(block_bytes // _BYTES_PER_BLOCK):
-        block = j * (block_bytes // _BYTES_PER_BLOCK) + b
-        s = _at_layer(absmax_ref, layer_ref, (block, slice(None)))
-        s = s if divisor is None else s / divisor
-        s = s if block_ref is None else s / _at_layer(block_ref, layer_ref, (block,))
-        tables.append(_e4m3_table(s))
+    tables = [_e4m3_table(s) for s in _block_scales(absmax_ref, layer_ref, j * block_bytes, slice(None), block_bytes,
+                                                    row_ref, block_ref)]
     width = codes16.shape[1]
     table = tuple(jnp.broadcast_to(_by_block([t[w] for t in tables], width), codes16.shape) for w in range(4))
     words = _e4m3_by_permute(codes16, table, interpret)
@@ -492,8 +491,10 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
     scales per input block, which leave Wᵀ's contraction axis unscaled).
     `columns_first`: consecutive programs take consecutive tiles along a row of codes (the launch grid's fastest
     axis), so the programs in flight read and write whole rows, instead of one tile column down all rows.
-    `permute` (e4m3 W only): each (row, block)'s 16 possible e4m3 values are rounded once into a byte table and
-    every pair of code bytes becomes 4 output bytes by byte permutes (`_e4m3_by_permute`); the same bits.
+    `permute` (e4m3 only, W or Wᵀ; `lut` and `interleave` do not apply): each (row, block)'s 16 possible e4m3
+    values are rounded once into a byte table and every pair of code bytes becomes 4 output bytes by byte permutes
+    (`_e4m3_by_permute`); the same bits as the per-value path, 1.1-1.2x faster on the 8B shapes
+    (benchmarks/results/2026-11-24-fp8-block-scales-and-permute-h200.md).
 
     Defaults from benchmarks/results/2026-11-22-dense-step-round2-h200.md (planes interleaved in registers and
     stored contiguously: 1.4-1.5x faster than two strided stores on the 8B shapes) and
