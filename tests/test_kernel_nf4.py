@@ -153,71 +153,36 @@ def test_dequant_kernel_reads_one_layer_of_a_stack(dtype, transpose):
         nf4_dequantize(stack, prepared[:, :, :64], layer=jnp.int32(0), interpret=True)
 
 
+@pytest.mark.parametrize("n, k", [(128, 576), (64, 1024)])
+@pytest.mark.parametrize("scaled", ["rows", "blocks"])
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("columns_first", [False, True])
-def test_dequant_kernel_divides_rows_by_fp8_scales(transpose, columns_first):
-    """`row_scale` (per row, or a stack per layer) divides each row as bnb's float32 NF4[code] * absmax / scale
-    rounded once to e4m3: bitwise the numpy float64 value rounded the same way (powers of two divide exactly)."""
-    stack, absmax, prepared = stacked_weights(128, 192)
-    e4m3 = jnp.float8_e4m3fn
-    rows = jnp.stack([2.0 ** -np.random.default_rng(i).integers(-12, 4, 128) for i in range(3)]).astype(jnp.float32)
-    for layer in range(3):
-        w = numpy_weight(stack[layer], absmax[layer]) / np.asarray(rows[layer], np.float64)[:, None]
-        want = np.asarray(jnp.asarray(w.T if transpose else w, jnp.float32).astype(e4m3)).view(np.uint8)
-        own = nf4_dequantize(stack[layer], absmax[layer], e4m3, transpose=transpose, row_scale=rows[layer],
-                             columns_first=columns_first, interpret=True)
-        in_place = nf4_dequantize(stack, prepared, e4m3, transpose=transpose, layer=jnp.int32(layer),
-                                  row_scale=rows, columns_first=columns_first, interpret=True)
-        np.testing.assert_array_equal(np.asarray(own).view(np.uint8), want)
-        np.testing.assert_array_equal(np.asarray(in_place).view(np.uint8), want)
-    with pytest.raises(ValueError, match="row_scale"):
-        nf4_dequantize(stack[0], absmax[0], e4m3, row_scale=rows, interpret=True)
-
-
-@pytest.mark.parametrize("transpose", [False, True])
-@pytest.mark.parametrize("columns_first", [False, True])
-def test_dequant_kernel_divides_column_blocks_by_fp8_scales(transpose, columns_first):
-    """`block_scale` (per 64-block of W's columns, or a stack per layer) divides each block as bnb's float32
-    NF4[code] * absmax / scale rounded once to e4m3: bitwise the numpy float64 value rounded the same way, for a
-    K whose block count is no power of two (576 = 9 blocks)."""
-    stack, absmax, prepared = stacked_weights(128, 576)
-    e4m3 = jnp.float8_e4m3fn
-    blocks = jnp.stack([2.0 ** -np.random.default_rng(i).integers(-12, 4, 9) for i in range(3)]).astype(jnp.float32)
-    for layer in range(3):
-        w = numpy_weight(stack[layer], absmax[layer]) / np.repeat(np.asarray(blocks[layer], np.float64), 64)[None, :]
-        want = np.asarray(jnp.asarray(w.T if transpose else w, jnp.float32).astype(e4m3)).view(np.uint8)
-        own = nf4_dequantize(stack[layer], absmax[layer], e4m3, transpose=transpose, block_scale=blocks[layer],
-                             columns_first=columns_first, interpret=True)
-        in_place = nf4_dequantize(stack, prepared, e4m3, transpose=transpose, layer=jnp.int32(layer),
-                                  block_scale=blocks, columns_first=columns_first, interpret=True)
-        np.testing.assert_array_equal(np.asarray(own).view(np.uint8), want)
-        np.testing.assert_array_equal(np.asarray(in_place).view(np.uint8), want)
-    with pytest.raises(ValueError, match="block_scale"):
-        nf4_dequantize(stack[0], absmax[0], e4m3, block_scale=blocks, interpret=True)
-
-
-@pytest.mark.parametrize("n, k", [(128, 192), (64, 576), (192, 128), (128, 1024)])
-@pytest.mark.parametrize("transpose", [False, True])
-def test_e4m3_by_byte_permutes_is_the_per_value_rounding(n, k, transpose):
-    """The e4m3 path through per-(row, block) byte tables and permutes, W with row scales and Wᵀ with input-block
-    scales (what FP8 runs): bitwise numpy's float64 bnb value (NF4[code] * absmax / scale) rounded once by
-    ml_dtypes, on its own and from a stack, with one and two 64-blocks per tile (K/2 a multiple of 64 or not)."""
+@pytest.mark.parametrize("permute", [False, True])
+def test_dequant_kernel_divides_by_fp8_scales(n, k, scaled, transpose, columns_first, permute):
+    """`row_scale` (per row) or `block_scale` (per 64-block of W's columns), each also as a stack per layer, divide
+    W as bnb's float32 NF4[code] * absmax / scale rounded once to e4m3: bitwise numpy's float64 value rounded by
+    ml_dtypes (powers of two divide exactly), through the per-value path and through byte tables and permutes
+    (`permute`, what FP8 runs), with one 64-block per tile (K/2 = 288) and two (K/2 = 512), 9 and 16 blocks."""
     stack, absmax, prepared = stacked_weights(n, k)
     e4m3 = jnp.float8_e4m3fn
-    rng = np.random.default_rng(n + k)
-    size, key = (k // 64, "block_scale") if transpose else (n, "row_scale")
-    scales = jnp.asarray(2.0 ** -rng.integers(-12, 4, (3, size)), jnp.float32)
+    size, key = (n, "row_scale") if scaled == "rows" else (k // 64, "block_scale")
+    scales = jnp.asarray(2.0 ** -np.random.default_rng(n + k).integers(-12, 4, (3, size)), jnp.float32)
+    kw = dict(transpose=transpose, columns_first=columns_first, permute=permute, interpret=True)
     for layer in range(3):
         divisor = np.asarray(scales[layer], np.float64)
         w = numpy_weight(stack[layer], absmax[layer])
-        w = w / np.repeat(divisor, 64)[None, :] if transpose else w / divisor[:, None]
+        w = w / divisor[:, None] if scaled == "rows" else w / np.repeat(divisor, 64)[None, :]
         want = (w.T if transpose else w).astype(np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-        own = nf4_dequantize(stack[layer], absmax[layer], e4m3, transpose=transpose, permute=True, interpret=True,
-                             **{key: scales[layer]})
-        in_place = nf4_dequantize(stack, prepared, e4m3, layer=jnp.int32(layer), transpose=transpose, permute=True,
-                                  interpret=True, **{key: scales})
+        own = nf4_dequantize(stack[layer], absmax[layer], e4m3, **{key: scales[layer]}, **kw)
+        in_place = nf4_dequantize(stack, prepared, e4m3, layer=jnp.int32(layer), **{key: scales}, **kw)
         np.testing.assert_array_equal(np.asarray(own).view(np.uint8), want)
         np.testing.assert_array_equal(np.asarray(in_place).view(np.uint8), want)
+    with pytest.raises(ValueError, match=key):  # a stack of scales without a layer
+        nf4_dequantize(stack[0], absmax[0], e4m3, **{key: scales}, **kw)
+
+
+def test_byte_permutes_write_e4m3_only():
+    stack, absmax, _ = stacked_weights(64, 128, layers=1)
     with pytest.raises(ValueError, match="permute"):
         nf4_dequantize(stack[0], absmax[0], jnp.bfloat16, permute=True, interpret=True)
 
