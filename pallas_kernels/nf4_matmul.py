@@ -493,7 +493,8 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
     axis), so the programs in flight read and write whole rows, instead of one tile column down all rows.
     `permute` (e4m3 only, W or Wᵀ; `lut` and `interleave` do not apply): each (row, block)'s 16 possible e4m3
     values are rounded once into a byte table and every pair of code bytes becomes 4 output bytes by byte permutes
-    (`_e4m3_by_permute`); the same bits as the per-value path, 1.1-1.2x faster on the 8B shapes
+    (`_e4m3_by_permute`); the same bits as the per-value path, 1.07-1.24x faster on the 8B shapes but for down's
+    Wᵀ (0.97x), and 1.2x for W in the training step
     (benchmarks/results/2026-11-24-fp8-block-scales-and-permute-h200.md).
 
     Defaults from benchmarks/results/2026-11-22-dense-step-round2-h200.md (planes interleaved in registers and
