@@ -213,40 +213,27 @@ def _kernel_absmax(weight) -> jax.Array:
     return dequantize_absmax(weight).reshape(n, k // 64)
 
 
-def _pow2_row_scale(absmax: jax.Array) -> jax.Array:
-    """The power-of-two scale per row [..., out] that brings the row's largest |w| (its largest block absmax,
-    absmax [..., out, in / 64]) to e4m3's range."""
+# FP8's power-of-two weight scales by kind: the NF4Weight field of the prepared stack, the keyword the dequant kernel
+# takes them by, and the axis of absmax [..., out, in / 64] whose maximum they bring to e4m3's range ("rows": W's
+# per output row, for the forward; "blocks": Wᵀ's per 64-block of input columns, for the input gradient)
+_FP8_SCALES = {"rows": ("fp8_scale", "row_scale", -1), "blocks": ("fp8_block_scale", "block_scale", -2)}
+
+
+def _pow2_scales(absmax: jax.Array, kind: str) -> jax.Array:
+    """FP8's scales of `kind` from the block absmax [..., out, in / 64]: the largest |w| they cover (its largest
+    absmax) brought to e4m3's range by a power of two."""
     from pallas_kernels.fp8_quantize import E4M3, pow2_scale
 
-    return pow2_scale(jnp.max(absmax, axis=-1), E4M3)
+    return pow2_scale(jnp.max(absmax, axis=_FP8_SCALES[kind][2]), E4M3)
 
 
-def _pow2_block_scale(absmax: jax.Array) -> jax.Array:
-    """The power-of-two scale per 64-block of input columns [..., in / 64] that brings the block's largest |w|
-    over all rows (its largest absmax down the rows) to e4m3's range: Wᵀ's scales along its output axis."""
-    from pallas_kernels.fp8_quantize import E4M3, pow2_scale
-
-    return pow2_scale(jnp.max(absmax, axis=-2), E4M3)
-
-
-def _at_weight_layer(prepared: jax.Array, weight) -> jax.Array:
-    """A prepared stack's entry for this weight (the whole array when the weight is not a layer of a stack)."""
-    return prepared if weight.layer is None else jax.lax.dynamic_index_in_dim(prepared, weight.layer, keepdims=False)
-
-
-def _fp8_row_scale(weight, absmax: jax.Array | None = None) -> jax.Array:
-    """This weight's FP8 row scales [out]: its layer's prepared ones, else from its absmax."""
-    if weight.fp8_scale is not None:
-        return _at_weight_layer(weight.fp8_scale, weight)
-    return _pow2_row_scale(_kernel_absmax(weight) if absmax is None else absmax)
-
-
-def _fp8_block_scale(weight, absmax: jax.Array | None = None) -> jax.Array:
-    """This weight's FP8 scales per 64-block of input columns [in / 64]: its layer's prepared ones, else from its
-    absmax."""
-    if weight.fp8_block_scale is not None:
-        return _at_weight_layer(weight.fp8_block_scale, weight)
-    return _pow2_block_scale(_kernel_absmax(weight) if absmax is None else absmax)
+def _fp8_scales(weight, kind: str, absmax: jax.Array | None = None) -> jax.Array:
+    """This weight's FP8 scales of `kind` ([out] or [in / 64]): its layer's prepared ones, else from its absmax."""
+    prepared = getattr(weight, _FP8_SCALES[kind][0])
+    if prepared is not None:
+        return prepared if weight.layer is None else jax.lax.dynamic_index_in_dim(prepared, weight.layer,
+                                                                                   keepdims=False)
+    return _pow2_scales(_kernel_absmax(weight) if absmax is None else absmax, kind)
 
 
 def prepare_kernel_scales(weight, fp8: bool) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
@@ -260,7 +247,7 @@ def prepare_kernel_scales(weight, fp8: bool) -> tuple[jax.Array, jax.Array | Non
     absmax = dequantize_absmax(weight).reshape(*jnp.shape(weight.codes)[:-2], n, k // 64)
     if not fp8:
         return jnp.swapaxes(absmax, -1, -2), None, None
-    return jnp.swapaxes(absmax, -1, -2), _pow2_row_scale(absmax), _pow2_block_scale(absmax)
+    return jnp.swapaxes(absmax, -1, -2), _pow2_scales(absmax, "rows"), _pow2_scales(absmax, "blocks")
 
 
 def kernels_read_prepared_scales() -> bool:
@@ -269,30 +256,24 @@ def kernels_read_prepared_scales() -> bool:
     return current_mesh() is None and dispatch.nf4_impl(1) != "xla"
 
 
-# FP8 weight scales a kernel may take: the keyword it takes them by, the prepared stack, this weight's own
-_FP8_SCALES = {
-    "rows": ("row_scale", lambda w: w.fp8_scale, _fp8_row_scale),
-    "blocks": ("block_scale", lambda w: w.fp8_block_scale, _fp8_block_scale),
-}
-
-
 def _with_codes(weight, kernel, *args: jax.Array, fp8_scales: str | None = None) -> jax.Array:
     """kernel(*args, codes, absmax[, layer=][, row_scale= | block_scale=]) for a Pallas kernel: a layer of a stack
     is read in place from the stack, with its prepared scales when the weight carries them (a slice handed to a
     custom call would be a copy of the layer's codes); on a mesh the weight's own codes are gathered whole on
     every device first. `fp8_scales` ("rows" / "blocks"): the kernel also takes FP8's scales of that kind."""
-    keyword, prepared, own_scales = _FP8_SCALES[fp8_scales] if fp8_scales else (None, None, None)
+    field, keyword, _ = _FP8_SCALES[fp8_scales] if fp8_scales else (None, None, None)
     if weight.layer is not None and current_mesh() is None:
         absmax = weight.kernel_absmax if weight.kernel_absmax is not None else _kernel_absmax(weight)
         scales = {}
         if keyword:  # the prepared stack as it is, else this layer's own
-            scales[keyword] = prepared(weight) if prepared(weight) is not None else own_scales(weight)
+            prepared = getattr(weight, field)
+            scales[keyword] = prepared if prepared is not None else _fp8_scales(weight, fp8_scales)
         return kernel(*args, jnp.asarray(weight.codes), absmax, layer=weight.layer, **scales)
     absmax = _kernel_absmax(weight)
     if not keyword:
         return _replicated(kernel, *args, weight.own_codes(), absmax)
     own = lambda *a: kernel(*a[:-1], **{keyword: a[-1]})  # noqa: E731
-    return _replicated(own, *args, weight.own_codes(), absmax, own_scales(weight, absmax))
+    return _replicated(own, *args, weight.own_codes(), absmax, _fp8_scales(weight, fp8_scales, absmax))
 
 
 def _dequantized(weight, dtype, interpret: bool, transpose: bool = False, fp8_scales: str | None = None,
@@ -396,7 +377,7 @@ def _fp8_weight(weight, kernel: bool, interpret: bool) -> tuple[jax.Array, jax.A
     from jaxtune.nf4 import dequantize
     from pallas_kernels.fp8_quantize import E4M3
 
-    scale = _fp8_row_scale(weight)
+    scale = _fp8_scales(weight, "rows")
     if kernel:
         return _dequantized(weight, E4M3, interpret, fp8_scales="rows", permute=True), scale
     return (dequantize(weight, jnp.float32) / scale[:, None]).astype(E4M3), scale
@@ -412,7 +393,7 @@ def _fp8_weight_t(weight, kernel: bool, interpret: bool) -> tuple[jax.Array, jax
     from jaxtune.nf4 import dequantize
     from pallas_kernels.fp8_quantize import E4M3
 
-    blocks = _fp8_block_scale(weight)
+    blocks = _fp8_scales(weight, "blocks")
     scale = jnp.broadcast_to(blocks[:, None], (blocks.shape[0], 64)).reshape(-1)
     if kernel:
         return _dequantized(weight, E4M3, interpret, transpose=True, fp8_scales="blocks", permute=True), scale
@@ -441,8 +422,7 @@ def _fp8_quantize_rows(a, fmt: str, impl: str, interpret: bool):
 
     if impl == "xla":
         return fp8_quantize.quantize_rows_reference(a, fmt)
-    quantize = lambda a: fp8_quantize.quantize_rows(a, fmt=fmt, interpret=interpret)  # noqa: E731
-    return _per_batch_shard_with(quantize, (a,), ())
+    return _per_batch_shard(lambda a: fp8_quantize.quantize_rows(a, fmt=fmt, interpret=interpret), a)
 
 
 def _fp8_input(x: jax.Array, impl: str, interpret: bool) -> tuple[jax.Array, jax.Array]:
