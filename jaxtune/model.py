@@ -98,9 +98,11 @@ class Attention(nnx.Module):
         rng: jax.Array | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
         b, t, _ = x.shape
-        # q and k never compute in FP8: their product is the exponent of the softmax, which turns FP8's ~4% error
-        # into a measurably worse loss (the other projections in FP8 leave it unchanged; benchmarks/results)
-        with ops.frozen_compute("bf16"):
+        # q and k never run their forward in FP8: their product is the exponent of the softmax, which turns FP8's
+        # ~4% error into a measurably worse loss (the other projections in FP8 leave it unchanged;
+        # benchmarks/results). Their input gradient adds into the residual stream's like every other projection's,
+        # so under "fp8" it is an FP8 GEMM too.
+        with ops.frozen_compute("fp8-dx" if ops.frozen_compute_mode() == "fp8" else "bf16"):
             q = checkpoint_name(self.q_proj(x, fold_rng(rng, 0)), "q_proj").reshape(b, t, self.num_heads, self.head_dim)
             k = checkpoint_name(self.k_proj(x, fold_rng(rng, 1)), "k_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
         v = checkpoint_name(self.v_proj(x, fold_rng(rng, 2)), "v_proj").reshape(b, t, self.num_kv_heads, self.head_dim)

@@ -339,6 +339,8 @@ def stacked_layer_index() -> jax.Array | None:
 
 
 COMPUTE_MODES = ("bf16", "fp8")
+# and, inside the model only: "fp8-dx", the forward in the model's dtype and the input gradient in FP8
+_INNER_MODES = ("fp8-dx",)
 _frozen_compute: contextvars.ContextVar[str] = contextvars.ContextVar("frozen_compute", default="bf16")
 # (input, its FP8 rows and scales) quantized within the current "fp8" block, so projections that read one input
 # (gate and up, q/k/v) quantize it once
@@ -347,8 +349,9 @@ _fp8_inputs: contextvars.ContextVar[list | None] = contextvars.ContextVar("fp8_i
 
 @contextlib.contextmanager
 def frozen_compute(mode: str):
-    """Within the block, NF4 projections traced compute in `mode`: "bf16" (the model's dtype) or "fp8"."""
-    if mode not in COMPUTE_MODES:
+    """Within the block, NF4 projections traced compute in `mode`: "bf16" (the model's dtype), "fp8", or
+    "fp8-dx" (the forward in the model's dtype, the input gradient in FP8)."""
+    if mode not in COMPUTE_MODES + _INNER_MODES:
         raise ValueError(f"unknown compute mode {mode!r}; use one of {', '.join(COMPUTE_MODES)}")
     token = _frozen_compute.set(mode)
     inputs = _fp8_inputs.set([]) if mode == "fp8" else None
@@ -450,14 +453,18 @@ def _fp8_nf4_matmul_fwd(x, xq, x_scale, weight, impl, interpret):
     return _fp8_nf4_matmul(x, xq, x_scale, weight, impl, interpret), weight
 
 
+def _fp8_input_gradient(weight, dy: jax.Array, impl: str, interpret: bool) -> jax.Array:
+    """dx = dy @ W = (dy quantized per row) @ (Wᵀ quantized per input block)ᵀ: both scales sit outside the
+    contraction, so they multiply dx's rows and columns after the GEMM."""
+    wtq, wt_scale = _fp8_weight_t(weight, impl != "xla", interpret)
+    gq, g_scale = _fp8_quantize_rows(dy, FP8_GRAD_FORMAT, impl, interpret)
+    return _fp8_gemm(gq, g_scale, wtq, wt_scale, dy.dtype, impl, interpret)
+
+
 def _fp8_nf4_matmul_bwd(impl, interpret, weight, dy):
     from pallas_kernels.fp8_quantize import E4M3
 
-    # dx = dy @ W = (dy quantized per row) @ (Wᵀ quantized per input block)ᵀ: both scales sit outside the
-    # contraction, so they multiply dx's rows and columns after the GEMM
-    wtq, wt_scale = _fp8_weight_t(weight, impl != "xla", interpret)
-    gq, g_scale = _fp8_quantize_rows(dy, FP8_GRAD_FORMAT, impl, interpret)
-    dx = _fp8_gemm(gq, g_scale, wtq, wt_scale, dy.dtype, impl, interpret)
+    dx = _fp8_input_gradient(weight, dy, impl, interpret)
     # xq and its scales come from x through stop_gradient: their cotangents are dropped
     rows = dy.shape[:-1]
     return (dx, jnp.zeros((*rows, dx.shape[-1]), E4M3), jnp.zeros((*rows, 1), jnp.float32),
@@ -465,6 +472,30 @@ def _fp8_nf4_matmul_bwd(impl, interpret, weight, dy):
 
 
 _fp8_nf4_matmul.defvjp(_fp8_nf4_matmul_fwd, _fp8_nf4_matmul_bwd)
+
+
+def _bf16_nf4_matmul(x: jax.Array, weight, impl: str, interpret: bool) -> jax.Array:
+    """The projection in x's dtype: a Pallas path on GPU (per `dispatch`), else dequantize then dot."""
+    if impl != "xla" and _kernel_shaped(weight):
+        return _nf4_kernel_matmul(x, weight, impl, interpret)
+    return _nf4_matmul(x, weight)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _fp8_dx_nf4_matmul(x, weight, impl: str, fp8: str, interpret: bool):
+    """y = x @ dequant(W)ᵀ in x's dtype, its input gradient an FP8 GEMM (`fp8`: that GEMM's implementation)."""
+    return _bf16_nf4_matmul(x, weight, impl, interpret)
+
+
+def _fp8_dx_nf4_matmul_fwd(x, weight, impl, fp8, interpret):
+    return _fp8_dx_nf4_matmul(x, weight, impl, fp8, interpret), weight
+
+
+def _fp8_dx_nf4_matmul_bwd(impl, fp8, interpret, weight, dy):
+    return _fp8_input_gradient(weight, dy, fp8, interpret), jax.tree.map(_zero_cotangent, weight)
+
+
+_fp8_dx_nf4_matmul.defvjp(_fp8_dx_nf4_matmul_fwd, _fp8_dx_nf4_matmul_bwd)
 
 
 def nf4_linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array:
@@ -475,14 +506,15 @@ def nf4_linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array
     arrays for the backward pass, re-dequantizing there. Under `frozen_compute("fp8")` the forward and the
     input gradient are FP8 GEMMs (e4m3, power-of-two scales per token row and per weight row, or per input
     block of Wᵀ for the input gradient; see `_fp8_nf4_matmul`), through cuBLASLt or the Pallas kernel per
-    `dispatch`.
+    `dispatch`; under `frozen_compute("fp8-dx")` only the input gradient is.
     """
-    impl = dispatch.nf4_impl(_rows(x))
-    if _frozen_compute.get() == "fp8" and _kernel_shaped(weight):
-        fp8, interpret = dispatch.fp8_impl(), dispatch.interpret()
-        y = _fp8_nf4_matmul(x, *_fp8_input(x, fp8, interpret), weight, fp8, interpret)
-    elif impl != "xla" and _kernel_shaped(weight):
-        y = _nf4_kernel_matmul(x, weight, impl, dispatch.interpret())
+    impl, mode, interpret = dispatch.nf4_impl(_rows(x)), _frozen_compute.get(), dispatch.interpret()
+    if mode in ("fp8", "fp8-dx") and _kernel_shaped(weight):
+        fp8 = dispatch.fp8_impl()
+        if mode == "fp8":
+            y = _fp8_nf4_matmul(x, *_fp8_input(x, fp8, interpret), weight, fp8, interpret)
+        else:
+            y = _fp8_dx_nf4_matmul(x, weight, impl, fp8, interpret)
     else:
-        y = _nf4_matmul(x, weight)
+        y = _bf16_nf4_matmul(x, weight, impl, interpret)
     return y if bias is None else (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)

@@ -197,12 +197,12 @@ def test_nf4_to_e4m3_weight_kernel_is_one_rounding_of_the_bnb_value():
     np.testing.assert_array_equal((fwd * row_scale[:, None])[normal], (bwd * block_scale[None, :])[normal])
 
 
-def fp8_projection(q, x: np.ndarray, dy: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
+def fp8_projection(q, x: np.ndarray, dy: np.ndarray, mode: str, compute: str = "fp8") -> tuple[np.ndarray, np.ndarray]:
     """(y, dx) of the FP8 projection (jitted) in kernel mode `mode`, inputs in x's dtype."""
     dispatch.set_kernels(mode)
     try:
         def f(x):
-            with ops.frozen_compute("fp8"):
+            with ops.frozen_compute(compute):
                 return ops.nf4_linear(x, q)
 
         y, vjp = jax.vjp(jax.jit(f), jnp.asarray(x))
@@ -240,6 +240,21 @@ def test_fp8_projection_forward_and_input_gradient_match_float64(mode):
     for got, exact in ((y, x.astype(np.float64) @ w.T), (dx, dy.astype(np.float64) @ w)):
         rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
         assert 1e-3 < rel < 0.08  # quantized to FP8 (not the bf16 path), and FP8-accurate
+
+
+@pytest.mark.parametrize("mode", ["xla", "pallas-interpret"])
+def test_fp8_input_gradient_only_keeps_the_forward_exact(mode):
+    """"fp8-dx" (q and k under FP8): the forward is the float64 product of x and the bnb weight, not quantized;
+    the input gradient is the FP8 projection's, equal to its float64 numpy emulation."""
+    q = quantized(192, 576, seed=6)
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((3, 7, 576)).astype(np.float32)
+    dy = rng.standard_normal((3, 7, 192)).astype(np.float32)
+    y, dx = fp8_projection(q, x, dy, mode, compute="fp8-dx")
+    exact = x.astype(np.float64) @ numpy_weight(q).T
+    np.testing.assert_allclose(y, exact, rtol=1e-5, atol=1e-5 * np.abs(exact).max())
+    _, dx_ref = numpy_fp8_projection(q, x, dy)
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-5, atol=1e-5 * np.abs(dx_ref).max())
 
 
 @pytest.mark.parametrize("m, n, k", [(8192, 4096, 14336), (300, 192, 576)])
@@ -306,14 +321,19 @@ def test_unknown_compute_mode_is_refused():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["auto", "pallas"])
-def test_fp8_on_gpu_matches_float64_of_the_quantized_operands(mode):
+@pytest.mark.parametrize("compute", ["fp8", "fp8-dx"])
+def test_fp8_on_gpu_matches_float64_of_the_quantized_operands(mode, compute):
     """On a GPU, through cuBLASLt (auto) or the Pallas kernels: the FP8 projection's forward and input gradient
-    equal float64 products of the same e4m3 operands up to the bf16 output and FP8 accumulation."""
+    equal float64 products of the same e4m3 operands up to the bf16 output and FP8 accumulation ("fp8-dx": the
+    forward is the bf16 product of x and the weight instead)."""
     q = quantized(1024, 4096, seed=2)
     rng = np.random.default_rng(3)
     x = np.asarray(jnp.asarray(rng.standard_normal((4, 512, 4096)), jnp.bfloat16))
     dy = np.asarray(jnp.asarray(rng.standard_normal((4, 512, 1024)), jnp.bfloat16))
-    for got, ref in zip(fp8_projection(q, x, dy, mode), numpy_fp8_projection(q, x, dy)):
+    refs = numpy_fp8_projection(q, x, dy)
+    if compute == "fp8-dx":
+        refs = (x.astype(np.float64) @ numpy_weight(q).T, refs[1])
+    for got, ref in zip(fp8_projection(q, x, dy, mode, compute), refs):
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 5e-3
 
 
