@@ -526,50 +526,38 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
             raise ValueError(f"block_scale must be [K/{BLOCK}] (or [layers, K/{BLOCK}] with a layer) for K={k}, "
                              f"got {block_scale.shape}")
         block_specs, block_args = [_spec(block_scale, (k // BLOCK,), lambda *g: (0,))], [block_scale]
-    if permute:
-        codes16 = jax.lax.bitcast_convert_type(codes.reshape(*codes.shape[:-1], half // 2, 2), jnp.uint16)
-        words = pl.pallas_call(
-            functools.partial(_dequant_e4m3_kernel, block_bytes=bb, stacked=layer is not None,
-                              row_scaled=bool(row_args), block_scaled=bool(block_args),
-                              column_axis=0 if columns_first else 1, transpose=transpose, interpret=interpret),
-            grid=grid,
-            in_specs=[
-                _spec(codes16, (bn, bb // 2), by_tile(lambda i, j: (i, j))),
-                _spec(scales, (k // BLOCK, bn), by_tile(lambda i, j: (0, i))),
-                *layer_specs,
-                *row_specs,
-                *block_specs,
-            ],
-            out_specs=(pl.BlockSpec((2 * bb, bn), by_tile(lambda i, j: (j, i))) if transpose
-                       else pl.BlockSpec((bn, bb // 2), by_tile(lambda i, j: (i, j)))),
-            out_shape=(jax.ShapeDtypeStruct((k, n), jnp.uint8) if transpose
-                       else jax.ShapeDtypeStruct((n, k // 4), jnp.uint32)),
-            compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-            interpret=interpret,
-            name="nf4_dequantize_e4m3",
-        )(codes16, scales, *layer_args, *row_args, *block_args)
-        raw = words if transpose else jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(n, k)
-        return jax.lax.bitcast_convert_type(raw, jnp.float8_e4m3fn)
-    return pl.pallas_call(
-        functools.partial(_dequant_kernel, block_bytes=bb, interleave=interleave, transpose=transpose,
-                          stacked=layer is not None, row_scaled=bool(row_args), block_scaled=bool(block_args),
-                          column_axis=0 if columns_first else 1),
+    if permute:  # the codes as uint16 (two bytes per element, a bitcast); W as uint32 words, Wᵀ as bytes
+        operand = jax.lax.bitcast_convert_type(codes.reshape(*codes.shape[:-1], half // 2, 2), jnp.uint16)
+        operand_block, lut_specs, lut_args = (bn, bb // 2), [], []
+        kernel = functools.partial(_dequant_e4m3_kernel, transpose=transpose, interpret=interpret)
+        out_shape, out_dtype, out_block = ((k, n), jnp.uint8, (2 * bb, bn)) if transpose else (
+            (n, k // 4), jnp.uint32, (bn, bb // 2))
+    else:
+        operand, operand_block = codes, (bn, bb)
+        kernel = functools.partial(_dequant_kernel, interleave=interleave, transpose=transpose)
+        out_shape, out_dtype, out_block = ((k, n), dtype, (2 * bb, bn)) if transpose else ((n, k), dtype, (bn, 2 * bb))
+    out = pl.pallas_call(
+        functools.partial(kernel, block_bytes=bb, stacked=layer is not None, row_scaled=bool(row_args),
+                          block_scaled=bool(block_args), column_axis=0 if columns_first else 1),
         grid=grid,
         in_specs=[
-            _spec(codes, (bn, bb), by_tile(lambda i, j: (i, j))),
+            _spec(operand, operand_block, by_tile(lambda i, j: (i, j))),
             _spec(scales, (k // BLOCK, bn), by_tile(lambda i, j: (0, i))),
             *layer_specs,
             *row_specs,
             *block_specs,
             *lut_specs,
         ],
-        out_specs=(pl.BlockSpec((2 * bb, bn), by_tile(lambda i, j: (j, i))) if transpose
-                   else pl.BlockSpec((bn, 2 * bb), by_tile(lambda i, j: (i, j)))),
-        out_shape=jax.ShapeDtypeStruct((k, n) if transpose else (n, k), dtype),
+        out_specs=pl.BlockSpec(out_block, by_tile(lambda i, j: (j, i) if transpose else (i, j))),
+        out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name="nf4_dequantize",
-    )(codes, scales, *layer_args, *row_args, *block_args, *lut_args)
+        name="nf4_dequantize_e4m3" if permute else "nf4_dequantize",
+    )(operand, scales, *layer_args, *row_args, *block_args, *lut_args)
+    if not permute:
+        return out
+    raw = out if transpose else jax.lax.bitcast_convert_type(out, jnp.uint8).reshape(n, k)
+    return jax.lax.bitcast_convert_type(raw, jnp.float8_e4m3fn)
 
 
 # ------------------------------------------------------------------------------------------ custom VJP
