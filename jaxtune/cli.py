@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--save-steps", type=int)
     tr.add_argument("--seed", type=int)
     tr.add_argument("--compute", choices=["bf16", "fp8"],
-                    help="fp8: the frozen projections but q/k as FP8 GEMMs on Ada/Hopper (opt-in; default bf16)")
+                    help="fp8: the frozen projections as FP8 GEMMs on Ada/Hopper, but q/k's forward "
+                         "(opt-in; default bf16)")
     tr.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=4 (default: every device on data)")
     tr.add_argument("--no-packing", action="store_true", help="pad each example to --seq-len instead of packing")
     tr.add_argument("--no-compile-cache", action="store_true",

@@ -222,8 +222,8 @@ class CausalLM(nnx.Module):
         # remat "offload": the inputs of the last `offload_device_layers` layers stay in device memory instead
         # (the alternative to recomputing more when host memory is short and the device has room)
         self.offload_device_layers: int = 0
-        # "fp8": the frozen NF4 projections run as FP8 GEMMs (forward and input gradient; q/k excepted); set by
-        # train() in the step's graphdef only, like the two flags above
+        # "fp8": the frozen NF4 projections run as FP8 GEMMs (forward and input gradient; q/k's forward
+        # excepted); set by train() in the step's graphdef only, like the two flags above
         self.compute: str = "bf16"
 
     def __call__(

@@ -45,7 +45,7 @@ class TrainConfig:
     use_rslora: bool = False
     remat: str = "selective"  # measured faster and leaner than "none" at every batch (benchmarks/results)
     ce_chunk_size: int = 1024
-    # "fp8": the frozen projections but q/k (forward and input gradient) as FP8 GEMMs; LoRA, norms,
+    # "fp8": the frozen projections (forward and input gradient, but q/k's forward) as FP8 GEMMs; LoRA, norms,
     # attention and the loss keep the model's dtype. Opt-in: see benchmarks/results for speed and accuracy
     compute: str = "bf16"
     # GPU: keep compiled steps in JAX's persistent compilation cache (jaxtune.training.compilation), so a rerun
