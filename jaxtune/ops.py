@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -213,10 +214,19 @@ def _kernel_absmax(weight) -> jax.Array:
     return dequantize_absmax(weight).reshape(n, k // 64)
 
 
-# FP8's power-of-two weight scales by kind: the NF4Weight field of the prepared stack, the keyword the dequant kernel
-# takes them by, and the axis of absmax [..., out, in / 64] whose maximum they bring to e4m3's range ("rows": W's
-# per output row, for the forward; "blocks": Wᵀ's per 64-block of input columns, for the input gradient)
-_FP8_SCALES = {"rows": ("fp8_scale", "row_scale", -1), "blocks": ("fp8_block_scale", "block_scale", -2)}
+class _Fp8ScaleKind(NamedTuple):
+    """FP8's power-of-two weight scales of one kind: the NF4Weight field of the prepared stack, the keyword the
+    dequant kernel takes them by, and the axis of absmax [..., out, in / 64] whose maximum they bring to e4m3's
+    range."""
+
+    field: str
+    keyword: str
+    axis: int
+
+
+# "rows": W's per output row, for the forward; "blocks": Wᵀ's per 64-block of input columns, for the input gradient
+_FP8_SCALES = {"rows": _Fp8ScaleKind("fp8_scale", "row_scale", -1),
+               "blocks": _Fp8ScaleKind("fp8_block_scale", "block_scale", -2)}
 
 
 def _pow2_scales(absmax: jax.Array, kind: str) -> jax.Array:
@@ -224,12 +234,12 @@ def _pow2_scales(absmax: jax.Array, kind: str) -> jax.Array:
     absmax) brought to e4m3's range by a power of two."""
     from pallas_kernels.fp8_quantize import E4M3, pow2_scale
 
-    return pow2_scale(jnp.max(absmax, axis=_FP8_SCALES[kind][2]), E4M3)
+    return pow2_scale(jnp.max(absmax, axis=_FP8_SCALES[kind].axis), E4M3)
 
 
 def _fp8_scales(weight, kind: str, absmax: jax.Array | None = None) -> jax.Array:
     """This weight's FP8 scales of `kind` ([out] or [in / 64]): its layer's prepared ones, else from its absmax."""
-    prepared = getattr(weight, _FP8_SCALES[kind][0])
+    prepared = getattr(weight, _FP8_SCALES[kind].field)
     if prepared is not None:
         return prepared if weight.layer is None else jax.lax.dynamic_index_in_dim(prepared, weight.layer,
                                                                                    keepdims=False)
@@ -261,12 +271,12 @@ def _with_codes(weight, kernel, *args: jax.Array, fp8_scales: str | None = None)
     is read in place from the stack, with its prepared scales when the weight carries them (a slice handed to a
     custom call would be a copy of the layer's codes); on a mesh the weight's own codes are gathered whole on
     every device first. `fp8_scales` ("rows" / "blocks"): the kernel also takes FP8's scales of that kind."""
-    field, keyword, _ = _FP8_SCALES[fp8_scales] if fp8_scales else (None, None, None)
+    keyword = _FP8_SCALES[fp8_scales].keyword if fp8_scales else None
     if weight.layer is not None and current_mesh() is None:
         absmax = weight.kernel_absmax if weight.kernel_absmax is not None else _kernel_absmax(weight)
         scales = {}
         if keyword:  # the prepared stack as it is, else this layer's own
-            prepared = getattr(weight, field)
+            prepared = getattr(weight, _FP8_SCALES[fp8_scales].field)
             scales[keyword] = prepared if prepared is not None else _fp8_scales(weight, fp8_scales)
         return kernel(*args, jnp.asarray(weight.codes), absmax, layer=weight.layer, **scales)
     absmax = _kernel_absmax(weight)
@@ -509,12 +519,11 @@ def nf4_linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array
     `dispatch`; under `frozen_compute("fp8-dx")` only the input gradient is.
     """
     impl, mode, interpret = dispatch.nf4_impl(_rows(x)), _frozen_compute.get(), dispatch.interpret()
-    if mode in ("fp8", "fp8-dx") and _kernel_shaped(weight):
-        fp8 = dispatch.fp8_impl()
-        if mode == "fp8":
-            y = _fp8_nf4_matmul(x, *_fp8_input(x, fp8, interpret), weight, fp8, interpret)
-        else:
-            y = _fp8_dx_nf4_matmul(x, weight, impl, fp8, interpret)
+    fp8 = dispatch.fp8_impl() if mode != "bf16" and _kernel_shaped(weight) else None
+    if fp8 and mode == "fp8":
+        y = _fp8_nf4_matmul(x, *_fp8_input(x, fp8, interpret), weight, fp8, interpret)
+    elif fp8:  # "fp8-dx"
+        y = _fp8_dx_nf4_matmul(x, weight, impl, fp8, interpret)
     else:
         y = _bf16_nf4_matmul(x, weight, impl, interpret)
     return y if bias is None else (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)

@@ -363,6 +363,19 @@ def _layer_args(layer: jax.Array | None) -> tuple[list, list]:
     return [pl.BlockSpec((1,), lambda *g: (0,))], [jnp.asarray(layer, jnp.int32).reshape(1)]
 
 
+def _vector_args(name: str, vector: jax.Array | None, length: int, dims: str, layers: int | None, block: int,
+                 index_map) -> tuple[list, list]:
+    """(BlockSpecs, args) of an optional vector operand [length] (`dims` names the length, e.g. "N"), or a stack
+    [layers, length] read at the layer when the call reads one layer of a stack (`layers` not None)."""
+    if vector is None:
+        return [], []
+    allowed = [(length,)] + ([(layers, length)] if layers is not None else [])
+    if tuple(vector.shape) not in allowed:
+        raise ValueError(f"{name} must be [{dims}] (or [layers, {dims}] with a layer) for {dims}={length}, "
+                         f"got {vector.shape}")
+    return [_spec(vector, (block,), index_map)], [vector]
+
+
 def _scales_operand(absmax: jax.Array) -> jax.Array:
     """The block scales in the kernels' layout [K/64, N] (the scales of one step of K contiguous): a weight's own
     absmax [N, K/64] transposed, a prepared stack [layers, K/64, N] as it is."""
@@ -505,27 +518,17 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
     half = k // 2
     tiles = _fit(MatmulTiles(block_n=block_n, block_bytes=block_bytes), n, half, "k")
     bn, bb = tiles.block_n, tiles.block_bytes
-    lut_specs, lut_args = _lut_args(lut)
+    if permute and jnp.dtype(dtype) != jnp.float8_e4m3fn:
+        raise ValueError(f"permute writes e4m3 through byte tables: dtype must be float8_e4m3fn, got {dtype}")
     layer_specs, layer_args = _layer_args(layer)
     scales = _scales_operand(absmax)
     # the index maps below take (row block i, byte block j); `by_tile` adapts them to the grid's axis order
     grid, by_tile = ((half // bb, n // bn), lambda f: lambda j, i: f(i, j)) if columns_first else (
         (n // bn, half // bb), lambda f: f)
-    row_specs, row_args = [], []
-    if row_scale is not None:
-        allowed = [(n,)] + ([(codes.shape[0], n)] if layer is not None else [])
-        if tuple(row_scale.shape) not in allowed:
-            raise ValueError(f"row_scale must be [N] (or [layers, N] with a layer) for N={n}, got {row_scale.shape}")
-        row_specs, row_args = [_spec(row_scale, (bn,), by_tile(lambda i, j: (i,)))], [row_scale]
-    if permute and jnp.dtype(dtype) != jnp.float8_e4m3fn:
-        raise ValueError(f"permute writes e4m3 through byte tables: dtype must be float8_e4m3fn, got {dtype}")
-    block_specs, block_args = [], []
-    if block_scale is not None:
-        allowed = [(k // BLOCK,)] + ([(codes.shape[0], k // BLOCK)] if layer is not None else [])
-        if tuple(block_scale.shape) not in allowed:
-            raise ValueError(f"block_scale must be [K/{BLOCK}] (or [layers, K/{BLOCK}] with a layer) for K={k}, "
-                             f"got {block_scale.shape}")
-        block_specs, block_args = [_spec(block_scale, (k // BLOCK,), lambda *g: (0,))], [block_scale]
+    layers = None if layer is None else codes.shape[0]
+    row_specs, row_args = _vector_args("row_scale", row_scale, n, "N", layers, bn, by_tile(lambda i, j: (i,)))
+    block_specs, block_args = _vector_args("block_scale", block_scale, k // BLOCK, f"K/{BLOCK}", layers, k // BLOCK,
+                                           lambda *g: (0,))
     if permute:  # the codes as uint16 (two bytes per element, a bitcast); W as uint32 words, Wᵀ as bytes
         operand = jax.lax.bitcast_convert_type(codes.reshape(*codes.shape[:-1], half // 2, 2), jnp.uint16)
         operand_block, lut_specs, lut_args = (bn, bb // 2), [], []
@@ -534,6 +537,7 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
             (n, k // 4), jnp.uint32, (bn, bb // 2))
     else:
         operand, operand_block = codes, (bn, bb)
+        lut_specs, lut_args = _lut_args(lut)
         kernel = functools.partial(_dequant_kernel, interleave=interleave, transpose=transpose)
         out_shape, out_dtype, out_block = ((k, n), dtype, (2 * bb, bn)) if transpose else ((n, k), dtype, (bn, 2 * bb))
     out = pl.pallas_call(
