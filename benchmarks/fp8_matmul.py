@@ -27,6 +27,7 @@ import numpy as np
 
 from benchmarks.nf4_matmul import REPEAT, SHAPES, time_us
 from jaxtune import nf4, ops
+from jaxtune.ops.fp8_linear import fp8_weight
 from pallas_kernels.fp8_matmul import Fp8Tiles, fp8_matmul, fp8_matmul_reference
 from pallas_kernels.fp8_quantize import quantize_blocks
 
@@ -124,7 +125,7 @@ def main() -> None:
             row["quant-act"] = time_us(repeated(lambda a: quantize_blocks(a)[0]), a)
             if direction == "fwd":
                 row["quant-weight"] = time_us(repeated(
-                    lambda c, x: ops._fp8_weight(nf4.NF4Weight(c, q.absmax_codes, q.nested_absmax, q.offset + x[0],
+                    lambda c, x: fp8_weight(nf4.NF4Weight(c, q.absmax_codes, q.nested_absmax, q.offset + x[0],
                                                                q.nested_map), True, False)[0]),
                     jnp.asarray(q.codes), jnp.zeros((1,), jnp.float32))
             # accuracy of the product vs float32 of the same bf16 inputs: per row and per 128-block scales,

@@ -9,7 +9,7 @@ from jaxtune.host_info import set_pinned_host_cap
 set_pinned_host_cap()  # before any JAX backend starts
 
 from jaxtune.config import ModelConfig
-from jaxtune.dispatch import kernel_mode, set_kernels
+from jaxtune.ops.dispatch import kernel_mode, set_kernels
 from jaxtune.errors import CheckpointError, JaxtuneError, UnsupportedModelError
 from jaxtune.generate import generate
 from jaxtune import nf4

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import jaxtune
-from jaxtune import dispatch
+from jaxtune.ops import dispatch
 from jaxtune.config import ModelConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.model import init_model

@@ -13,7 +13,9 @@ import pytest
 from jax.experimental.pallas.triton import CUSTOM_CALL_TARGET_NAME as CUSTOM_CALL
 
 import jaxtune
-from jaxtune import dispatch, nf4, ops
+from jaxtune import nf4, ops
+from jaxtune.ops import dispatch
+from jaxtune.ops.fp8_linear import fp8_weight, fp8_weight_t
 from jaxtune.training.config import ConfigError
 from pallas_kernels.fp8_matmul import Fp8Tiles, fp8_matmul, fp8_matmul_reference
 from pallas_kernels.fp8_quantize import pow2_scale, quantize_blocks, quantize_rows, quantize_rows_reference
@@ -184,10 +186,10 @@ def test_nf4_to_e4m3_weight_kernel_is_one_rounding_of_the_bnb_value():
     expect = (w.astype(np.float32) / row_scale[:, None]).astype(ml_dtypes.float8_e4m3fn)
     expect_t = (w.astype(np.float32) / block_scale[None, :]).astype(ml_dtypes.float8_e4m3fn).T
     for kernel in (True, False):
-        wq, s = ops._fp8_weight(q, kernel, interpret=True)
+        wq, s = fp8_weight(q, kernel, interpret=True)
         np.testing.assert_array_equal(np.asarray(s, np.float64), row_scale)
         np.testing.assert_array_equal(np.asarray(wq).view(np.uint8), expect.view(np.uint8))
-        wtq, t = ops._fp8_weight_t(q, kernel, interpret=True)
+        wtq, t = fp8_weight_t(q, kernel, interpret=True)
         np.testing.assert_array_equal(np.asarray(t, np.float64), block_scale)
         np.testing.assert_array_equal(np.asarray(wtq).view(np.uint8), expect_t.view(np.uint8))
     tiny = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).smallest_normal)

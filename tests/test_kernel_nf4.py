@@ -223,11 +223,11 @@ def test_kernels_reject_bad_shapes():
 def test_decoding_tiles_on_gpu_match_float64(m, n, k):
     """Compiled (not interpreted): the few-row tiles the dispatch takes for decoding on the 8B shapes, in float32,
     against float64 numpy."""
-    from jaxtune.ops import _kernel_tiles
+    from jaxtune.ops.nf4_linear import kernel_tiles
 
     _, codes, absmax = quantized(n, k, seed=n + m)
     x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
-    tiles = _kernel_tiles(m, "fwd", (n, k))
+    tiles = kernel_tiles(m, "fwd", (n, k))
     assert tiles.gemv
     y = jax.jit(lambda x, c, a: nf4_matmul_forward(x, c, a, tiles=tiles))(jnp.asarray(x), codes, absmax)
     w = numpy_weight(codes, absmax)
@@ -238,21 +238,21 @@ def test_decoding_tiles_on_gpu_match_float64(m, n, k):
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (16, 1024, 4096), (300, 14336, 4096), (2048, 4096, 14336),
                                    (7, 576, 1536)])
 def test_kernels_lower_for_cuda(cuda_export, m, n, k):
-    from jaxtune.ops import _GEMV_TILES, _kernel_tiles
+    from jaxtune.ops.nf4_linear import GEMV_TILES as DISPATCH_GEMV_TILES, kernel_tiles
 
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     codes = jax.ShapeDtypeStruct((n, k // 2), jnp.uint8)
     absmax = jax.ShapeDtypeStruct((n, k // 64), jnp.float32)
 
     def grad(x, codes, absmax):
-        f = lambda x: nf4_matmul(x, codes, absmax, tiles=_kernel_tiles(m, "fwd", (n, k)),  # noqa: E731
-                                 dx_tiles=_kernel_tiles(m, "dx"))
+        f = lambda x: nf4_matmul(x, codes, absmax, tiles=kernel_tiles(m, "fwd", (n, k)),  # noqa: E731
+                                 dx_tiles=kernel_tiles(m, "dx"))
         y, vjp = jax.vjp(f, x)
         return y, vjp(y)[0]
 
     assert cuda_export(grad, x, codes, absmax).count(f"@{CUSTOM_CALL}(") == 2
     if m <= 16:  # every few-row tile the dispatch table holds, and the tests' own
-        table = [_kernel_tiles(rows, "fwd", (at_least or n, k)) for rows in (1, 4) for at_least, _ in _GEMV_TILES[rows]]
+        table = [kernel_tiles(rows, "fwd", (at_least or n, k)) for rows in (1, 4) for at_least, _ in DISPATCH_GEMV_TILES[rows]]
         for tiles in GEMV_TILES + table:
             assert cuda_export(lambda x, c, a: nf4_matmul_forward(x, c, a, tiles=tiles), x, codes, absmax).count(
                 f"@{CUSTOM_CALL}(") == 1
@@ -278,7 +278,7 @@ def test_kernels_lower_for_cuda(cuda_export, m, n, k):
             assert text.count(f"@{CUSTOM_CALL}(") == 1 and ("prmt.b32" in text) == permute
     dy = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
     for scales in (absmax, prepared):
-        text = cuda_export(lambda x, d, c, a, i: (nf4_matmul_forward(x, c, a, tiles=_kernel_tiles(m, "fwd"), layer=i),
-                                                  nf4_matmul_dx(d, c, a, tiles=_kernel_tiles(m, "dx"), layer=i)),
+        text = cuda_export(lambda x, d, c, a, i: (nf4_matmul_forward(x, c, a, tiles=kernel_tiles(m, "fwd"), layer=i),
+                                                  nf4_matmul_dx(d, c, a, tiles=kernel_tiles(m, "dx"), layer=i)),
                            x, dy, stack, scales, layer)
         assert text.count(f"@{CUSTOM_CALL}(") == 2

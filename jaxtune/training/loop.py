@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from jaxtune.data import BatchStream, PackedRows, encode_rows, pack_examples, read_rows
 from jaxtune.data.packing import IGNORE
 from jaxtune.data.sources import DataError, Row
-from jaxtune.dispatch import check_fp8_device
+from jaxtune.ops.dispatch import check_fp8_device
 from jaxtune.distributed import (agree_min, catch_stop_signals, clear_stop_request, local_device, memory_stats,
                                  peak_memory_gib, stop_requested)
 from jaxtune.errors import JaxtuneError

@@ -1,0 +1,87 @@
+"""Causal grouped-query attention: the XLA reference, and the dispatch to cuDNN or the Pallas flash kernel."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxtune.ops import dispatch
+from jaxtune.ops.sharded import per_batch_shard
+
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def attention_mask(
+    q_len: int,
+    kv_len: int,
+    *,
+    q_offset: jax.Array | int = 0,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Boolean [B or 1, q_len, kv_len]: causal by index (query i sits at q_offset + i), same segment only."""
+    q_idx = jnp.arange(q_len)[:, None] + q_offset
+    kv_idx = jnp.arange(kv_len)[None, :]
+    mask = (kv_idx <= q_idx)[None]
+    if sliding_window is not None:
+        mask = mask & ((q_idx - kv_idx) < sliding_window)[None]
+    if q_segment_ids is not None:
+        kv_seg = q_segment_ids if kv_segment_ids is None else kv_segment_ids
+        mask = mask & (q_segment_ids[:, :, None] == kv_seg[:, None, :])
+    return mask
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    q_offset: jax.Array | int = 0,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Causal grouped-query attention.
+
+    q [B, T, Hq, D]; k, v [B, S, Hkv, D] with Hq a multiple of Hkv (kv heads are shared by index, never
+    repeated in memory). Query i is at key index q_offset + i (q_offset > 0 when attending to a KV cache).
+    Segment ids [B, T] / [B, S] restrict attention to tokens of the same packed sample (each id one
+    contiguous run, as packing lays them out). A fast kernel runs where `dispatch` picks one, else XLA.
+    """
+    fast = _fast_attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, sliding_window)
+    if fast is not None:
+        return fast
+    b, t, hq, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qg = q.reshape(b, t, hkv, g, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d**-0.5)
+    mask = attention_mask(
+        t, s, q_offset=q_offset, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        sliding_window=sliding_window,
+    )
+    scores = jnp.where(mask[:, None, None], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def _fast_attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, sliding_window) -> jax.Array | None:
+    """Flash attention (Pallas) or cuDNN for the full-sequence case, per `dispatch`; None: use the reference."""
+    full_sequence = isinstance(q_offset, int) and q_offset == 0 and kv_segment_ids is None and k.shape[1] == q.shape[1]
+    if not full_sequence or q.shape[-1] not in (64, 128):
+        return None
+    plain = q_segment_ids is None and sliding_window is None and q.dtype in (jnp.bfloat16, jnp.float16)
+    impl = dispatch.attention_impl(plain_causal=plain and q.shape[1] % 64 == 0)
+    if impl == "cudnn":
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    if impl == "pallas":
+        from pallas_kernels.flash_attention import flash_attention
+
+        def flash(q, k, v, *seg):
+            return flash_attention(q, k, v, *seg, sliding_window=sliding_window, interpret=dispatch.interpret())
+
+        seg = () if q_segment_ids is None else (q_segment_ids,)
+        return per_batch_shard(flash, q, k, v, *seg)
+    return None

@@ -1,0 +1,60 @@
+"""Trace-time context the model sets around its layers: which layer of a stacked scan runs, and in which
+precision the frozen projections compute."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import jax
+
+COMPUTE_MODES = ("bf16", "fp8")
+# and, inside the model only: "fp8-dx", the forward in the model's dtype and the input gradient in FP8
+INNER_COMPUTE_MODES = ("fp8-dx",)
+
+_stacked_layer: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("stacked_layer", default=None)
+_frozen_compute: contextvars.ContextVar[str] = contextvars.ContextVar("frozen_compute", default="bf16")
+# (input, its FP8 rows and scales) quantized within the current "fp8" block, so projections that read one input
+# (gate and up, q/k/v) quantize it once
+_fp8_inputs: contextvars.ContextVar[list | None] = contextvars.ContextVar("fp8_inputs", default=None)
+
+
+@contextlib.contextmanager
+def stacked_layer(index: jax.Array) -> Iterator[None]:
+    """Within the block (a layer scan's body), NF4 weights whose codes are the whole stack are layer `index`."""
+    token = _stacked_layer.set(index)
+    try:
+        yield
+    finally:
+        _stacked_layer.reset(token)
+
+
+def stacked_layer_index() -> jax.Array | None:
+    return _stacked_layer.get()
+
+
+@contextlib.contextmanager
+def frozen_compute(mode: str) -> Iterator[None]:
+    """Within the block, NF4 projections traced compute in `mode`: "bf16" (the model's dtype), "fp8", or
+    "fp8-dx" (the forward in the model's dtype, the input gradient in FP8)."""
+    if mode not in COMPUTE_MODES + INNER_COMPUTE_MODES:
+        raise ValueError(f"unknown compute mode {mode!r}; use one of {', '.join(COMPUTE_MODES)}")
+    token = _frozen_compute.set(mode)
+    inputs = _fp8_inputs.set([]) if mode == "fp8" else None
+    try:
+        yield
+    finally:
+        _frozen_compute.reset(token)
+        if inputs is not None:
+            _fp8_inputs.reset(inputs)
+
+
+def frozen_compute_mode() -> str:
+    """The mode `frozen_compute` set for what is traced now ("bf16" outside any block)."""
+    return _frozen_compute.get()
+
+
+def fp8_inputs_seen() -> list | None:
+    """The (input, quantized) pairs of the current "fp8" block (None outside one): `fp8_linear`'s memo."""
+    return _fp8_inputs.get()

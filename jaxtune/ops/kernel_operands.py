@@ -1,0 +1,113 @@
+"""How an NF4 weight reaches a Pallas kernel: its block scales in the kernels' layout, FP8's power-of-two
+scales, and a layer of a stacked scan read in place (a slice handed to a custom call would be a copy)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxtune.ops import dispatch
+from jaxtune.ops.sharded import replicated
+from jaxtune.sharding import current_mesh
+
+
+class Fp8ScaleKind(NamedTuple):
+    """FP8's power-of-two weight scales of one kind: the NF4Weight field of the prepared stack, the keyword the
+    dequant kernel takes them by, and the axis of absmax [..., out, in / 64] whose maximum they bring to e4m3's
+    range."""
+
+    field: str
+    keyword: str
+    axis: int
+
+
+# "rows": W's per output row, for the forward; "blocks": Wᵀ's per 64-block of input columns, for the input gradient
+FP8_SCALES = {"rows": Fp8ScaleKind("fp8_scale", "row_scale", -1),
+              "blocks": Fp8ScaleKind("fp8_block_scale", "block_scale", -2)}
+
+
+def kernel_shaped(weight) -> bool:
+    """One weight (its own codes, or one layer of a stack) whose out and in dims the kernels' tiles divide."""
+    n, k = weight.shape
+    one = jnp.asarray(weight.codes).ndim == (2 if weight.layer is None else 3)
+    return one and n % 64 == 0 and k % 64 == 0
+
+
+def kernel_absmax(weight) -> jax.Array:
+    """The float32 scale of every 64-value block of this weight, [out, in / 64] (double quantization undone)."""
+    from jaxtune.nf4 import dequantize_absmax
+
+    n, k = weight.shape
+    return dequantize_absmax(weight).reshape(n, k // 64)
+
+
+def _pow2_scales(absmax: jax.Array, kind: str) -> jax.Array:
+    """FP8's scales of `kind` from the block absmax [..., out, in / 64]: the largest |w| they cover (its largest
+    absmax) brought to e4m3's range by a power of two."""
+    from pallas_kernels.fp8_quantize import E4M3, pow2_scale
+
+    return pow2_scale(jnp.max(absmax, axis=FP8_SCALES[kind].axis), E4M3)
+
+
+def fp8_scales(weight, kind: str, absmax: jax.Array | None = None) -> jax.Array:
+    """This weight's FP8 scales of `kind` ([out] or [in / 64]): its layer's prepared ones, else from its absmax."""
+    prepared = getattr(weight, FP8_SCALES[kind].field)
+    if prepared is not None:
+        return prepared if weight.layer is None else jax.lax.dynamic_index_in_dim(prepared, weight.layer,
+                                                                                   keepdims=False)
+    return _pow2_scales(kernel_absmax(weight) if absmax is None else absmax, kind)
+
+
+def prepare_kernel_scales(weight, fp8: bool) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """What the Pallas kernels read of a stack of NF4 weights, for all layers at once: the block scales
+    [..., in / 64, out] (the kernels' layout) and, for FP8, each row's power-of-two scale [..., out] (W's, for
+    the forward) and each input block's [..., in / 64] (Wᵀ's, for the input gradient). Inside the layer scan each
+    is a small fusion (and a reduction) per projection, layer and pass, ~900 per 8B step."""
+    from jaxtune.nf4 import dequantize_absmax
+
+    n, k = weight.shape
+    absmax = dequantize_absmax(weight).reshape(*jnp.shape(weight.codes)[:-2], n, k // 64)
+    if not fp8:
+        return jnp.swapaxes(absmax, -1, -2), None, None
+    return jnp.swapaxes(absmax, -1, -2), _pow2_scales(absmax, "rows"), _pow2_scales(absmax, "blocks")
+
+
+def kernels_read_prepared_scales() -> bool:
+    """Whether NF4 projections traced now run Pallas kernels that read a stack in place (no mesh): the calls for
+    which `prepare_kernel_scales` pays."""
+    return current_mesh() is None and dispatch.nf4_impl(1) != "xla"
+
+
+def with_codes(weight, kernel: Callable[..., jax.Array], *args: jax.Array, fp8_kind: str | None = None) -> jax.Array:
+    """kernel(*args, codes, absmax[, layer=][, row_scale= | block_scale=]) for a Pallas kernel: a layer of a stack
+    is read in place from the stack, with its prepared scales when the weight carries them; on a mesh the
+    weight's own codes are gathered whole on every device first. `fp8_kind` ("rows" / "blocks"): the kernel
+    also takes FP8's scales of that kind."""
+    keyword = FP8_SCALES[fp8_kind].keyword if fp8_kind else None
+    if weight.layer is not None and current_mesh() is None:
+        absmax = weight.kernel_absmax if weight.kernel_absmax is not None else kernel_absmax(weight)
+        scales = {}
+        if keyword:  # the prepared stack as it is, else this layer's own
+            prepared = getattr(weight, FP8_SCALES[fp8_kind].field)
+            scales[keyword] = prepared if prepared is not None else fp8_scales(weight, fp8_kind)
+        return kernel(*args, jnp.asarray(weight.codes), absmax, layer=weight.layer, **scales)
+    absmax = kernel_absmax(weight)
+    if not keyword:
+        return replicated(kernel, *args, weight.own_codes(), absmax)
+    own = lambda *a: kernel(*a[:-1], **{keyword: a[-1]})  # noqa: E731
+    return replicated(own, *args, weight.own_codes(), absmax, fp8_scales(weight, fp8_kind, absmax))
+
+
+def dequantized(weight, dtype, interpret: bool, transpose: bool = False, fp8_kind: str | None = None,
+                permute: bool = False) -> jax.Array:
+    """W (or Wᵀ) in dtype by the Pallas dequant kernel (`fp8_kind`: divided by FP8's scales of that kind;
+    `permute`: e4m3 W or Wᵀ by the kernel's byte-permute path)."""
+    from pallas_kernels.nf4_matmul import nf4_dequantize
+
+    def dequant(codes, absmax, **kw):
+        return nf4_dequantize(codes, absmax, dtype, transpose=transpose, permute=permute, interpret=interpret, **kw)
+
+    return with_codes(weight, dequant, fp8_kind=fp8_kind)

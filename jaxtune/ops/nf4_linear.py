@@ -1,0 +1,91 @@
+"""A frozen NF4 projection in the model's dtype (bf16): XLA's dequantize-then-dot, the fused Pallas kernel, or
+the Pallas dequant kernel + cuBLAS. Each VJP gives dx only (W is frozen) and saves just the 4-bit arrays for
+the backward pass, never a dequantized copy of W."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jaxtune.ops.dense import input_gradient, linear, rows, zero_cotangent
+from jaxtune.ops.kernel_operands import dequantized, kernel_shaped, with_codes
+
+# decoding's few rows on the CUDA cores: (block_n, block_bytes, split, num_warps) by rows and by the weight's N (at
+# least), the fastest tile of each Llama-3-8B shape on the H200 (benchmarks/results/2026-11-24-decode-gemv-h200.md)
+GEMV_TILES = {
+    1: ((8192, (32, 64, 4, 4)), (4096, (64, 64, 8, 4)), (0, (64, 64, 16, 4))),
+    4: ((8192, (64, 32, 4, 4)), (4096, (32, 64, 4, 4)), (0, (16, 64, 16, 2))),
+}
+
+
+def kernel_tiles(m: int, direction: str, shape: tuple[int, int] | None = None):
+    """The fused kernels' tiles for M rows of a weight [N, K]: up to 4 rows forward (decoding) on the CUDA cores
+    (1.1-1.7x the tensor-core tile there), by N; tensor-core tiles otherwise."""
+    from pallas_kernels.nf4_matmul import MatmulTiles
+
+    if m <= 4 and direction == "fwd":
+        n, tile_rows = (shape or (0, 0))[0], 1 if m == 1 else 4
+        block_n, block_bytes, split, warps = next(t for at_least, t in GEMV_TILES[tile_rows] if n >= at_least)
+        return MatmulTiles(tile_rows, block_n, block_bytes, split, warps, 3, lut="gather", gemv=True)
+    if m <= 16:
+        return MatmulTiles(16, 64, 32, 8, 4, 3)
+    if m <= 256:
+        return MatmulTiles(64, 64, 64, 2, 4, 3)
+    return MatmulTiles(256, 128, 64, 1, 8, 3) if direction == "fwd" else MatmulTiles(128, 128, 64, 1, 8, 3)
+
+
+@jax.custom_vjp
+def _xla_nf4_matmul(x: jax.Array, weight) -> jax.Array:
+    from jaxtune.nf4 import dequantize
+
+    return linear(x, dequantize(weight, x.dtype))
+
+
+def _xla_nf4_matmul_fwd(x, weight):
+    return _xla_nf4_matmul(x, weight), weight
+
+
+def _xla_nf4_matmul_bwd(weight, dy):
+    from jaxtune.nf4 import dequantize
+
+    return input_gradient(dy, dequantize(weight, dy.dtype)), jax.tree.map(zero_cotangent, weight)
+
+
+_xla_nf4_matmul.defvjp(_xla_nf4_matmul_fwd, _xla_nf4_matmul_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _kernel_nf4_matmul(x, weight, impl: str, interpret: bool):
+    from pallas_kernels import nf4_matmul as kernels
+
+    if impl == "fused":
+        tiles = kernel_tiles(rows(x), "fwd", weight.shape)
+        return with_codes(weight, functools.partial(kernels.nf4_matmul_forward, tiles=tiles, interpret=interpret), x)
+    return linear(x, dequantized(weight, x.dtype, interpret))
+
+
+def _kernel_nf4_matmul_fwd(x, weight, impl, interpret):
+    return _kernel_nf4_matmul(x, weight, impl, interpret), weight
+
+
+def _kernel_nf4_matmul_bwd(impl, interpret, weight, dy):
+    from pallas_kernels import nf4_matmul as kernels
+
+    if impl == "fused":
+        tiles = kernel_tiles(rows(dy), "dx")
+        dx = with_codes(weight, functools.partial(kernels.nf4_matmul_dx, tiles=tiles, interpret=interpret), dy)
+    else:
+        dx = input_gradient(dy, dequantized(weight, dy.dtype, interpret))
+    return dx.astype(dy.dtype), jax.tree.map(zero_cotangent, weight)
+
+
+_kernel_nf4_matmul.defvjp(_kernel_nf4_matmul_fwd, _kernel_nf4_matmul_bwd)
+
+
+def bf16_nf4_matmul(x: jax.Array, weight, impl: str, interpret: bool) -> jax.Array:
+    """The projection in x's dtype: a Pallas path (`impl` "fused" or "dequant+dot") where the weight's shape
+    suits the kernels, else dequantize then dot."""
+    if impl != "xla" and kernel_shaped(weight):
+        return _kernel_nf4_matmul(x, weight, impl, interpret)
+    return _xla_nf4_matmul(x, weight)
