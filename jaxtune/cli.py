@@ -7,7 +7,35 @@ import os
 import sys
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with jaxtune's error form: one `jaxtune: error: ...` line (no usage block), exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"jaxtune: error: {self.prog}: {message}; see {self.prog} --help\n")
+
+
+class UsageError(Exception):
+    """A flag's value the parser accepted but the command cannot use."""
+
+
+def _check_range(flag: str, value: float | int | None, low: float, high: float | None = None, *,
+                 low_open: bool = False, fix: str = "") -> None:
+    if value is None:
+        return
+    ok = value > low if low_open else value >= low
+    if high is not None:
+        ok = ok and value <= high
+    if not ok:
+        bound = f"{'>' if low_open else '>='} {low:g}" + ("" if high is None else f" and <= {high:g}")
+        raise UsageError(f"{flag} must be {bound}, got {value:g}{'; ' + fix if fix else ''}")
+
+
 def _generate(args: argparse.Namespace) -> None:
+    _check_range("--max-new-tokens", args.max_new_tokens, 1)
+    _check_range("--temperature", args.temperature, 0, fix="0 decodes greedily")
+    _check_range("--top-p", args.top_p, 0, 1, low_open=True)
+    if any(not p for p in args.prompt):
+        raise UsageError("--prompt is empty; pass the text to continue")
     import jaxtune
 
     model, tokenizer = jaxtune.from_pretrained(args.model, dtype=args.dtype, load_in_4bit=args.load_in_4bit)
@@ -70,25 +98,46 @@ _TRAIN_OVERRIDES = {  # CLI flag -> TrainConfig field
     "grad_accum": "grad_accum", "lr": "learning_rate", "schedule": "schedule", "warmup_steps": "warmup_steps",
     "lora_r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout", "remat": "remat",
     "eval_fraction": "eval_fraction", "eval_steps": "eval_steps", "save_steps": "save_steps", "seed": "seed",
-    "mesh": "mesh", "compute": "compute",
+    "mesh": "mesh", "compute": "compute", "report_to": "report_to",
 }
+_FLAG_OF = {field: flag for flag, field in _TRAIN_OVERRIDES.items()}
+
+
+def _train_config(args: argparse.Namespace):
+    """The run's TrainConfig from --config and the flags, a bad value named by its flag."""
+    from jaxtune.errors import ConfigError
+    from jaxtune.training.config import TrainConfig
+
+    overrides = {field: getattr(args, flag) for flag, field in _TRAIN_OVERRIDES.items() if getattr(args, flag) is not None}
+    if args.no_packing:
+        overrides["packing"] = False
+    if args.no_compile_cache:
+        overrides["compile_cache"] = False
+    try:
+        return (TrainConfig.from_yaml(args.config, **overrides) if args.config
+                else TrainConfig.from_dict(overrides, where="command line"))
+    except ConfigError as e:
+        flag = _FLAG_OF.get(e.field)
+        if flag is None or e.field not in overrides:
+            raise
+        raise ConfigError(f"--{flag.replace('_', '-')}: {e}", field=e.field) from None
 
 
 def _train(args: argparse.Namespace) -> None:
     from jaxtune.distributed import initialize_from_env
 
+    cfg = _train_config(args)  # bad values and unusable paths refused before JAX starts or the model loads
+    from jaxtune.data import check_rows, read_rows
+    from jaxtune.training.checkpoint import check_run_dir
+    from jaxtune.training.reporting import check_reporters
+
+    rows = read_rows(args.data)
+    check_rows(rows, cfg.format)
+    check_run_dir(args.out, args.resume)
+    check_reporters(cfg.report_to, args.out)
     initialize_from_env()  # multi-host launches: before anything else touches JAX
     import jaxtune
 
-    overrides = {field: getattr(args, flag) for flag, field in _TRAIN_OVERRIDES.items() if getattr(args, flag) is not None}
-    if overrides.get("micro_batch_size") not in (None, "auto"):
-        overrides["micro_batch_size"] = int(overrides["micro_batch_size"])
-    if args.no_packing:
-        overrides["packing"] = False
-    if args.no_compile_cache:
-        overrides["compile_cache"] = False
-    cfg = (jaxtune.TrainConfig.from_yaml(args.config, **overrides) if args.config
-           else jaxtune.TrainConfig.from_dict(overrides, where="command line"))
     if cfg.mesh:  # a mesh that does not fit the devices fails before the model loads
         from jaxtune.sharding import make_mesh
 
@@ -96,16 +145,15 @@ def _train(args: argparse.Namespace) -> None:
     model, tokenizer = jaxtune.from_pretrained(args.model, dtype=args.dtype, load_in_4bit=True)
     if tokenizer is None:
         raise jaxtune.CheckpointError(f"{args.model} has no tokenizer files; add tokenizer.json to the model directory")
-    result = jaxtune.train(model, tokenizer, args.data, cfg, out_dir=args.out, resume=args.resume,
-                           base_model=args.model)
+    result = jaxtune.train(model, tokenizer, rows, cfg, out_dir=args.out, resume=args.resume, base_model=args.model)
     state = "interrupted at" if result.interrupted else "finished"
     print(f"{state} step {result.steps}: loss {result.losses[-1]:.4f}, packing efficiency "
           f"{result.packing_efficiency:.1%}, {result.tokens_per_second:,.0f} tokens/s; run in {args.out}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxtune", description="QLoRA fine-tuning of Llama-family models in JAX")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="jaxtune", description="QLoRA fine-tuning of Llama-family models in JAX")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate text from a model (HF directory, .gguf file, or 'smollm2')")
     gen.add_argument("model", help="HF model directory, .gguf file, or a bundled name (smollm2)")
@@ -154,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--compute", choices=["bf16", "fp8"],
                     help="fp8: the frozen projections as FP8 GEMMs on Ada/Hopper, but q/k's forward "
                          "(opt-in; default bf16)")
+    tr.add_argument("--report-to", help="also log metrics to: tensorboard (RUN/tb/), wandb, or both "
+                                        "(comma-separated; needs pip install 'jaxtune[tensorboard]' / '[wandb]')")
     tr.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=4 (default: every device on data)")
     tr.add_argument("--no-packing", action="store_true", help="pad each example to --seq-len instead of packing")
     tr.add_argument("--no-compile-cache", action="store_true",
@@ -183,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (JaxtuneError, NotImplementedError) as e:
+    except (JaxtuneError, NotImplementedError, UsageError) as e:
         if "jax" in sys.modules:
             from jaxtune.distributed import exit_now, is_multiprocess
 

@@ -13,3 +13,11 @@ class UnsupportedModelError(JaxtuneError, ValueError):
 
 class CheckpointError(JaxtuneError, ValueError):
     """A checkpoint is missing, truncated, corrupt or inconsistent."""
+
+
+class ConfigError(JaxtuneError, ValueError):
+    """A training option is out of range, of the wrong type, unknown, or in a combination that cannot work."""
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.field = field  # the TrainConfig field at fault, so the CLI can name its flag

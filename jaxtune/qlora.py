@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtune import nf4, ops
+from jaxtune.errors import ConfigError
 from jaxtune.model import CausalLM, Linear
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -141,18 +142,20 @@ def get_peft_model(
     """Wraps the target projections with LoRA adapters (in place; returns model). Only LoRA params train."""
     unknown = sorted(set(target_modules) - set(LORA_TARGETS))
     if unknown:
-        raise ValueError(f"unknown target module(s) {', '.join(unknown)}; valid: {', '.join(LORA_TARGETS)}")
+        raise ConfigError(f"unknown target module(s) {', '.join(unknown)}; valid: {', '.join(LORA_TARGETS)}")
     if r < 1:
-        raise ValueError(f"LoRA rank r must be >= 1, got {r}")
+        raise ConfigError(f"LoRA rank r must be >= 1, got {r}")
+    if not lora_alpha > 0:
+        raise ConfigError(f"lora_alpha must be > 0, got {lora_alpha}")
     if not 0.0 <= lora_dropout < 1.0:
-        raise ValueError(f"lora_dropout must be in [0, 1), got {lora_dropout}")
+        raise ConfigError(f"lora_dropout must be in [0, 1), got {lora_dropout}; 0.0 to 0.1 is usual")
     cfg = model.config
     keys = jax.random.split(jax.random.key(seed), len(LORA_TARGETS))
     for key, (name, parent, proj) in zip(keys, _projections(model)):
         if name not in target_modules:
             continue
         if isinstance(proj, LoRALinear):
-            raise ValueError(f"{name} already has a LoRA adapter; call get_peft_model once per model")
+            raise ConfigError(f"{name} already has a LoRA adapter; call get_peft_model once per model")
         out_f, in_f = _features(cfg, name)
         setattr(parent, name, LoRALinear(proj, in_f, out_f, r=r, alpha=lora_alpha, use_rslora=use_rslora,
                                          key=key, leading=(cfg.num_layers,), dropout=lora_dropout))

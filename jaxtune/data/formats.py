@@ -36,6 +36,33 @@ def _field(row: Row, name: str, kind: type = str) -> Any:
     return value
 
 
+def _check_messages(messages: list, where: str) -> None:
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: messages[{i}] needs string fields 'role' and 'content'")
+
+
+# the fields each format reads, with their types
+FORMAT_FIELDS: dict[str, tuple[tuple[str, type], ...]] = {
+    "chat": (("messages", list),),
+    "alpaca": (("instruction", str), ("output", str)),
+    "completion": (("prompt", str), ("completion", str)),
+    "text": (("text", str),),
+}
+
+
+def check_rows(rows: Sequence[Row], fmt: str) -> None:
+    """Every row holds the fields `fmt` reads, of the right types: a dataset's mistakes found before a model
+    loads (tokenizing, which needs the model's tokenizer, checks the rest)."""
+    if fmt not in FORMATS:
+        raise DataError(f"unknown data format {fmt!r}; supported: {', '.join(FORMATS)}")
+    for row in rows:
+        for name, kind in FORMAT_FIELDS[fmt]:
+            value = _field(row, name, kind)
+            if fmt == "chat":
+                _check_messages(value, row.where)
+
+
 def _ids(tokenizer: Any, text: str, *, special: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
@@ -47,9 +74,7 @@ def _eos(tokenizer: Any) -> list[int]:
 def _chat(tokenizer: Any, messages: list[dict[str, str]], where: str, train_on_all: bool) -> Example:
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{where}: format 'chat' needs a tokenizer with a chat template; use format 'text' or 'completion'")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise DataError(f"{where}: messages[{i}] needs string fields 'role' and 'content'")
+    _check_messages(messages, where)
 
     def render(msgs, generation_prompt=False) -> list[int]:
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.distributed import agree_min, memory_stats
+from jaxtune.errors import JaxtuneError
+from jaxtune.host_info import GIB, available_ram_bytes
 from jaxtune.sharding import batch_sharding, batch_shards
 from jaxtune.training.config import TrainConfig
 
@@ -51,6 +53,35 @@ def _step_memory(step_fn, lora, opt_state, frozen, micro: int, cfg: TrainConfig)
     mem = compiled.memory_analysis()
     total = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
     return int(total), int(mem.temp_size_in_bytes)
+
+
+class StepTooLarge(JaxtuneError, MemoryError):
+    """The training step cannot fit the device's memory at the smallest batch the run allows."""
+
+
+def too_large(cfg: TrainConfig, micro: int, need: int | None, available: int, where: str) -> StepTooLarge:
+    """The one-line refusal: what the step needs, what there is, and what to change."""
+    needs = "more than" if need is None else f"{need / GIB:,.1f} GiB,"
+    fixes = [f"a shorter --seq-len (now {cfg.seq_len:,})"]
+    if micro > 1:
+        fixes.append(f"a smaller --batch-size (now {micro})")
+    if cfg.remat != "offload":
+        fixes.append("--remat offload (layer inputs in host memory)")
+    return StepTooLarge(f"the training step does not fit: it needs {needs} {where} has {available / GIB:,.1f} GiB; "
+                        f"use {', or '.join(fixes)}")
+
+
+def refuse_if_too_large_for_host(step_fn, lora, opt_state, frozen, micro: int, cfg: TrainConfig) -> None:
+    """On CPU (no device memory size), compare the compiled step with the host memory available now, before the
+    first step allocates it: the compilation is the one the loop then runs, so this costs no extra compile."""
+    if memory_stats().get("bytes_limit") is not None:
+        return  # GPU: the loop turns an out-of-memory first step into `too_large`, at no compile before it
+    resident = sum(x.nbytes for x in jax.tree.leaves((lora, opt_state, frozen)))  # already in memory
+    need = step_bytes_or_none(step_fn, lora, opt_state, frozen, micro, cfg)
+    available = available_ram_bytes()
+    fits = need is not None and need - resident <= available
+    if not agree_min(int(fits)):
+        raise too_large(cfg, micro, None if need is None else need - resident, available, "host memory")
 
 
 def choose_micro_batch(cfg: TrainConfig, step_fn, lora, opt_state, frozen, *, bytes_limit: int | None = None,

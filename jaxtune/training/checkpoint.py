@@ -13,6 +13,37 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxtune.errors import JaxtuneError
+
+
+def saved_steps(run_dir: str | os.PathLike) -> list[int]:
+    """The steps checkpointed under run_dir (finished saves only: orbax renames a step's directory to its number
+    when the save completes)."""
+    directory = os.path.join(os.fspath(run_dir), "checkpoints")
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+
+
+def check_run_dir(run_dir: str | os.PathLike | None, resume: bool) -> None:
+    """Refuses, before any work, a run directory the run could not use: a file, an unwritable place, or one that
+    already holds checkpoints while resume is off. Creates nothing."""
+    if run_dir is None:
+        return
+    path = os.path.abspath(os.fspath(run_dir))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise JaxtuneError(f"output {run_dir} is a file; choose a directory path for the run")
+    steps = saved_steps(path)
+    if steps and not resume:
+        raise JaxtuneError(f"{run_dir} already holds checkpoints (step {steps[-1]}); pass resume=True (--resume) "
+                           "to continue, or choose a new output directory")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise JaxtuneError(f"cannot write the run directory {run_dir}: {existing} is not writable; choose another "
+                           "output directory")
+
 
 class RunCheckpoints:
     def __init__(self, run_dir: str, *, max_to_keep: int = 2):

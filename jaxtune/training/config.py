@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
-from jaxtune.errors import JaxtuneError
+from jaxtune.data.formats import FORMATS
+from jaxtune.errors import ConfigError
+from jaxtune.ops.context import COMPUTE_MODES
+from jaxtune.qlora import LORA_TARGETS
 
 SCHEDULES = ("constant", "linear", "cosine")
 REMAT = ("none", "selective", "per-layer", "offload")
+REPORTERS = ("tensorboard", "wandb")
+# 16.7M tokens: 39x the longest step measured on one 80 GB GPU (425,984 tokens); beyond it no single GPU can
+# hold even one layer's activations, so the value is a typo, refused before any work
+MAX_SEQ_LEN = 2**24
 
-
-class ConfigError(JaxtuneError, ValueError):
-    """A training option is out of range or unknown."""
+__all__ = ["ConfigError", "TrainConfig"]
 
 
 @dataclasses.dataclass
@@ -58,31 +64,44 @@ class TrainConfig:
     eval_steps: int = 0
     save_steps: int = 0
     max_bad_steps: int = 5
+    # where the metrics also go, besides metrics.jsonl: "tensorboard" (RUN/tb/) and/or "wandb"
+    report_to: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        self.target_modules = tuple(self.target_modules)
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
-        if self.remat not in REMAT:
-            raise ConfigError(f"unknown remat {self.remat!r}; choose one of: {', '.join(REMAT)}")
-        from jaxtune.ops import COMPUTE_MODES
-
-        if self.compute not in COMPUTE_MODES:
-            raise ConfigError(f"unknown compute {self.compute!r}; choose one of: {', '.join(COMPUTE_MODES)}")
-        if self.micro_batch_size != "auto" and (not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1):
-            raise ConfigError(f"micro_batch_size must be a positive integer or 'auto', got {self.micro_batch_size!r}")
-        for name in ("seq_len", "grad_accum", "max_steps", "lora_r", "ce_chunk_size", "max_bad_steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        """Every field checked (type, range, choices) and the combinations that cannot work refused, each with
+        a one-line ConfigError naming the field, the value and the fix; numbers written as YAML strings
+        ("2e-4") are read as numbers."""
+        for f in dataclasses.fields(self):
+            rule = _RULES.get(f.name)
+            if rule is not None:
+                setattr(self, f.name, rule.check(f.name, getattr(self, f.name)))
+        self.target_modules = _target_modules(self.target_modules)
+        self.report_to = _report_to(self.report_to)
+        if self.micro_batch_size != "auto":
+            self.micro_batch_size = _integer("micro_batch_size", self.micro_batch_size, "a positive integer or 'auto'")
+            if self.micro_batch_size < 1:
+                raise ConfigError(f"micro_batch_size must be a positive integer or 'auto', got {self.micro_batch_size}",
+                                  field="micro_batch_size")
         if self.mesh is not None:
             from jaxtune.sharding import mesh_axis_sizes
 
             try:  # the form only here; whether it fits the devices is checked when the run starts
                 mesh_axis_sizes(self.mesh)
             except ValueError as e:
-                raise ConfigError(str(e)) from None
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
+                raise ConfigError(str(e), field="mesh") from None
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        if self.warmup_steps >= self.max_steps:
+            raise ConfigError(f"warmup_steps ({self.warmup_steps}) must be below max_steps ({self.max_steps}), or the "
+                              "learning rate never reaches its peak; lower warmup_steps", field="warmup_steps")
+        if self.eval_steps and not self.eval_fraction:
+            raise ConfigError(f"eval_steps={self.eval_steps} needs a held-out split to evaluate on: set eval_fraction "
+                              "(e.g. 0.05), or eval_steps=0", field="eval_steps")
+        if isinstance(self.micro_batch_size, int) and self.micro_batch_size * self.seq_len * self.grad_accum >= 2**31:
+            raise ConfigError(f"micro_batch_size x grad_accum x seq_len = "
+                              f"{self.micro_batch_size * self.grad_accum * self.seq_len:,} tokens per step is over "
+                              "2^31 (token indices are int32); lower seq_len or the batch", field="seq_len")
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, **overrides: Any) -> "TrainConfig":
@@ -109,5 +128,139 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["target_modules"] = list(self.target_modules)
+        d["target_modules"], d["report_to"] = list(self.target_modules), list(self.report_to)
         return d
+
+
+def _integer(name: str, value: Any, expected: str) -> int:
+    """value as an int: ints, integral floats and integer strings (YAML, CLI) pass; bools and the rest do not."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be {expected}, got {value!r}", field=name)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise ConfigError(f"{name} must be {expected}, got {value!r}", field=name)
+
+
+def _number(name: str, value: Any, expected: str) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be {expected}, got {value!r}", field=name)
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            pass
+    raise ConfigError(f"{name} must be {expected}, got {value!r}", field=name)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """One field's type and allowed range: `kind` int / float / bool / choice; [low, high] with open ends."""
+
+    kind: str
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple[str, ...] = ()
+    fix: str = ""
+
+    def describe(self) -> str:
+        if self.kind == "bool":
+            return "true or false"
+        if self.kind == "choice":
+            return "one of: " + ", ".join(self.choices)
+        noun = "an integer" if self.kind == "int" else "a number"
+        shown = (lambda x: f"{int(x):,}") if self.kind == "int" else (lambda x: f"{x:g}")  # noqa: E731
+        if self.low is not None and self.high is not None:
+            return (f"{noun} in {'(' if self.low_open else '['}{shown(self.low)}, "
+                    f"{shown(self.high)}{')' if self.high_open else ']'}")
+        if self.low is not None:
+            return f"{noun} {'>' if self.low_open else '>='} {shown(self.low)}"
+        return noun
+
+    def check(self, name: str, value: Any) -> Any:
+        expected = self.describe()
+        if self.kind == "bool":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name} must be {expected}, got {value!r}", field=name)
+            return value
+        if self.kind == "choice":
+            if value not in self.choices:
+                raise ConfigError(f"unknown {name} {value!r}; choose {expected}", field=name)
+            return value
+        number = _integer(name, value, expected) if self.kind == "int" else _number(name, value, expected)
+        ok = math.isfinite(number)
+        if ok and self.low is not None:
+            ok = number > self.low if self.low_open else number >= self.low
+        if ok and self.high is not None:
+            ok = number < self.high if self.high_open else number <= self.high
+        if not ok:
+            fix = f"; {self.fix}" if self.fix else ""
+            raise ConfigError(f"{name} must be {expected}, got {value!r}{fix}", field=name)
+        return number
+
+
+_RULES: dict[str, _Rule] = {
+    "format": _Rule("choice", choices=FORMATS),
+    "seq_len": _Rule("int", 2, MAX_SEQ_LEN, fix="no GPU holds a longer step; shorten it"),
+    "packing": _Rule("bool"),
+    "train_on_all": _Rule("bool"),
+    "eval_fraction": _Rule("float", 0, 1, high_open=True, fix="e.g. 0.05 holds out 5% of the rows"),
+    "seed": _Rule("int", 0),
+    "grad_accum": _Rule("int", 1),
+    "learning_rate": _Rule("float", 0, 1, low_open=True, fix="LoRA learning rates are typically 1e-5 to 1e-3"),
+    "schedule": _Rule("choice", choices=SCHEDULES),
+    "warmup_steps": _Rule("int", 0),
+    "weight_decay": _Rule("float", 0, 1),
+    "adam_b1": _Rule("float", 0, 1, high_open=True),
+    "adam_b2": _Rule("float", 0, 1, high_open=True),
+    "max_grad_norm": _Rule("float", 0, low_open=True, fix="gradients are clipped to this global norm (1.0 is usual)"),
+    "max_steps": _Rule("int", 1),
+    "lora_r": _Rule("int", 1, 4096, fix="LoRA ranks are typically 8 to 64"),
+    "lora_alpha": _Rule("float", 0, low_open=True),
+    "lora_dropout": _Rule("float", 0, 1, high_open=True, fix="0.0 to 0.1 is usual"),
+    "use_rslora": _Rule("bool"),
+    "remat": _Rule("choice", choices=REMAT),
+    "ce_chunk_size": _Rule("int", 1),
+    "compute": _Rule("choice", choices=COMPUTE_MODES),
+    "compile_cache": _Rule("bool"),
+    "logging_steps": _Rule("int", 1),
+    "eval_steps": _Rule("int", 0),
+    "save_steps": _Rule("int", 0),
+    "max_bad_steps": _Rule("int", 1),
+}
+
+
+def _names(name: str, value: Any, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """A list of names, or one comma-separated string of them (CLI, YAML), each one of `allowed`."""
+    items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+        raise ConfigError(f"{name} must be a list of names from: {', '.join(allowed)}; got {value!r}", field=name)
+    unknown = [v for v in items if v not in allowed]
+    if unknown:
+        raise ConfigError(f"unknown {name} {', '.join(map(repr, unknown))}; choose from: {', '.join(allowed)}",
+                          field=name)
+    return tuple(dict.fromkeys(items))
+
+
+def _target_modules(value: Any) -> tuple[str, ...]:
+    names = _names("target_modules", value, LORA_TARGETS)
+    if not names:
+        raise ConfigError(f"target_modules is empty: LoRA needs at least one of {', '.join(LORA_TARGETS)}",
+                          field="target_modules")
+    return names
+
+
+def _report_to(value: Any) -> tuple[str, ...]:
+    if value in (None, "none", ""):
+        return ()
+    return _names("report_to", value, REPORTERS)

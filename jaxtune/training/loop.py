@@ -28,10 +28,12 @@ from jaxtune.errors import JaxtuneError
 from jaxtune.model import CausalLM
 from jaxtune.qlora import get_peft_model
 from jaxtune.sharding import batch_shards, make_mesh, shard_state
-from jaxtune.training.autobatch import MARGIN, choose_micro_batch, step_bytes_or_none
-from jaxtune.training.checkpoint import RunCheckpoints
+from jaxtune.training.autobatch import (MARGIN, choose_micro_batch, refuse_if_too_large_for_host,
+                                       step_bytes_or_none, too_large)
+from jaxtune.training.checkpoint import RunCheckpoints, check_run_dir
 from jaxtune.training.compilation import use_compilation_cache
 from jaxtune.training.config import TrainConfig
+from jaxtune.training.reporting import MetricsLog, check_reporters
 from jaxtune.training.host_memory import HostMemoryGuard, offload_plan, offloads_to_host
 from jaxtune.training.step import (REMAT_POLICIES, make_eval_step, make_optimizer, make_train_step, split_model,
                                 to_device_batch)
@@ -57,10 +59,10 @@ class TrainResult:
     micro_batch_size: int
 
 
-def _rows_from(data: str | os.PathLike | Sequence[dict[str, Any]]) -> list[Row]:
+def _rows_from(data: str | os.PathLike | Sequence[dict[str, Any] | Row]) -> list[Row]:
     if isinstance(data, (str, os.PathLike)):
         return read_rows(data)
-    rows = [Row(r, f"data[{i}]") for i, r in enumerate(data)]
+    rows = [r if isinstance(r, Row) else Row(r, f"data[{i}]") for i, r in enumerate(data)]
     if not rows:
         raise DataError("the dataset is empty; it needs at least one row")
     return rows
@@ -156,6 +158,9 @@ def train(
     """
     cfg = config or TrainConfig()
     run_dir = None if out_dir is None else os.fspath(out_dir)
+    check_run_dir(run_dir, resume)
+    if jax.process_index() == 0:
+        check_reporters(cfg.report_to, run_dir)
     if not jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
         get_peft_model(model, r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                        target_modules=cfg.target_modules, use_rslora=cfg.use_rslora, seed=cfg.seed)
@@ -212,6 +217,7 @@ def train(
                   "into, allow it)", flush=True)
     else:
         micro = cfg.micro_batch_size
+    refuse_if_too_large_for_host(step_fn, lora, opt_state, frozen, micro, cfg)
     if micro % unit:
         raise JaxtuneError(f"micro_batch_size {micro} does not split over the {unit} devices of mesh "
                            f"{dict(mesh.shape)}; use a multiple of {unit}")
@@ -222,10 +228,7 @@ def train(
     if run_dir is not None:
         os.makedirs(run_dir, exist_ok=True)
         ckpt = RunCheckpoints(run_dir)
-        latest = ckpt.latest_step()
-        if latest is not None and not resume:
-            raise JaxtuneError(f"{run_dir} already holds checkpoints (step {latest}); pass resume=True (--resume) "
-                               "to continue, or choose a new output directory")
+        latest = ckpt.latest_step()  # check_run_dir refused checkpoints without resume
         if latest is not None:
             lora, opt_state, meta = ckpt.restore(lora, opt_state)
             stream.restore(meta["data"])
@@ -235,7 +238,7 @@ def train(
             with open(os.path.join(run_dir, "config.json"), "w") as f:
                 json.dump({"train": cfg.to_dict(), "model": model.config.to_hf(), "micro_batch_size": micro,
                            "base_model": base_model}, f, indent=2)
-            _truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), start_step)
+    metrics = MetricsLog(run_dir, cfg.report_to, {**cfg.to_dict(), "micro_batch_size": micro}, start_step) if lead else None
 
     def save(step: int) -> None:
         if ckpt is not None:
@@ -264,6 +267,8 @@ def train(
                         break
                     except Exception as e:  # noqa: BLE001 (only out-of-memory is handled)
                         if not _can_step_down(e, stream, lora, unit):
+                            if "RESOURCE_EXHAUSTED" in str(e):
+                                raise _out_of_memory(step_fn, lora, opt_state, frozen, stream.micro_batch, cfg) from None
                             raise
                         stream.micro_batch, stream.accum = stream.micro_batch // 2, stream.accum * 2
                         warnings.warn(f"out of device memory: micro-batch lowered to {stream.micro_batch} "
@@ -289,12 +294,11 @@ def train(
                             f"training has collapsed: {COLLAPSE_STEPS} steps in a row (to step {step}) with a zero "
                             f"gradient norm or the loss of uniform predictions (log vocab = {uniform_loss:.3f}); the "
                             "model is learning nothing: lower learning_rate", stacklevel=2)
-                if eval_fn is not None and cfg.eval_steps and (step % cfg.eval_steps == 0 or step == cfg.max_steps):
+                if eval_fn is not None and (step == cfg.max_steps or (cfg.eval_steps and step % cfg.eval_steps == 0)):
                     record["eval_loss"] = _evaluate(eval_fn, lora, frozen, eval_rows, micro, mesh)
                     eval_losses.append((step, record["eval_loss"]))
-                if run_dir is not None and lead:
-                    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-                        f.write(json.dumps(record) + "\n")
+                if metrics is not None:
+                    metrics.write(record)
                 if callback is not None:
                     callback(record)
                 bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}")
@@ -312,6 +316,8 @@ def train(
                     break
     finally:
         nnx.update(model, lora)  # the donated originals are gone: the model always holds the live params
+        if metrics is not None:
+            metrics.close()
     bar.close()
     save(step)
     if ckpt is not None:
@@ -334,6 +340,16 @@ def _fits_device(step_fn, lora, opt_state, frozen, cfg: TrainConfig, unit: int) 
     return bool(agree_min(int(fits)))
 
 
+def _out_of_memory(step_fn, lora, opt_state, frozen, micro: int, cfg: TrainConfig) -> JaxtuneError:
+    """A first step that ran out of device memory at a batch that cannot shrink, as the one-line refusal with
+    what the step needs (its compiled size; unknown when the params are gone) and what the device has."""
+    try:
+        need = step_bytes_or_none(step_fn, lora, opt_state, frozen, micro, cfg)
+    except Exception:  # noqa: BLE001 (a donated, deleted argument cannot be lowered again)
+        need = None
+    return too_large(cfg, micro, need, memory_stats().get("bytes_limit") or 0, "the device")
+
+
 def _can_step_down(error: Exception, stream: BatchStream, lora, unit: int = 1) -> bool:
     """An out-of-memory failure that left the (donated) params intact, at a micro-batch that can halve and
     still split into `unit` equal parts (the devices of the mesh)."""
@@ -353,13 +369,3 @@ def _evaluate(eval_fn, lora, frozen, rows: PackedRows, micro: int, mesh=None) ->
         s, n = eval_fn(lora, frozen, to_device_batch(batch, mesh))
         total, count = total + float(s), count + int(n)
     return total / max(count, 1)
-
-
-def _truncate_metrics(path: str, last_step: int) -> None:
-    """On resume, drop metric lines of steps after the restored checkpoint (they will be redone)."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
-    with open(path, "w") as f:
-        f.writelines(kept)
