@@ -36,6 +36,12 @@ def _generate(args: argparse.Namespace) -> None:
     _check_range("--top-p", args.top_p, 0, 1, low_open=True)
     if any(not p for p in args.prompt):
         raise UsageError("--prompt is empty; pass the text to continue")
+    from jaxtune.bundled import resolve_model_path
+
+    resolve_model_path(args.model)
+    if args.adapter and not os.path.isdir(args.adapter):
+        raise UsageError(f"--adapter {args.adapter} is not a directory; pass a PEFT adapter directory "
+                         "(from jaxtune export --peft)")
     import jaxtune
 
     model, tokenizer = jaxtune.from_pretrained(args.model, dtype=args.dtype, load_in_4bit=args.load_in_4bit)
@@ -127,10 +133,12 @@ def _train(args: argparse.Namespace) -> None:
     from jaxtune.distributed import initialize_from_env
 
     cfg = _train_config(args)  # bad values and unusable paths refused before JAX starts or the model loads
+    from jaxtune.bundled import resolve_model_path
     from jaxtune.data import check_rows, read_rows
     from jaxtune.training.checkpoint import check_run_dir
     from jaxtune.training.reporting import check_reporters
 
+    resolve_model_path(args.model)
     rows = read_rows(args.data)
     check_rows(rows, cfg.format)
     check_run_dir(args.out, args.resume)

@@ -1,0 +1,221 @@
+"""Bad values are refused before any work, in one line that names the value and the fix: every TrainConfig
+field's bounds, every CLI flag with a bad value (no traceback, exit status != 0, nothing written), the dataset and
+run directory checked before the model loads, and a step too large for memory refused before it runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+import jaxtune
+from jaxtune.cli import build_parser, main
+from jaxtune.errors import ConfigError
+from jaxtune.training.config import MAX_SEQ_LEN, TrainConfig
+
+# field -> (values refused, values at the edge that are accepted)
+BOUNDS = {
+    "format": (["sharegpt", 1], ["text"]),
+    "seq_len": ([0, 1, -5, MAX_SEQ_LEN + 1, 2.5, "long", True], [2, MAX_SEQ_LEN]),
+    "packing": (["yes", 1], [False]),
+    "train_on_all": (["no", 0], [True]),
+    "eval_fraction": ([-0.1, 1.0, 1.5, float("nan")], [0.0, 0.99]),
+    "seed": ([-1, 1.5], [0]),
+    "micro_batch_size": ([0, -2, "big", 1.5, None], [1, "auto", "8"]),
+    "grad_accum": ([0, -1], [1]),
+    "learning_rate": ([-1.0, 0.0, 1.5, float("inf"), float("nan"), "fast"], [1e-9, 1.0, "2e-4"]),
+    "schedule": (["exp"], ["constant"]),
+    "warmup_steps": ([-1], [0, 99]),
+    "weight_decay": ([-0.1, 2.0], [0.0, 1.0]),
+    "adam_b1": ([-0.1, 1.0], [0.0, 0.99]),
+    "adam_b2": ([1.0, 1.1], [0.0, 0.999]),
+    "max_grad_norm": ([0.0, -1.0], [1e-3]),
+    "max_steps": ([0, -3], [1]),
+    "lora_r": ([0, -8, 5000], [1, 4096]),
+    "lora_alpha": ([0.0, -16.0], [1e-3]),
+    "lora_dropout": ([-0.1, 1.0, 1.5], [0.0, 0.5]),
+    "target_modules": ([[], ["q_proj", "attn"], "qkv", [1]], [["q_proj"], "q_proj,v_proj"]),
+    "use_rslora": (["true"], [True]),
+    "remat": (["full"], ["offload"]),
+    "ce_chunk_size": ([0], [1]),
+    "compute": (["int8", "fp16"], ["fp8"]),
+    "compile_cache": ([1], [False]),
+    "mesh": (["tp=2", "data"], ["data=1"]),
+    "logging_steps": ([0], [1]),
+    "eval_steps": ([-1], [0]),
+    "save_steps": ([-1], [0, 5]),
+    "max_bad_steps": ([0], [1]),
+    "report_to": ([["tensorboardx"], "tb", [3]], [["tensorboard"], "tensorboard,wandb", "none"]),
+}
+
+
+def test_every_field_has_bounds_under_test():
+    assert set(BOUNDS) == {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+@pytest.mark.parametrize("field,value", [(f, v) for f, (bad, _) in BOUNDS.items() for v in bad])
+def test_a_field_out_of_bounds_is_refused_in_one_line(field, value):
+    with pytest.raises(ConfigError) as e:
+        TrainConfig(**{field: value})
+    msg = str(e.value)
+    assert "\n" not in msg and field.split("_")[0] in msg and e.value.field == field, msg
+
+
+@pytest.mark.parametrize("field,value", [(f, v) for f, (_, good) in BOUNDS.items() for v in good])
+def test_a_field_at_its_edge_is_accepted(field, value):
+    TrainConfig(**{field: value})
+
+
+def test_numbers_written_as_strings_in_yaml_are_numbers(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rate: 2e-4\nseq_len: '512'\nreport_to: tensorboard\n")  # YAML reads 2e-4 as a string
+    cfg = TrainConfig.from_yaml(path)
+    assert cfg.learning_rate == 2e-4 and cfg.seq_len == 512 and cfg.report_to == ("tensorboard",)
+
+
+@pytest.mark.parametrize("values,words", [
+    (dict(warmup_steps=100, max_steps=100), "warmup_steps (100) must be below max_steps (100)"),
+    (dict(eval_steps=10), "needs a held-out split"),
+    (dict(seq_len=2**20, micro_batch_size=2048), "over 2^31"),
+])
+def test_combinations_that_cannot_work_are_refused(values, words):
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)").replace("^", r"\^")):
+        TrainConfig(**values)
+
+
+def test_get_peft_model_refuses_bad_values_as_jaxtune_errors(tiny_qlora_model):
+    for kwargs in (dict(lora_dropout=1.5), dict(r=0), dict(lora_alpha=-1.0), dict(target_modules=["attn"])):
+        with pytest.raises(jaxtune.JaxtuneError):
+            jaxtune.get_peft_model(tiny_qlora_model, **kwargs)
+
+
+# ---- the command line -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fails the test if anything loads a model: every refusal below must come first."""
+    import convert.load
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the bad value was refused")
+
+    monkeypatch.setattr(convert.load, "from_pretrained", refuse)
+
+
+@pytest.fixture
+def chat_data(tmp_path):
+    path = tmp_path / "d.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 4
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# every flag of every subcommand -> a bad value for it (flags that take no value: a bad combination)
+BAD_FLAGS = {
+    "train": {
+        "--format": "sharegpt", "--max-steps": "0", "--seq-len": "100000000", "--batch-size": "zero",
+        "--grad-accum": "-1", "--lr": "-1", "--schedule": "exp", "--warmup-steps": "-1", "--lora-r": "0",
+        "--lora-alpha": "-2", "--lora-dropout": "1.5", "--remat": "full", "--eval-fraction": "1.5",
+        "--eval-steps": "-3", "--save-steps": "-1", "--seed": "-1", "--compute": "int8", "--mesh": "tp=2",
+        "--report-to": "tb", "--config": "missing.yaml", "--dtype": "float8", "--data": "missing.jsonl",
+        "--model": "missing-model-dir", "--out": "a-file", "--resume": None, "--no-packing": None,
+        "--no-compile-cache": None,
+    },
+    "generate": {"--max-new-tokens": "0", "--temperature": "-1", "--top-p": "0", "--seed": "x",
+                 "--dtype": "int4", "--adapter": "missing-adapter", "--prompt": "", "--raw": None,
+                 "--load-in-4bit": None},
+    "convert": {"--quantize": "int3", "--dtype": "int4"},
+    "export": {"--peft": "exists", "--merged": "exists", "--gguf": "out.txt", "--gguf-type": "q4_k",
+               "--base": "missing-base", "--dtype": "int4"},
+}
+
+
+def _flags_of(command: str) -> set[str]:
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+    return {s for a in sub._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+
+
+@pytest.mark.parametrize("command", sorted(BAD_FLAGS))
+def test_every_flag_is_walked(command):
+    assert set(BAD_FLAGS[command]) == _flags_of(command)
+
+
+def _argv(command: str, flag: str, value: str | None, tmp_path, data) -> list[str]:
+    """The subcommand with good values everywhere but `flag`; flags without a value go with a bad partner."""
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "exists").mkdir(exist_ok=True)
+    out = str(tmp_path / "run")
+    if command == "train":
+        base = {"--model": "smollm2", "--data": str(data), "--out": out}
+        if value is None:  # a switch: pair it with a refused value so the run stops before loading
+            return ["train", *sum(([k, v] for k, v in base.items()), []), flag, "--lr", "-1"]
+        base[flag] = str(tmp_path / value) if flag in ("--data", "--out", "--config") else value
+        return ["train", *sum(([k, v] for k, v in base.items() if k != flag), []), flag, base[flag]]
+    if command == "generate":
+        argv = ["generate", "smollm2"] + ([] if flag == "--prompt" else ["--prompt", "hi"])
+        if value is None:
+            return [*argv, flag, "--top-p", "2"]
+        if flag == "--adapter":
+            value = str(tmp_path / value)
+        return [*argv, flag, value] if flag != "--adapter" else [*argv, flag, value, "--max-new-tokens", "0"]
+    if command == "convert":
+        return ["convert", "smollm2", str(tmp_path / "converted"), flag, value]
+    value = str(tmp_path / value) if flag in ("--peft", "--merged", "--gguf", "--base") else value
+    argv = ["export", str(tmp_path / "no-run"), flag, value]
+    return argv if flag in ("--peft", "--merged", "--gguf") else [*argv, "--peft", str(tmp_path / "exists")]
+
+
+@pytest.mark.parametrize("command,flag", [(c, f) for c in sorted(BAD_FLAGS) for f in sorted(BAD_FLAGS[c])])
+def test_a_bad_flag_value_is_one_error_line_without_a_traceback(command, flag, tmp_path, chat_data, capsys,
+                                                               no_model_load, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = _argv(command, flag, BAD_FLAGS[command][flag], tmp_path, chat_data)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
+    err = capsys.readouterr().err
+    assert code not in (0, None), argv
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("jaxtune: error: ") and "Traceback" not in err, (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before, f"{argv} wrote files"
+
+
+def test_a_row_without_its_fields_is_refused_before_the_model_loads(tmp_path, capsys, no_model_load):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n" + json.dumps({"text": "x"}) + "\n")
+    code = main(["train", "--model", "smollm2", "--data", str(data), "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 1 and f"{data}:2: missing field 'messages'" in err and not (tmp_path / "run").exists()
+
+
+def test_a_run_directory_with_checkpoints_is_refused_before_the_model_loads(tmp_path, chat_data, capsys,
+                                                                           no_model_load):
+    (tmp_path / "run" / "checkpoints" / "7").mkdir(parents=True)
+    code = main(["train", "--model", "smollm2", "--data", str(chat_data), "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 1 and "already holds checkpoints (step 7)" in err and "--resume" in err
+
+
+# ---- memory ----------------------------------------------------------------------------------------------
+
+
+def test_a_step_larger_than_memory_is_refused_before_it_runs(tiny_tokenizer, tiny_qlora_model, tmp_path,
+                                                             monkeypatch):
+    """On CPU the compiled step's size is compared with the host memory available; a step that cannot fit is
+    refused in one line naming both and what to change, before any step runs or any file is written."""
+    from jaxtune.training import autobatch
+    from jaxtune.training.autobatch import StepTooLarge
+
+    monkeypatch.setattr(autobatch, "available_ram_bytes", lambda: 1024)
+    rows = [{"text": "the quick brown fox jumps over the lazy dog"}] * 8
+    cfg = TrainConfig(format="text", seq_len=32, micro_batch_size=2, max_steps=1)
+    with pytest.raises(StepTooLarge) as e:
+        jaxtune.train(tiny_qlora_model, tiny_tokenizer, rows, cfg, out_dir=tmp_path / "run", progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg and "host memory has 0.0 GiB" in msg and "--seq-len (now 32)" in msg, msg
+    assert "--batch-size (now 2)" in msg and "--remat offload" in msg
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
