@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtune.errors import ConfigError
 from jaxtune.model import CausalLM, KVCache
 
 Prompt = str | Sequence[dict[str, str]]
@@ -105,9 +106,13 @@ def generate_tokens(
 ) -> list[list[int]]:
     """New token ids per prompt (EOS excluded), prompts of any lengths batched with left padding."""
     if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
-        raise ValueError("every prompt needs at least one token")
+        raise ConfigError("every prompt needs at least one token; pass non-empty prompts")
     if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not temperature >= 0:
+        raise ConfigError(f"temperature must be >= 0, got {temperature}; 0 decodes greedily")
+    if not 0 < top_p <= 1:
+        raise ConfigError(f"top_p must be in (0, 1], got {top_p}; 1.0 samples from the whole distribution")
     prompt_len = _round_up(max(len(p) for p in prompt_ids), _BUCKET)
     ids = np.full((len(prompt_ids), prompt_len), pad_id, np.int32)
     pad = np.zeros(len(prompt_ids), np.int32)

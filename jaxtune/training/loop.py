@@ -297,7 +297,8 @@ def train(
                 if eval_fn is not None and (step == cfg.max_steps or (cfg.eval_steps and step % cfg.eval_steps == 0)):
                     record["eval_loss"] = _evaluate(eval_fn, lora, frozen, eval_rows, micro, mesh)
                     eval_losses.append((step, record["eval_loss"]))
-                if metrics is not None:
+                if metrics is not None and (step % cfg.logging_steps == 0 or "eval_loss" in record
+                                            or step == cfg.max_steps):
                     metrics.write(record)
                 if callback is not None:
                     callback(record)
