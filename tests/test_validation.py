@@ -26,7 +26,7 @@ BOUNDS = {
     "grad_accum": ([0, -1], [1]),
     "learning_rate": ([-1.0, 0.0, 1.5, float("inf"), float("nan"), "fast"], [1e-9, 1.0, "2e-4"]),
     "schedule": (["exp"], ["constant"]),
-    "warmup_steps": ([-1], [0, 99]),
+    "warmup_steps": ([-1, 0.5], [0, 99]),
     "weight_decay": ([-0.1, 2.0], [0.0, 1.0]),
     "adam_b1": ([-0.1, 1.0], [0.0, 0.99]),
     "adam_b2": ([1.0, 1.1], [0.0, 0.999]),
@@ -75,13 +75,17 @@ def test_numbers_written_as_strings_in_yaml_are_numbers(tmp_path):
 
 
 @pytest.mark.parametrize("values,words", [
-    (dict(warmup_steps=100, max_steps=100), "warmup_steps (100) must be below max_steps (100)"),
     (dict(eval_steps=10), "needs a held-out split"),
     (dict(seq_len=2**20, micro_batch_size=2048), "over 2^31"),
 ])
 def test_combinations_that_cannot_work_are_refused(values, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)").replace("^", r"\^")):
         TrainConfig(**values)
+
+
+def test_a_warmup_as_long_as_the_run_is_warned_about():
+    with pytest.warns(UserWarning, match=r"warmup_steps \(100\) is not below max_steps \(100\)"):
+        TrainConfig(warmup_steps=100, max_steps=100)
 
 
 def test_get_peft_model_refuses_bad_values_as_jaxtune_errors(tiny_qlora_model):
@@ -219,3 +223,23 @@ def test_a_step_larger_than_memory_is_refused_before_it_runs(tiny_tokenizer, tin
     assert "\n" not in msg and "host memory has 0.0 GiB" in msg and "--seq-len (now 32)" in msg, msg
     assert "--batch-size (now 2)" in msg and "--remat offload" in msg
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.gpu
+def test_a_step_too_large_for_the_gpu_is_refused_in_one_line(tiny_tokenizer, tmp_path):
+    """On GPU a first step that runs out of device memory at micro-batch 1 ends in the one-line refusal (what the
+    step needs, what the device has, what to change), not a RESOURCE_EXHAUSTED traceback."""
+    from jaxtune.config import ModelConfig
+    from jaxtune.model import init_model
+    from jaxtune.qlora import quantize_layers
+    from jaxtune.training.autobatch import StepTooLarge
+
+    cfg = ModelConfig(model_type="llama", vocab_size=len(tiny_tokenizer), hidden_size=2048, intermediate_size=8192,
+                      num_layers=4, num_heads=16, num_kv_heads=8, head_dim=128, eos_token_id=tiny_tokenizer.eos_token_id)
+    model = quantize_layers(init_model(cfg, dtype="bfloat16", seed=0))
+    rows = [{"text": "the quick brown fox jumps over the lazy dog"}] * 4
+    config = TrainConfig(format="text", seq_len=2**22, micro_batch_size=1, max_steps=1, remat="none")
+    with pytest.raises(StepTooLarge) as e:
+        jaxtune.train(model, tiny_tokenizer, rows, config, out_dir=tmp_path / "run", progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg and "the device has" in msg and "--seq-len (now 4,194,304)" in msg, msg

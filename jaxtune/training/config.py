@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from typing import Any
 
 from jaxtune.data.formats import FORMATS
@@ -92,9 +93,9 @@ class TrainConfig:
         self._check_combinations()
 
     def _check_combinations(self) -> None:
-        if self.warmup_steps >= self.max_steps:
-            raise ConfigError(f"warmup_steps ({self.warmup_steps}) must be below max_steps ({self.max_steps}), or the "
-                              "learning rate never reaches its peak; lower warmup_steps", field="warmup_steps")
+        if self.warmup_steps >= self.max_steps:  # it runs, but likely not as meant
+            warnings.warn(f"warmup_steps ({self.warmup_steps}) is not below max_steps ({self.max_steps}): the learning "
+                          "rate never reaches its peak", stacklevel=3)
         if self.eval_steps and not self.eval_fraction:
             raise ConfigError(f"eval_steps={self.eval_steps} needs a held-out split to evaluate on: set eval_fraction "
                               "(e.g. 0.05), or eval_steps=0", field="eval_steps")
