@@ -10,7 +10,7 @@ set_pinned_host_cap()  # before any JAX backend starts
 
 from jaxtune.config import ModelConfig
 from jaxtune.ops.dispatch import kernel_mode, set_kernels
-from jaxtune.errors import CheckpointError, JaxtuneError, UnsupportedModelError
+from jaxtune.errors import CheckpointError, ConfigError, JaxtuneError, UnsupportedModelError
 from jaxtune.generate import generate
 from jaxtune import nf4
 from jaxtune.model import CausalLM, init_model
@@ -41,6 +41,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "CausalLM",
     "CheckpointError",
+    "ConfigError",
     "JaxtuneError",
     "ModelConfig",
     "TrainConfig",
