@@ -1,0 +1,199 @@
+"""A random Llama-family checkpoint written directly in bitsandbytes' 4-bit HF layout, shard by shard.
+
+A bf16 70B is 140 GB and cannot exist on a 64 GB disk; this writes the NF4 form (~40 GB for Llama-3-70B) without
+any full-precision intermediate: each projection is drawn on the GPU as N(0, 0.02) in bf16 (the scale of trained
+Llama weights, so activations and losses stay finite), quantized exactly as bitsandbytes does
+(`jaxtune.nf4.to_bnb`: NF4 codes, double-quantized absmax), and written with the layer's other tensors into one
+safetensors shard. Embeddings, norms and lm_head are bf16, as in Unsloth's `-bnb-4bit` checkpoints. The directory
+has a `quantization_config`, an index and a word-level tokenizer, so transformers / Unsloth and jaxtune load the
+same weights.
+
+    PYTHONPATH=. python3 benchmarks/make_bnb4_checkpoint.py --model llama3-70b /tmp/bnb4_llama3-70b
+Prints one JSON line: seconds, bytes on disk, peak host RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+from tqdm.auto import tqdm
+
+from jaxtune import nf4
+
+# HF config fields of each shape (Llama-3.x and Qwen3 dense); vocab sizes as released
+MODELS: dict[str, dict] = {
+    "llama3-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                       num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+    "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+    "llama3.2-3b": dict(model_type="llama", hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                        num_attention_heads=24, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                        tie_word_embeddings=True),
+    "llama3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                        tie_word_embeddings=True),
+    "qwen3-14b": dict(model_type="qwen3", hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                      num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                      rope_theta=1000000.0),
+    "qwen3-32b": dict(model_type="qwen3", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                      num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                      rope_theta=1000000.0),
+    "tiny": dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512, rope_theta=10000.0),
+}
+PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+               ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+WEIGHT_STD = 0.02
+SHARD_BYTES = 4 * 2**30
+
+
+def hf_config(name: str) -> dict:
+    c = dict(MODELS[name])
+    c.setdefault("head_dim", c["hidden_size"] // c["num_attention_heads"])
+    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[c["model_type"]]
+    return {
+        "architectures": [arch], "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": c["vocab_size"] - 2,
+        "eos_token_id": c["vocab_size"] - 1, "attention_bias": False,
+        **c,
+        "quantization_config": {
+            "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
+            "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16",
+            "bnb_4bit_quant_storage": "uint8", "llm_int8_skip_modules": ["lm_head"],
+        },
+    }
+
+
+def _shapes(c: dict) -> dict[str, tuple[int, int]]:
+    h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (i, h),
+            "up_proj": (i, h), "down_proj": (h, i)}
+
+
+def _normal(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    return (jax.random.normal(key, shape, jnp.float32) * WEIGHT_STD).astype(jnp.bfloat16)
+
+
+def _bf16(a: jax.Array) -> np.ndarray:
+    return np.asarray(a).astype(ml_dtypes.bfloat16)
+
+
+def save_tokenizer(path: str, vocab_size: int) -> None:
+    """A word-level tokenizer ("w0 w1 ...") over the model's vocabulary, with a chat template: no hub needed."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size - 3)}
+    vocab.update({"<unk>": vocab_size - 3, "<s>": vocab_size - 2, "</s>": vocab_size - 1})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="</s>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} </s> {% endfor %}"
+                          "{% if add_generation_prompt %}assistant: {% endif %}")
+    fast.save_pretrained(path)
+    cfg_path = os.path.join(path, "tokenizer_config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"  # not a class guessed from the model's config.json
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=1)
+
+
+class _Shards:
+    """Tensors gathered into ~SHARD_BYTES safetensors files, named and indexed as transformers writes them."""
+
+    def __init__(self, directory: str):
+        self.directory, self.pending, self.files, self.weight_map, self.total = directory, {}, [], {}, 0
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        self.pending[name] = array
+        if sum(a.nbytes for a in self.pending.values()) >= SHARD_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        name = f"model-{len(self.files) + 1:05d}.safetensors"
+        save_file(self.pending, os.path.join(self.directory, name), metadata={"format": "pt"})
+        self.files.append(name)
+        for key, a in self.pending.items():
+            self.weight_map[key] = name
+            self.total += a.nbytes
+        self.pending = {}
+
+    def finish(self) -> None:
+        self.flush()
+        count = len(self.files)
+        for i, old in enumerate(self.files):  # model-0000i-of-0000n, as transformers names shards
+            new = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            os.rename(os.path.join(self.directory, old), os.path.join(self.directory, new))
+            self.weight_map = {k: (new if v == old else v) for k, v in self.weight_map.items()}
+        with open(os.path.join(self.directory, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": self.total}, "weight_map": self.weight_map}, f, indent=1)
+
+
+def write_checkpoint(name: str, out: str, seed: int = 0, progress: bool = True) -> dict:
+    """Writes the random bnb-4bit checkpoint `name` to `out` (through a temporary directory renamed at the end)."""
+    if os.path.exists(out):
+        raise SystemExit(f"{out} already exists; choose a new output directory or delete it first")
+    c = hf_config(name)
+    tmp = out.rstrip("/") + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    t0 = time.perf_counter()
+    shards = _Shards(tmp)
+    key = jax.random.key(seed)
+    h, vocab = c["hidden_size"], c["vocab_size"]
+    key, k_embed, k_head = jax.random.split(key, 3)
+    shards.add("model.embed_tokens.weight", _bf16(_normal(k_embed, (vocab, h))))
+    shapes = _shapes(c)
+    ones = np.ones(h, ml_dtypes.bfloat16)
+    for layer in tqdm(range(c["num_hidden_layers"]), desc=f"writing {name}", unit="layer", disable=not progress):
+        prefix = f"model.layers.{layer}"
+        for parent, proj in PROJECTIONS:
+            key, k = jax.random.split(key)
+            for suffix, array in nf4.to_bnb(_normal(k, shapes[proj])).items():
+                shards.add(f"{prefix}.{parent}.{proj}.weight.{suffix}" if suffix != "weight"
+                           else f"{prefix}.{parent}.{proj}.weight", array)
+        shards.add(f"{prefix}.input_layernorm.weight", ones)
+        shards.add(f"{prefix}.post_attention_layernorm.weight", ones)
+        if c["model_type"] == "qwen3":
+            norm = np.ones(c["head_dim"], ml_dtypes.bfloat16)
+            shards.add(f"{prefix}.self_attn.q_norm.weight", norm)
+            shards.add(f"{prefix}.self_attn.k_norm.weight", norm)
+    shards.add("model.norm.weight", ones)
+    if not c.get("tie_word_embeddings"):
+        shards.add("lm_head.weight", _bf16(_normal(k_head, (vocab, h))))
+    shards.finish()
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(c, f, indent=1)
+    save_tokenizer(tmp, vocab)
+    os.rename(tmp, out)
+    return {"model": name, "path": out, "write_s": round(time.perf_counter() - t0, 1),
+            "disk_gib": round(sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)) / 2**30, 2),
+            "host_rss_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", help="output directory (must not exist)")
+    ap.add_argument("--model", default="llama3-70b", choices=list(MODELS))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print(json.dumps(write_checkpoint(args.model, args.out, args.seed)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""benchmarks/make_bnb4_checkpoint.py writes a random checkpoint in bitsandbytes' 4-bit layout without a
+full-precision copy (how a 70B is made on a 64 GB disk): bitsandbytes reads back the same weights jaxtune
+loads, and transformers on bnb's dequantization gives jaxtune's logits."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+
+import jaxtune
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "make_bnb4_checkpoint.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("make_bnb4_checkpoint", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_random_bnb4_checkpoint_reads_the_same_in_bitsandbytes_transformers_and_jaxtune(tmp_path):
+    import torch
+    from bitsandbytes import functional as F
+    from bitsandbytes.functional import QuantState
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "ckpt"
+    info = _script().write_checkpoint("tiny", str(out), progress=False)
+    assert info["path"] == str(out) and not (tmp_path / "ckpt.partial").exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(out / shard))
+    assert set(tensors) == set(index["weight_map"])
+
+    model, tokenizer = jaxtune.from_pretrained(out, dtype="float32")  # its quantization_config: NF4 as stored
+    assert tokenizer is not None and tokenizer("w5 w7")["input_ids"] == [5, 7]
+    config = AutoConfig.from_pretrained(out)
+    del config.quantization_config
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if f"{name}.absmax" in tensors:  # bitsandbytes' own reading of the 4-bit bytes
+                parts = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
+                state = QuantState.from_dict(parts, device=torch.device("cpu"))
+                state.dtype = torch.float32
+                weight = F.dequantize_4bit(tensors[name], state)
+                assert 0.01 < float(weight.std()) < 0.03  # N(0, 0.02), as trained Llama weights
+                param.copy_(weight)
+            else:
+                param.copy_(tensors[name].float())
+    ids = np.random.default_rng(0).integers(0, 512, size=(2, 12))
+    with torch.no_grad():
+        ref = hf(torch.as_tensor(ids)).logits.numpy()
+    got = np.asarray(model(ids))
+    assert np.isfinite(got).all()
+    np.testing.assert_array_less(np.abs(got - ref).max(), 1e-4)
+    assert AutoTokenizer.from_pretrained(out).eos_token == "</s>"
