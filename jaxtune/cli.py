@@ -124,7 +124,7 @@ def _train_config(args: argparse.Namespace):
                 else TrainConfig.from_dict(overrides, where="command line"))
     except ConfigError as e:
         flag = _FLAG_OF.get(e.field)
-        if flag is None or e.field not in overrides:
+        if flag is None or flag == e.field or e.field not in overrides:  # the message already names it
             raise
         raise ConfigError(f"--{flag.replace('_', '-')}: {e}", field=e.field) from None
 

@@ -24,7 +24,7 @@ BOUNDS = {
     "seed": ([-1, 1.5], [0]),
     "micro_batch_size": ([0, -2, "big", 1.5, None], [1, "auto", "8"]),
     "grad_accum": ([0, -1], [1]),
-    "learning_rate": ([-1.0, 0.0, 1.5, float("inf"), float("nan"), "fast"], [1e-9, 1.0, "2e-4"]),
+    "learning_rate": ([-1.0, 0.0, float("inf"), float("nan"), "fast"], [1e-9, 1.5, "2e-4"]),
     "schedule": (["exp"], ["constant"]),
     "warmup_steps": ([-1, 0.5], [0, 99]),
     "weight_decay": ([-0.1, 2.0], [0.0, 1.0]),

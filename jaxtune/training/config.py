@@ -218,7 +218,7 @@ _RULES: dict[str, _Rule] = {
     "eval_fraction": _Rule("float", 0, 1, high_open=True, fix="e.g. 0.05 holds out 5% of the rows"),
     "seed": _Rule("int", 0),
     "grad_accum": _Rule("int", 1),
-    "learning_rate": _Rule("float", 0, 1, low_open=True, fix="LoRA learning rates are typically 1e-5 to 1e-3"),
+    "learning_rate": _Rule("float", 0, low_open=True, fix="LoRA learning rates are typically 1e-5 to 1e-3"),
     "schedule": _Rule("choice", choices=SCHEDULES),
     "warmup_steps": _Rule("int", 0),
     "weight_decay": _Rule("float", 0, 1),
