@@ -14,34 +14,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"jaxtune: error: {self.prog}: {message}; see {self.prog} --help\n")
 
 
-class UsageError(Exception):
-    """A flag's value the parser accepted but the command cannot use."""
-
-
-def _check_range(flag: str, value: float | int | None, low: float, high: float | None = None, *,
-                 low_open: bool = False, fix: str = "") -> None:
-    if value is None:
-        return
-    ok = value > low if low_open else value >= low
-    if high is not None:
-        ok = ok and value <= high
-    if not ok:
-        bound = f"{'>' if low_open else '>='} {low:g}" + ("" if high is None else f" and <= {high:g}")
-        raise UsageError(f"{flag} must be {bound}, got {value:g}{'; ' + fix if fix else ''}")
-
-
 def _generate(args: argparse.Namespace) -> None:
-    _check_range("--max-new-tokens", args.max_new_tokens, 1)
-    _check_range("--temperature", args.temperature, 0, fix="0 decodes greedily")
-    _check_range("--top-p", args.top_p, 0, 1, low_open=True)
-    if any(not p for p in args.prompt):
-        raise UsageError("--prompt is empty; pass the text to continue")
     from jaxtune.bundled import resolve_model_path
+    from jaxtune.errors import CheckpointError, ConfigError
+    from jaxtune.generate import check_sampling
 
+    check_sampling(args.max_new_tokens, args.temperature, args.top_p)  # before the model loads
+    if any(not p for p in args.prompt):
+        raise ConfigError("--prompt is empty; pass the text to continue")
     resolve_model_path(args.model)
     if args.adapter and not os.path.isdir(args.adapter):
-        raise UsageError(f"--adapter {args.adapter} is not a directory; pass a PEFT adapter directory "
-                         "(from jaxtune export --peft)")
+        raise CheckpointError(f"--adapter {args.adapter} is not a directory; pass a PEFT adapter directory "
+                              "(from jaxtune export --peft)")
     import jaxtune
 
     model, tokenizer = jaxtune.from_pretrained(args.model, dtype=args.dtype, load_in_4bit=args.load_in_4bit)
@@ -241,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (JaxtuneError, NotImplementedError, UsageError) as e:
+    except (JaxtuneError, NotImplementedError) as e:
         if "jax" in sys.modules:
             from jaxtune.distributed import exit_now, is_multiprocess
 

@@ -15,6 +15,16 @@ from jaxtune.errors import ConfigError
 from jaxtune.model import CausalLM, KVCache
 
 Prompt = str | Sequence[dict[str, str]]
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
+    """Refuses decoding options out of range (the CLI calls it before a model loads)."""
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not temperature >= 0:
+        raise ConfigError(f"temperature must be >= 0, got {temperature}; 0 decodes greedily")
+    if not 0 < top_p <= 1:
+        raise ConfigError(f"top_p must be in (0, 1], got {top_p}; 1.0 samples from the whole distribution")
 _BUCKET = 16  # prompt and cache lengths are rounded up to this, so nearby lengths share one compilation
 
 
@@ -107,12 +117,7 @@ def generate_tokens(
     """New token ids per prompt (EOS excluded), prompts of any lengths batched with left padding."""
     if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
         raise ConfigError("every prompt needs at least one token; pass non-empty prompts")
-    if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not temperature >= 0:
-        raise ConfigError(f"temperature must be >= 0, got {temperature}; 0 decodes greedily")
-    if not 0 < top_p <= 1:
-        raise ConfigError(f"top_p must be in (0, 1], got {top_p}; 1.0 samples from the whole distribution")
+    check_sampling(max_new_tokens, temperature, top_p)
     prompt_len = _round_up(max(len(p) for p in prompt_ids), _BUCKET)
     ids = np.full((len(prompt_ids), prompt_len), pad_id, np.int32)
     pad = np.zeros(len(prompt_ids), np.int32)

@@ -21,14 +21,13 @@ def _sources() -> list[Path]:
 
 
 def error_classes(files: list[Path]) -> set[str]:
-    """JaxtuneError and every class that derives from it (by name, across the packages), plus the CLI's
-    UsageError, which the CLI prints the same way."""
+    """JaxtuneError and every class that derives from it (by name, across the packages)."""
     bases: dict[str, set[str]] = {}
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
                 bases[node.name] = {b.id for b in node.bases if isinstance(b, ast.Name)}
-    found = {BASE, "UsageError"}
+    found = {BASE}
     while True:
         more = {name for name, parents in bases.items() if parents & found} - found
         if not more:

@@ -57,24 +57,27 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def nf4_impl(m: int) -> str:
-    """`xla`, `fused`, `dequant+dot` for an NF4 projection of M rows; the mode decides, then the table."""
+def _forced(pallas: str) -> str | None:
+    """The implementation the mode fixes: `pallas` under the Pallas modes, `xla` under `xla` or off GPU; None
+    where the measured choice decides."""
     mode = kernel_mode()
     if mode in ("pallas", "pallas-interpret"):
-        return "fused"
+        return pallas
     if mode == "xla" or not _on_gpu():
         return "xla"
-    return next(impl for limit, impl in NF4_TABLE if m <= limit)
+    return None
+
+
+def nf4_impl(m: int) -> str:
+    """`xla`, `fused`, `dequant+dot` for an NF4 projection of M rows; the mode decides, then the table."""
+    return _forced("fused") or next(impl for limit, impl in NF4_TABLE if m <= limit)
 
 
 def fp8_impl() -> str:
     """`xla` (the jnp reference: dequantize, f32 dot), `cublas` (XLA's FP8 dot: cuBLASLt) or `pallas` (the
     FP8 kernel) for FP8 projections. On GPU cuBLASLt, measured 2x bf16 where the Pallas kernel is 0.64x
     (benchmarks/results/2026-11-23-fp8-h200.md)."""
-    mode = kernel_mode()
-    if mode in ("pallas", "pallas-interpret"):
-        return "pallas"
-    return "cublas" if mode != "xla" and _on_gpu() else "xla"
+    return _forced("pallas") or "cublas"
 
 
 def check_fp8_device() -> None:
@@ -90,12 +93,7 @@ def check_fp8_device() -> None:
 
 def attention_impl(plain_causal: bool) -> str:
     """`xla`, `pallas` or `cudnn` for full-sequence (no KV cache) attention; `plain_causal`: no segments/window."""
-    mode = kernel_mode()
-    if mode in ("pallas", "pallas-interpret"):
-        return "pallas"
-    if mode == "xla" or not _on_gpu():
-        return "xla"
-    return "cudnn" if plain_causal else "pallas"
+    return _forced("pallas") or ("cudnn" if plain_causal else "pallas")
 
 
 def interpret() -> bool:

@@ -74,7 +74,7 @@ def too_large(cfg: TrainConfig, micro: int, need: int | None, available: int, wh
 def refuse_if_too_large_for_host(step_fn, lora, opt_state, frozen, micro: int, cfg: TrainConfig) -> None:
     """On CPU (no device memory size), compare the compiled step with the host memory available now, before the
     first step allocates it: the compilation is the one the loop then runs, so this costs no extra compile."""
-    if memory_stats().get("bytes_limit") is not None or not hasattr(step_fn, "lower"):
+    if memory_stats().get("bytes_limit") is not None:
         return  # GPU: the loop turns an out-of-memory first step into `too_large`, at no compile before it
     resident = sum(x.nbytes for x in jax.tree.leaves((lora, opt_state, frozen)))  # already in memory
     need = step_bytes_or_none(step_fn, lora, opt_state, frozen, micro, cfg)

@@ -79,10 +79,7 @@ class TrainConfig:
         self.target_modules = _target_modules(self.target_modules)
         self.report_to = _report_to(self.report_to)
         if self.micro_batch_size != "auto":
-            self.micro_batch_size = _integer("micro_batch_size", self.micro_batch_size, "a positive integer or 'auto'")
-            if self.micro_batch_size < 1:
-                raise ConfigError(f"micro_batch_size must be a positive integer or 'auto', got {self.micro_batch_size}",
-                                  field="micro_batch_size")
+            self.micro_batch_size = _MICRO_BATCH.check("micro_batch_size", self.micro_batch_size)
         if self.mesh is not None:
             from jaxtune.sharding import mesh_axis_sizes
 
@@ -133,31 +130,17 @@ class TrainConfig:
         return d
 
 
-def _integer(name: str, value: Any, expected: str) -> int:
-    """value as an int: ints, integral floats and integer strings (YAML, CLI) pass; bools and the rest do not."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{name} must be {expected}, got {value!r}", field=name)
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
+def _number(name: str, value: Any, expected: str, kind: type) -> int | float:
+    """value as `kind` (int or float): numbers and numeric strings (YAML, CLI) pass, an int only when integral;
+    bools and the rest do not."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if kind is int else float(value)
+    if not isinstance(value, bool):
         try:
-            return int(value.strip())
-        except ValueError:
-            pass
-    raise ConfigError(f"{name} must be {expected}, got {value!r}", field=name)
-
-
-def _number(name: str, value: Any, expected: str) -> float:
-    if isinstance(value, bool):
-        raise ConfigError(f"{name} must be {expected}, got {value!r}", field=name)
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value.strip())
-        except ValueError:
+            number = float(value.strip()) if isinstance(value, str) else float(value)
+            if kind is float or number.is_integer():
+                return kind(number)
+        except (TypeError, ValueError, OverflowError):
             pass
     raise ConfigError(f"{name} must be {expected}, got {value!r}", field=name)
 
@@ -198,7 +181,7 @@ class _Rule:
             if value not in self.choices:
                 raise ConfigError(f"unknown {name} {value!r}; choose {expected}", field=name)
             return value
-        number = _integer(name, value, expected) if self.kind == "int" else _number(name, value, expected)
+        number = _number(name, value, expected, int if self.kind == "int" else float)
         ok = math.isfinite(number)
         if ok and self.low is not None:
             ok = number > self.low if self.low_open else number >= self.low
@@ -239,6 +222,9 @@ _RULES: dict[str, _Rule] = {
     "save_steps": _Rule("int", 0),
     "max_bad_steps": _Rule("int", 1),
 }
+
+
+_MICRO_BATCH = _Rule("int", 1, fix="or 'auto': the largest that fits device memory")
 
 
 def _names(name: str, value: Any, allowed: tuple[str, ...]) -> tuple[str, ...]:

@@ -37,14 +37,14 @@ def check_reporters(report_to: tuple[str, ...], run_dir: str | os.PathLike | Non
 
 
 class MetricsLog:
-    """Appends each step's record to metrics.jsonl and sends its scalars to the reporters in `report_to`.
+    """Appends each step's record to metrics.jsonl and sends its scalars to the reporters in `report_to` (which
+    `check_reporters` has passed).
 
     On resume the lines (and TensorBoard events) of steps after the restored checkpoint are dropped, since those
     steps run again; a W&B run continues under the id kept in the run directory.
     """
 
     def __init__(self, run_dir: str | None, report_to: tuple[str, ...], config: dict[str, Any], start_step: int):
-        check_reporters(report_to, run_dir)
         self.path = None if run_dir is None else os.path.join(run_dir, "metrics.jsonl")
         if self.path is not None:
             _truncate_metrics(self.path, start_step)
