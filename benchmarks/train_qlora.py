@@ -8,7 +8,8 @@ On the GPU machine, from the repository root, after benchmarks/convert_llama8b.p
     PYTHONPATH=. python3 benchmarks/train_qlora.py /tmp/jt8b --batch 4 --remat selective --profile /tmp/trace
 Prints one JSON line per run: load and first-step seconds, tokens/s (real tokens only for --data varlen, which
 packs instruction-like lengths, benchmarks/varlen.py, into rows), MFU (31.6 GFLOP/token-style count over
-989 TFLOP/s), peak GiB. --compile-only reports XLA's memory plan for the step instead of running it.
+989 TFLOP/s), peak GiB. Each line carries XLA's memory plan of the step (arguments, temporaries, outputs); --compile-only
+reports only that, without running the step.
 """
 
 from __future__ import annotations
@@ -58,6 +59,19 @@ def packed_batches(micro: int, seq: int, vocab: int, count: int) -> tuple[list[d
     return out, float((rows.segment_ids[:n] > 0).mean())
 
 
+def memory_plan(compiled) -> dict:
+    """XLA's memory plan of a compiled step in GiB: arguments (frozen weights, LoRA params and optimizer state),
+    temporaries (activations, dequantized weights, gradients), outputs not aliased to arguments, and the device
+    total; and host temporaries (offloaded layer inputs)."""
+    mem = compiled.memory_analysis()
+    gib = lambda b: round(b / 2**30, 2)  # noqa: E731
+    device = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+    return {"planned_device_gib": gib(device), "planned_argument_gib": gib(mem.argument_size_in_bytes),
+            "planned_temp_gib": gib(mem.temp_size_in_bytes),
+            "planned_output_gib": gib(mem.output_size_in_bytes - mem.alias_size_in_bytes),
+            "planned_host_gib": gib(getattr(mem, "host_temp_size_in_bytes", 0))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -95,17 +109,16 @@ def main() -> None:
     base = {"system": "jaxtune", "device": jax.local_devices()[0].device_kind, "batch": micro, "batch_arg": args.batch,
             "seq": args.seq, "remat": args.remat, "data": args.data, "compute": args.compute}
 
+    shape = (1, micro, args.seq)
+    abstract = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("input_ids", "labels", "segment_ids", "positions")}
+    t0 = time.perf_counter()
+    compiled = step_fn.lower(lora, opt_state, frozen, abstract, jnp.int32(0)).compile()
+    base.update(compile_s=round(time.perf_counter() - t0, 1), **memory_plan(compiled))
     if args.compile_only:
-        shape = (1, micro, args.seq)
-        batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("input_ids", "labels", "segment_ids", "positions")}
-        t0 = time.perf_counter()
-        mem = step_fn.lower(lora, opt_state, frozen, batch, jnp.int32(0)).compile().memory_analysis()
-        device = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
-        print(json.dumps({**base, "compile_s": round(time.perf_counter() - t0, 1), "planned_device_gib": round(device / 2**30, 2),
-                          "planned_host_gib": round(getattr(mem, "host_temp_size_in_bytes", 0) / 2**30, 2),
-                          "device_limit_gib": round((jax.local_devices()[0].memory_stats() or {}).get("bytes_limit", 0) / 2**30, 2)}),
-              flush=True)
+        print(json.dumps({**base, "device_limit_gib": round(
+            (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit", 0) / 2**30, 2)}), flush=True)
         return
+    step_fn = compiled
 
     vocab = model.config.vocab_size
     count = args.warmup + args.steps
