@@ -4,8 +4,9 @@ loaded model, until a length is refused or fails; optionally with the GPU capped
     PYTHONPATH=. python3 benchmarks/context_ladder.py /tmp/bnb4_70b --seqs 134144 --remat offload
     PYTHONPATH=. python3 benchmarks/context_ladder.py /tmp/bnb4_70b --cap-gib 48 --seqs 16384,18432,24576
 The rows are benchmarks/learnable_run.py's repeated phrases, each as long as the sequence (a few tokens less), one
-per step. Prints one JSON line per length: executed tokens, seconds of `train()` (compiling included), peak GPU GiB (the process's, so far: the
-lengths ascend), the least host memory available during the step and XLA's pinned-pool cap.
+per step. Prints one JSON line per length: executed tokens, seconds of `train()` (compiling included), peak GPU
+GiB (the process's, so far: the lengths ascend), the least host memory available during the step and XLA's
+pinned-pool cap.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 # of the previous commit). Long, so it runs detached and is polled:
 #   setsid bash benchmarks/longcontext_70b.sh checkpoint jaxtune-long bs1-memory jaxtune-48 unsloth-48 unsloth-80 \
 #     > /tmp/jt/log 2>&1 < /dev/null &
-# Stages run in the order given; JSON lines go to /tmp/jt/results.jsonl, everything else to the log.
+# Stages run in the order given (bs1-memory-after: this tree only; gpu-tests: the -m gpu tests); JSON lines go to
+# /tmp/jt/results.jsonl, everything else to the log.
 # Unsloth needs .bench/ and .site/ carried (../shared/bench).
 set -u
 mkdir -p /tmp/jt
@@ -18,18 +19,20 @@ for s in "$@"; do
   case "$s" in
     checkpoint) [ -f "$ckpt/config.json" ] || PYTHONPATH=. python3 benchmarks/make_bnb4_checkpoint.py --model llama3-70b "$ckpt" | json ;;
     jaxtune-long) PYTHONPATH=. python3 benchmarks/context_ladder.py "$ckpt" --seqs 134144 --remat offload | json ;;
-    bs1-memory)
+    bs1-memory|bs1-memory-after)
       for c in bf16 fp8; do
-        (cd .before && PYTHONPATH=. python3 "$here/benchmarks/train_qlora.py" "$ckpt" --batch 1 --remat per-layer \
-          --compute $c --steps 3 --warmup 2 | sed 's/^{/{"tree": "before", /' | json)
+        [ "$s" = bs1-memory ] && (cd .before && PYTHONPATH=. python3 "$here/benchmarks/train_qlora.py" "$ckpt" \
+          --batch 1 --remat per-layer --compute $c --steps 3 --warmup 2 | sed 's/^{/{"tree": "before", /' | json)
         PYTHONPATH=. python3 benchmarks/train_qlora.py "$ckpt" --batch 1 --remat per-layer --compute $c --steps 3 \
           --warmup 2 | sed 's/^{/{"tree": "after", /' | json
       done ;;
     jaxtune-48) PYTHONPATH=. python3 benchmarks/context_ladder.py "$ckpt" --cap-gib 48 --remat offload \
-                  --seqs 18432,24576,32768 | json ;;
+                  --seqs 18432,24576,28672,32768 | json ;;
     unsloth-48) PYTHONPATH=$here/.site python3 benchmarks/unsloth_context.py "$ckpt" --cap-gib 48 \
                   --seqs 12106,14336,16384,18432,24576 | json ;;
-    unsloth-80) PYTHONPATH=$here/.site python3 benchmarks/unsloth_context.py "$ckpt" --seqs 89389,98304 | json ;;
+    unsloth-80) PYTHONPATH=$here/.site python3 benchmarks/unsloth_context.py "$ckpt" --seqs ${UNSLOTH_SEQS:-89389,98304} | json ;;
+    gpu-tests) JAX_PLATFORMS=cuda PYTHONPATH=. python3 -m pytest -q -m gpu tests/test_kernel_fp8.py tests/test_kernel_nf4.py \
+                 tests/test_kernel_dispatch.py tests/test_train.py tests/test_validation.py 2>&1 | tail -5 ;;
     *) echo "unknown stage $s" ;;
   esac
 done

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxtune.device_memory_env import set_device_memory_fraction
 from jaxtune.host_info import set_pinned_host_cap
 
 set_pinned_host_cap()  # before any JAX backend starts
+set_device_memory_fraction()
 
 from jaxtune.config import ModelConfig
 from jaxtune.ops.dispatch import kernel_mode, set_kernels

@@ -140,6 +140,8 @@ class MLP(nnx.Module):
             return self._swiglu(x, rng)
         n = b * t
         tiles = -(-n // token_tile)
+        # equal tiles, a multiple of 128 tokens where that stays within the limit: little padding
+        token_tile = min(token_tile, -(-(-(-n // tiles)) // 128) * 128)
         flat = jnp.pad(x.reshape(n, hidden), ((0, tiles * token_tile - n), (0, 0)))
 
         @jax.checkpoint
@@ -295,7 +297,7 @@ class CausalLM(nnx.Module):
 
         layer_rngs = None if dropout_rng is None else jax.random.split(dropout_rng, self.config.num_layers)
         # long-context mode: with layer inputs offloaded, the MLP's [tokens, intermediate] tensors are the peak
-        mlp_token_tile = OFFLOAD_MLP_TOKEN_TILE if self.remat_policy == "offload" else None
+        mlp_token_tile = offload_mlp_token_tile(self.config) if self.remat_policy == "offload" else None
 
         def body(h, xs, constants=(cos, sin, segment_ids)):
             state, layer_cache, rng = xs
@@ -387,7 +389,15 @@ class CausalLM(nnx.Module):
         return h
 
 
-OFFLOAD_MLP_TOKEN_TILE = 16384
+# long-context mode: the MLP's [tokens, intermediate] tensors of one token tile at most this many elements (16,384
+# tokens of Llama-3-8B, 8,192 of 70B: 0.44 GiB per bf16 tensor)
+OFFLOAD_MLP_TILE_ELEMENTS = 16384 * 14336
+
+
+def offload_mlp_token_tile(cfg: ModelConfig) -> int:
+    """The most tokens of one MLP tile in long-context mode: a bound on the intermediate tensors' size, not on
+    tokens, so that wide MLPs (70B) do not take twice the memory of 8B's."""
+    return max(128, OFFLOAD_MLP_TILE_ELEMENTS // cfg.intermediate_size // 128 * 128)
 
 # variables the layer scan keeps whole (read at the layer's index in place) instead of slicing per layer
 WHOLE_IN_LAYER_SCAN = ("codes", "kernel_absmax", "fp8_scale", "fp8_block_scale")

@@ -281,7 +281,8 @@ def test_offload_policy_moves_layer_inputs_to_host_and_tiles_the_mlp(monkeypatch
 
     import jaxtune.model
 
-    monkeypatch.setattr(jaxtune.model, "OFFLOAD_MLP_TOKEN_TILE", 48)  # 2 x 64 tokens -> 3 tiles, one padded
+    # at most 48 tokens of the 192-wide MLP: 2 x 64 tokens -> 3 tiles of 48, the last padded
+    monkeypatch.setattr(jaxtune.model, "offload_mlp_token_tile", lambda cfg: 48)
     model = kernel_model()
     ids = jax.random.randint(jax.random.key(0), (2, 64), 0, 320)
     seg = jnp.asarray(np.array([[1] * 40 + [2] * 24, [1] * 64]), jnp.int32)

@@ -99,3 +99,23 @@ def test_single_sequence_rows_ignore_segment_ids_with_the_same_result_on_real_to
     model.single_sequence_rows = False
     aware = np.asarray(model.hidden_states(ids, segment_positions(two), two))
     assert not np.allclose(flagged[:, 8:], aware[:, 8:], atol=1e-3)  # two segments a row: the flag must stay off
+
+
+def test_long_context_mlp_tiles_bound_the_intermediate_size_and_split_evenly():
+    """Long-context mode runs the MLP in token tiles of at most a fixed number of [tokens, intermediate] elements
+    (wide 70B MLPs get half of 8B's tokens), split into equal tiles so an uneven length is not padded up to a
+    whole extra tile; the tiled MLP equals the untiled one."""
+    from jaxtune.model import MLP, offload_mlp_token_tile
+
+    shapes = {"llama3-8b": (4096, 14336), "llama3-70b": (8192, 28672), "llama3.2-1b": (2048, 8192)}
+    tiles = {name: offload_mlp_token_tile(dataclasses.replace(SMALL, hidden_size=h, intermediate_size=i))
+             for name, (h, i) in shapes.items()}
+    assert tiles == {"llama3-8b": 16384, "llama3-70b": 8192, "llama3.2-1b": 28672}
+    cfg = ModelConfig(model_type="llama", vocab_size=8, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=1,
+                      num_kv_heads=1, head_dim=16)
+    mlp = MLP(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    # 18,432 tokens in tiles of at most 8,192: three of 6,144, not two of 8,192 and one padded to 8,192
+    jaxpr = str(jax.make_jaxpr(lambda x: mlp(x, token_tile=8192))(jax.ShapeDtypeStruct((1, 18432, 16), jnp.float32)))
+    assert "length=3" in jaxpr and "f32[3,6144,16]" in jaxpr and "24576" not in jaxpr
+    x = jax.random.normal(jax.random.key(0), (2, 300, 16), jnp.float32)
+    np.testing.assert_allclose(np.asarray(mlp(x, token_tile=256)), np.asarray(mlp(x)), rtol=1e-5, atol=1e-6)

@@ -350,6 +350,34 @@ def test_pinned_host_cap_is_what_this_host_can_give_in_full_unless_the_user_set_
     assert 64 <= int(out) <= max(64, host_info.physical_ram_bytes() // gib - 16)
 
 
+def test_xla_may_use_most_of_the_gpu_unless_the_user_said_how_it_allocates(monkeypatch):
+    """XLA's own default preallocates 75% of the GPU (59 of an 80 GB card's 79 GiB: too little for a 70B step at
+    134k tokens, which needs 69); importing jaxtune raises the share unless the user set any allocator variable,
+    and XLA's client reads the value as its memory fraction."""
+    import os
+    import subprocess
+    import sys
+
+    from jaxtune import device_memory_env
+
+    for name in device_memory_env.USER_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    device_memory_env.set_device_memory_fraction()
+    assert float(os.environ["XLA_CLIENT_MEM_FRACTION"]) == device_memory_env.DEVICE_MEMORY_FRACTION > 0.75
+    for name, value in [("XLA_PYTHON_CLIENT_MEM_FRACTION", ".5"), ("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),
+                        ("XLA_PYTHON_CLIENT_ALLOCATOR", "platform"), ("XLA_CLIENT_MEM_FRACTION", ".6")]:
+        for other in device_memory_env.USER_SETTINGS:
+            monkeypatch.delenv(other, raising=False)
+        monkeypatch.setenv(name, value)
+        device_memory_env.set_device_memory_fraction()
+        assert {n: os.environ.get(n) for n in device_memory_env.USER_SETTINGS if n in os.environ} == {name: value}
+    code = ("import jaxtune; from jaxlib import xla_client; "
+            "print(xla_client.generate_pjrt_gpu_plugin_options()['memory_fraction'])")
+    env = {k: v for k, v in os.environ.items() if k not in device_memory_env.USER_SETTINGS}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert float(out) == device_memory_env.DEVICE_MEMORY_FRACTION
+
+
 def test_host_budget_counts_the_pinned_region_an_offload_plan_makes():
     """The pool grows by power-of-two regions clipped to the cap: a 100 GiB plan under a 112 GiB cap pins 112 GiB,
     which is what ran a 125 GiB host out of memory; under a 1024 GiB cap it would pin 128."""
