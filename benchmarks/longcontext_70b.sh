@@ -8,6 +8,7 @@
 # /tmp/jt/results.jsonl, everything else to the log.
 # Unsloth needs .bench/ and .site/ carried (../shared/bench).
 set -u
+export PYTHONFAULTHANDLER=1  # a crash in native code leaves its Python stack in the log
 mkdir -p /tmp/jt
 ckpt=/tmp/bnb4_70b
 out=/tmp/jt/results.jsonl
@@ -35,5 +36,6 @@ for s in "$@"; do
                  tests/test_kernel_dispatch.py tests/test_train.py tests/test_validation.py 2>&1 | tail -5 ;;
     *) echo "unknown stage $s" ;;
   esac
+  echo "--- $s exit statuses: ${PIPESTATUS[*]}" | tee -a /tmp/jt/stages
 done
 stage done
