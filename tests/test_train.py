@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 import jax
@@ -191,6 +192,39 @@ def test_out_of_memory_steps_the_micro_batch_down(tiny_tokenizer, monkeypatch):
     with pytest.warns(UserWarning, match="micro-batch lowered to 2"):
         result = jaxtune.train(_model(tiny_tokenizer), tiny_tokenizer, ROWS, cfg, progress=False)
     assert result.steps == 3 and seen_shapes[:2] == [(1, 4, 64), (2, 2, 64)] and seen_shapes[-1] == (2, 2, 64)
+
+
+def test_out_of_memory_reported_only_when_results_are_read_is_refused_in_one_line(tiny_tokenizer, monkeypatch):
+    """A launch that runs out of device memory may fail only when its results are read (asynchronous dispatch; seen
+    at 70B, 32,768 tokens under a 48 GB cap), after the step consumed its donated arguments: the run ends in the
+    one-line refusal, with what the step needs planned from the arguments' shapes, not in a raw runtime error."""
+    import jaxtune.training.loop as loop
+    from jaxtune.training.autobatch import StepTooLarge
+
+    class FailsWhenRead:
+        def __array__(self, *args, **kwargs):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 11.22GiB")
+
+    real = loop.make_train_step
+
+    def asynchronous_failure(*args):
+        step = real(*args)
+
+        def run(lora, opt_state, frozen, batch, i):
+            lora, opt_state, m = step(lora, opt_state, frozen, batch, i)  # donates (deletes) the inputs
+            return lora, opt_state, {k: FailsWhenRead() for k in m}
+
+        run.lower = step.lower
+        return run
+
+    monkeypatch.setattr(loop, "make_train_step", asynchronous_failure)
+    monkeypatch.setattr(loop, "memory_stats", lambda: {"bytes_limit": 2**30})
+    cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size=4, max_steps=2)
+    with pytest.raises(StepTooLarge) as e:
+        jaxtune.train(_model(tiny_tokenizer), tiny_tokenizer, ROWS, cfg, progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg and "the device has 1.0 GiB" in msg and "--seq-len (now 64)" in msg, msg
+    assert re.search(r"needs \d+\.\d GiB", msg), msg  # planned although the donated arrays are gone
 
 
 def test_kill_9_during_checkpointing_leaves_a_loadable_checkpoint(tiny_tokenizer, tmp_path):

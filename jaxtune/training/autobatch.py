@@ -49,10 +49,19 @@ def _step_memory(step_fn, lora, opt_state, frozen, micro: int, cfg: TrainConfig)
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in BATCH_KEYS}
     batch["stop"] = jax.ShapeDtypeStruct((cfg.grad_accum, micro, 1), jnp.int32, sharding=sharding)
     options = SIZING_OPTIONS_GPU if jax.default_backend() == "gpu" else None
+    # an array donated to a step that then failed is deleted, but its shape still plans the step (live arrays stay:
+    # then jit reuses this compilation for the step itself)
+    lora, opt_state, frozen = (jax.tree.map(_shape_if_deleted, tree) for tree in (lora, opt_state, frozen))
     compiled = step_fn.lower(lora, opt_state, frozen, batch, jnp.int32(0)).compile(compiler_options=options)
     mem = compiled.memory_analysis()
     total = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
     return int(total), int(mem.temp_size_in_bytes)
+
+
+def _shape_if_deleted(x):
+    if isinstance(x, jax.Array) and x.is_deleted():
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    return x
 
 
 class StepTooLarge(JaxtuneError, MemoryError):

@@ -263,7 +263,9 @@ def train(
                     batch = to_device_batch({k: v.reshape(stream.accum, stream.micro_batch, -1)
                                              for k, v in host_batch.items()}, mesh)
                     try:
-                        lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, np.int32(step))
+                        new_lora, new_opt_state, m = step_fn(lora, opt_state, frozen, batch, np.int32(step))
+                        m = jax.device_get(m)  # a launch that runs out of memory may fail only here (asynchronously)
+                        lora, opt_state = new_lora, new_opt_state
                         break
                     except Exception as e:  # noqa: BLE001 (only out-of-memory is handled)
                         if not _can_step_down(e, stream, lora, unit):
@@ -273,7 +275,7 @@ def train(
                         stream.micro_batch, stream.accum = stream.micro_batch // 2, stream.accum * 2
                         warnings.warn(f"out of device memory: micro-batch lowered to {stream.micro_batch} "
                                       f"(gradient accumulation {stream.accum}, same tokens per step)", stacklevel=2)
-                m = {k: float(v) for k, v in jax.device_get(m).items()}
+                m = {k: float(v) for k, v in m.items()}
                 dt = time.perf_counter() - t0
                 step += 1
                 tokens_per_s = float((host_batch["segment_ids"] > 0).sum()) / dt
@@ -343,11 +345,9 @@ def _fits_device(step_fn, lora, opt_state, frozen, cfg: TrainConfig, unit: int) 
 
 def _out_of_memory(step_fn, lora, opt_state, frozen, micro: int, cfg: TrainConfig) -> JaxtuneError:
     """A first step that ran out of device memory at a batch that cannot shrink, as the one-line refusal with
-    what the step needs (its compiled size; unknown when the params are gone) and what the device has."""
-    try:
-        need = step_bytes_or_none(step_fn, lora, opt_state, frozen, micro, cfg)
-    except Exception:  # noqa: BLE001 (a donated, deleted argument cannot be lowered again)
-        need = None
+    what the step needs (its compiled size, planned from the arguments' shapes: the donated ones may be gone) and
+    what the device has."""
+    need = step_bytes_or_none(step_fn, lora, opt_state, frozen, micro, cfg)
     return too_large(cfg, micro, need, memory_stats().get("bytes_limit") or 0, "the device")
 
 
