@@ -546,3 +546,45 @@ def test_offloading_on_a_gpu_runs_the_layout_host_and_device_memory_allow(tiny_t
     cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=3, lora_r=4, remat="offload")
     result = jaxtune.train(model, tiny_tokenizer, ROWS, cfg, progress=False)
     assert seen[-1] == layout and result.steps == 3 and all(np.isfinite(result.losses))
+
+
+def test_remat_auto_picks_the_fastest_policy_that_fits_and_trains_as_that_policy(tiny_tokenizer, monkeypatch,
+                                                                                 tmp_path, capsys):
+    """remat="auto" (the default) compiles the candidates fastest first and takes the first whose step fits: with
+    room, "selective"; with a device between the two policies' needs, "per-layer"; with room for neither, the last
+    candidate (on CPU "per-layer": offloading to the host saves nothing there). It says what it picked and why in
+    one line, records it in the run's config, and trains exactly as the chosen policy run explicitly."""
+    import jaxtune.training.remat_choice as remat_choice
+    from jaxtune.training.autobatch import MARGIN
+
+    assert jaxtune.TrainConfig().remat == "auto"
+    needs = []
+    real = remat_choice.step_bytes_or_none
+    monkeypatch.setattr(remat_choice, "step_bytes_or_none", lambda *a: needs.append(real(*a)) or needs[-1])
+    base = dict(seq_len=128, micro_batch_size=2, max_steps=3)
+
+    def run(name, **kw):
+        result = jaxtune.train(_model(tiny_tokenizer), tiny_tokenizer, ROWS, jaxtune.TrainConfig(**base, **kw),
+                               out_dir=tmp_path / name, progress=False)
+        chosen = json.loads((tmp_path / name / "config.json").read_text())["remat"]
+        assert result.remat == chosen
+        return result.losses, chosen, [line for line in capsys.readouterr().out.splitlines() if "remat auto" in line]
+
+    losses, chosen, said = run("roomy")
+    assert chosen == "selective" and len(needs) == 1 and len(said) == 1 and "selective needs" in said[0], said
+    assert losses == run("selective", remat="selective")[0]
+
+    needs.clear()
+    with monkeypatch.context() as m:  # find both needs: a device too small for either
+        m.setattr(remat_choice, "memory_stats", lambda: {"bytes_limit": 1})
+        _, chosen, said = run("tiny")
+    selective, per_layer = needs
+    assert per_layer < selective and chosen == "per-layer" and "fits no better" in said[0], said
+
+    needs.clear()
+    monkeypatch.setattr(remat_choice, "memory_stats",
+                        lambda: {"bytes_limit": (selective + per_layer) / 2 / MARGIN})
+    losses, chosen, said = run("between")
+    assert chosen == "per-layer" and len(needs) == 2 and "per-layer fits" in said[0], said
+    assert "\n" not in said[0] and f"{selective / 2**30:,.1f} GiB" in said[0]
+    assert losses == run("per-layer", remat="per-layer")[0]

@@ -74,7 +74,7 @@ def too_large(cfg: TrainConfig, micro: int, need: int | None, available: int, wh
     fixes = [f"a shorter --seq-len (now {cfg.seq_len:,})"]
     if micro > 1:
         fixes.append(f"a smaller --batch-size (now {micro})")
-    if cfg.remat != "offload":
+    if cfg.remat != "offload" and where == "the device":  # on CPU the host is the device: offloading saves nothing
         fixes.append("--remat offload (layer inputs in host memory)")
     return StepTooLarge(f"the training step does not fit: it needs {needs} {where} has {available / GIB:,.1f} GiB; "
                         f"use {', or '.join(fixes)}")

@@ -14,7 +14,7 @@ from jaxtune.ops.context import COMPUTE_MODES
 from jaxtune.qlora import LORA_TARGETS
 
 SCHEDULES = ("constant", "linear", "cosine")
-REMAT = ("none", "selective", "per-layer", "offload")
+REMAT = ("auto", "none", "selective", "per-layer", "offload")
 REPORTERS = ("tensorboard", "wandb")
 # 16.7M tokens: 39x the longest step measured on one 80 GB GPU (425,984 tokens); beyond it no single GPU can
 # hold even one layer's activations, so the value is a typo, refused before any work
@@ -50,7 +50,9 @@ class TrainConfig:
     lora_dropout: float = 0.0
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     use_rslora: bool = False
-    remat: str = "selective"  # measured faster and leaner than "none" at every batch (benchmarks/results)
+    # "auto": the fastest policy whose compiled step fits the device (training/remat_choice.py); "selective" is
+    # the fastest measured, "per-layer" and "offload" trade speed for memory
+    remat: str = "auto"
     ce_chunk_size: int = 1024
     # "fp8": the frozen projections (forward and input gradient, but q/k's forward) as FP8 GEMMs; LoRA, norms,
     # attention and the loss keep the model's dtype. Opt-in: see benchmarks/results for speed and accuracy

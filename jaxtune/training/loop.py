@@ -33,6 +33,7 @@ from jaxtune.training.autobatch import (MARGIN, choose_micro_batch, refuse_if_to
 from jaxtune.training.checkpoint import RunCheckpoints, check_run_dir
 from jaxtune.training.compilation import use_compilation_cache
 from jaxtune.training.config import TrainConfig
+from jaxtune.training.remat_choice import choose_remat
 from jaxtune.training.reporting import MetricsLog, check_reporters
 from jaxtune.training.host_memory import HostMemoryGuard, offload_plan, offloads_to_host
 from jaxtune.training.step import (REMAT_POLICIES, make_eval_step, make_optimizer, make_train_step, split_model,
@@ -57,6 +58,7 @@ class TrainResult:
     interrupted: bool
     run_dir: str | None
     micro_batch_size: int
+    remat: str  # the policy the run used ("auto" resolved)
 
 
 def _rows_from(data: str | os.PathLike | Sequence[dict[str, Any] | Row]) -> list[Row]:
@@ -156,7 +158,7 @@ def train(
     `callback(record)` sees each step's metrics record; `base_model` (the checkpoint path) is recorded in
     out_dir/config.json so the run can be exported later.
     """
-    cfg = config or TrainConfig()
+    cfg = requested = config or TrainConfig()  # cfg: with remat "auto" resolved to the policy chosen
     run_dir = None if out_dir is None else os.fspath(out_dir)
     check_run_dir(run_dir, resume)
     if jax.process_index() == 0:
@@ -164,7 +166,6 @@ def train(
     if not jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
         get_peft_model(model, r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                        target_modules=cfg.target_modules, use_rslora=cfg.use_rslora, seed=cfg.seed)
-    model.remat_policy = REMAT_POLICIES[cfg.remat]
     train_rows, eval_rows = prepare_data(data, tokenizer, cfg)
 
     mesh = make_mesh(cfg.mesh) if cfg.mesh or jax.device_count() > 1 else None
@@ -177,11 +178,7 @@ def train(
     if cfg.compute == "fp8":
         check_fp8_device()
     use_compilation_cache(cfg.compile_cache)
-    layouts = [(0, 1)]  # remat "offload": (layers whose inputs stay on device, offload group)
-    offloading = cfg.remat == "offload" and offloads_to_host()
-    if offloading:  # host memory must hold the layer inputs, in the pinned region they make XLA's pool take
-        rows = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 1
-        host, layouts = offload_plan(model, rows, cfg.seq_len)
+    rows = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else unit  # what the step is planned for
 
     def split_with(layout: tuple[int, int]):
         """The step's graphdef carries these flags; the user's model gets its defaults back."""
@@ -193,12 +190,34 @@ def train(
             model.single_sequence_rows, model.compute, model.offload_device_layers, model.offload_group = (
                 False, "bf16", 0, 1)
 
-    graphdef, lora, frozen = split_with(layouts[0])
+    def first_layouts(remat: str) -> tuple[Any, list[tuple[int, int]]]:
+        """(host budget or None, remat "offload"'s (layers whose inputs stay on device, offload group) to try)."""
+        model.remat_policy = REMAT_POLICIES[remat]
+        if remat == "offload" and offloads_to_host():  # host memory must hold the layer inputs, in the pinned
+            return offload_plan(model, rows, cfg.seq_len)  # region they make XLA's pool take
+        return None, [(0, 1)]
+
+    model.remat_policy = REMAT_POLICIES.get(cfg.remat, "none")
+    _, lora, frozen = split_model(model)
     optimizer, schedule = make_optimizer(cfg)
     opt_state = optimizer.init(lora)
     if mesh is not None:
         lora, frozen, opt_state = (shard_state(mesh, tree) for tree in (lora, frozen, opt_state))
-    step_fn = make_train_step(graphdef, optimizer, schedule, cfg, mesh)
+    tried = {}  # remat "auto": each candidate's step, compiled once to plan it (jit then reuses the compilation)
+    if cfg.remat == "auto":
+        def try_policy(remat: str):
+            graphdef = split_with(first_layouts(remat)[1][0])[0]
+            tried[remat] = make_train_step(graphdef, optimizer, schedule, dataclasses.replace(cfg, remat=remat), mesh)
+            return tried[remat], lora, opt_state, frozen
+
+        choice = choose_remat(try_policy, lora, opt_state, frozen, rows, cfg, offloads_to_host())
+        if lead:
+            print(choice.reason, flush=True)
+        cfg = dataclasses.replace(cfg, remat=choice.policy)
+    host, layouts = first_layouts(cfg.remat)
+    offloading = cfg.remat == "offload" and offloads_to_host()
+    graphdef = split_with(layouts[0])[0]
+    step_fn = tried.get(cfg.remat) or make_train_step(graphdef, optimizer, schedule, cfg, mesh)
     layout = layouts[0]
     if len(layouts) > 1 and not _fits_device(step_fn, lora, opt_state, frozen, cfg, unit):
         layout = layouts[1]
@@ -236,9 +255,10 @@ def train(
             losses, eval_losses = list(meta["losses"]), [tuple(e) for e in meta["eval_losses"]]
         if lead:
             with open(os.path.join(run_dir, "config.json"), "w") as f:
-                json.dump({"train": cfg.to_dict(), "model": model.config.to_hf(), "micro_batch_size": micro,
-                           "base_model": base_model}, f, indent=2)
-    metrics = MetricsLog(run_dir, cfg.report_to, {**cfg.to_dict(), "micro_batch_size": micro}, start_step) if lead else None
+                json.dump({"train": requested.to_dict(), "model": model.config.to_hf(), "micro_batch_size": micro,
+                           "remat": cfg.remat, "base_model": base_model}, f, indent=2)
+    hparams = {**requested.to_dict(), "micro_batch_size": micro, "remat": cfg.remat}  # what "auto" resolved to
+    metrics = MetricsLog(run_dir, cfg.report_to, hparams, start_step) if lead else None
 
     def save(step: int) -> None:
         if ckpt is not None:
@@ -328,7 +348,7 @@ def train(
     if run_dir is not None and losses and lead:
         _plot_losses(os.path.join(run_dir, "loss.png"), losses, eval_losses)
     return TrainResult(step, losses, eval_losses, train_rows.efficiency, tokens_per_s, skipped_total, interrupted,
-                       run_dir, stream.micro_batch)
+                       run_dir, stream.micro_batch, cfg.remat)
 
 
 def _fits_device(step_fn, lora, opt_state, frozen, cfg: TrainConfig, unit: int) -> bool:

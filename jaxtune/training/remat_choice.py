@@ -1,0 +1,56 @@
+"""remat="auto": the fastest activation-memory policy whose compiled step fits the device (no trial runs).
+
+The candidates, fastest first: "selective" (keeps every projection output; measured faster and leaner than "none"
+at every batch, so "none" is never the better pick), "per-layer" (keeps each layer's input), "offload" (layer
+inputs in host memory; GPU only: on CPU the host is the device). Each is compiled and its memory plan compared
+with what the device has (with autobatch's margin) or, on CPU, with the host memory available; the first that
+fits is taken, and the last is taken when none does (its own refusal then says what to change).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+
+from jaxtune.distributed import agree_min, memory_stats
+from jaxtune.host_info import GIB, available_ram_bytes
+from jaxtune.training.autobatch import MARGIN, step_bytes_or_none
+from jaxtune.training.config import TrainConfig
+
+AUTO_ORDER = ("selective", "per-layer", "offload")
+
+
+@dataclass(frozen=True)
+class RematChoice:
+    policy: str
+    reason: str  # one line: what each tried candidate needs and what there is
+
+
+def candidates(offloads_to_host: bool) -> tuple[str, ...]:
+    return AUTO_ORDER if offloads_to_host else AUTO_ORDER[:-1]
+
+
+def choose_remat(try_policy: Callable[[str], tuple], lora, opt_state, frozen, micro: int, cfg: TrainConfig,
+                 offloads_to_host: bool, bytes_limit: int | None = None) -> RematChoice:
+    """`try_policy(policy)` builds the step for a policy and returns (step_fn, lora, opt_state, frozen) to plan it
+    with; the same choice on every process."""
+    if bytes_limit is None:
+        bytes_limit = memory_stats().get("bytes_limit")
+    resident = 0 if bytes_limit is not None else sum(x.nbytes for x in jax.tree.leaves((lora, opt_state, frozen)))
+    # GPU: the device with autobatch's margin; CPU: the host memory available now, besides the arrays it holds
+    budget = MARGIN * bytes_limit if bytes_limit is not None else available_ram_bytes() + resident
+    where = "the device" if bytes_limit is not None else "host memory"
+    tried = []
+    options = candidates(offloads_to_host)
+    for policy in options:
+        step_fn, *state = try_policy(policy)
+        need = step_bytes_or_none(step_fn, *state, micro, cfg)
+        fits = bool(agree_min(int(need is not None and need <= budget)))
+        tried.append(f"{policy} needs {'more' if need is None else f'{need / GIB:,.1f} GiB'}")
+        if fits or policy == options[-1]:
+            verdict = "fits" if fits else "fits no better; the last resort"
+            return RematChoice(policy, f"remat auto: {policy} ({'; '.join(tried)}; {where} has "
+                                       f"{budget / GIB:,.1f} GiB to use: {policy} {verdict})")
+    raise AssertionError("unreachable: the last candidate is always taken")
