@@ -43,7 +43,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--batch", default="1", help="rows per step, or auto (at most 16 here)")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--remat", default="selective")
     ap.add_argument("--compute", default="bf16")
@@ -61,8 +61,9 @@ def main() -> None:
     model, tokenizer = jaxtune.from_pretrained(args.model)
     jax.block_until_ready(nnx.state(model))
     load_s = time.perf_counter() - t0
-    rows = synthetic_rows(args.seq, args.batch * (args.steps + 2), model.config.vocab_size)
-    cfg = jaxtune.TrainConfig(format="text", seq_len=args.seq, micro_batch_size=args.batch, max_steps=args.steps,
+    batch = "auto" if args.batch == "auto" else int(args.batch)
+    rows = synthetic_rows(args.seq, (16 if batch == "auto" else batch) * (args.steps + 2), model.config.vocab_size)
+    cfg = jaxtune.TrainConfig(format="text", seq_len=args.seq, micro_batch_size=batch, max_steps=args.steps,
                               learning_rate=args.lr, schedule="constant", remat=args.remat, compute=args.compute,
                               packing=False)
     records: list[dict] = []
@@ -76,9 +77,10 @@ def main() -> None:
     steady = [r["tokens_per_s"] for r in records[2:]] or [records[-1]["tokens_per_s"]]
     print(json.dumps({
         "system": "jaxtune", "model": os.path.basename(args.model.rstrip("/")), "device": jax.devices()[0].device_kind,
-        "batch": args.batch, "seq": args.seq, "remat": args.remat, "compute": args.compute,
+        "batch": result.micro_batch_size, "batch_arg": args.batch, "seq": args.seq, "remat": args.remat,
+        "remat_used": result.remat, "compute": args.compute,
         "read_files_s": round(read_s, 1), "load_s": round(load_s, 1), "train_s": round(train_s, 1),
-        "first_step_s": round(args.batch * args.seq / records[0]["tokens_per_s"], 1),
+        "first_step_s": round(result.micro_batch_size * args.seq / records[0]["tokens_per_s"], 1),
         "tok_s": round(float(np.median(steady))), "mfu": records[-1].get("mfu"),
         "peak_gib": peak_memory_gib(), "host_rss_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "losses": [round(loss, 4) for loss in result.losses], "lora_b_abs_max": lora_b,
