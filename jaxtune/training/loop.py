@@ -205,12 +205,12 @@ def train(
         lora, frozen, opt_state = (shard_state(mesh, tree) for tree in (lora, frozen, opt_state))
     tried = {}  # remat "auto": each candidate's step, compiled once to plan it (jit then reuses the compilation)
     if cfg.remat == "auto":
-        def try_policy(remat: str):
+        def build_step(remat: str):
             graphdef = split_with(first_layouts(remat)[1][0])[0]
             tried[remat] = make_train_step(graphdef, optimizer, schedule, dataclasses.replace(cfg, remat=remat), mesh)
-            return tried[remat], lora, opt_state, frozen
+            return tried[remat]
 
-        choice = choose_remat(try_policy, lora, opt_state, frozen, rows, cfg, offloads_to_host())
+        choice = choose_remat(build_step, lora, opt_state, frozen, rows, cfg, offloads_to_host())
         if lead:
             print(choice.reason, flush=True)
         cfg = dataclasses.replace(cfg, remat=choice.policy)

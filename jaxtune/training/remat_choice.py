@@ -32,10 +32,10 @@ def candidates(offloads_to_host: bool) -> tuple[str, ...]:
     return AUTO_ORDER if offloads_to_host else AUTO_ORDER[:-1]
 
 
-def choose_remat(try_policy: Callable[[str], tuple], lora, opt_state, frozen, micro: int, cfg: TrainConfig,
+def choose_remat(build_step: Callable[[str], Callable], lora, opt_state, frozen, micro: int, cfg: TrainConfig,
                  offloads_to_host: bool, bytes_limit: int | None = None) -> RematChoice:
-    """`try_policy(policy)` builds the step for a policy and returns (step_fn, lora, opt_state, frozen) to plan it
-    with; the same choice on every process."""
+    """`build_step(policy)` is the train step under that policy; each is planned with these arguments at `micro`
+    rows. The same choice on every process."""
     if bytes_limit is None:
         bytes_limit = memory_stats().get("bytes_limit")
     resident = 0 if bytes_limit is not None else sum(x.nbytes for x in jax.tree.leaves((lora, opt_state, frozen)))
@@ -43,14 +43,12 @@ def choose_remat(try_policy: Callable[[str], tuple], lora, opt_state, frozen, mi
     budget = MARGIN * bytes_limit if bytes_limit is not None else available_ram_bytes() + resident
     where = "the device" if bytes_limit is not None else "host memory"
     tried = []
-    options = candidates(offloads_to_host)
-    for policy in options:
-        step_fn, *state = try_policy(policy)
-        need = step_bytes_or_none(step_fn, *state, micro, cfg)
-        fits = bool(agree_min(int(need is not None and need <= budget)))
+    for policy in candidates(offloads_to_host):
+        need = step_bytes_or_none(build_step(policy), lora, opt_state, frozen, micro, cfg)
         tried.append(f"{policy} needs {'more' if need is None else f'{need / GIB:,.1f} GiB'}")
-        if fits or policy == options[-1]:
-            verdict = "fits" if fits else "fits no better; the last resort"
-            return RematChoice(policy, f"remat auto: {policy} ({'; '.join(tried)}; {where} has "
-                                       f"{budget / GIB:,.1f} GiB to use: {policy} {verdict})")
-    raise AssertionError("unreachable: the last candidate is always taken")
+        fits = bool(agree_min(int(need is not None and need <= budget)))
+        if fits:
+            break
+    verdict = f"{policy} fits" if fits else f"none fits, {policy} is the last resort"
+    return RematChoice(policy, f"remat auto: {policy} ({'; '.join(tried)}; {where} has {budget / GIB:,.1f} GiB "
+                               f"to use: {verdict})")
