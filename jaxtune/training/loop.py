@@ -197,18 +197,18 @@ def train(
             return offload_plan(model, rows, cfg.seq_len)  # region they make XLA's pool take
         return None, [(0, 1)]
 
-    model.remat_policy = REMAT_POLICIES.get(cfg.remat, "none")
-    _, lora, frozen = split_model(model)
+    lora, frozen = nnx.state(model, nnx.LoRAParam, ...)  # the states split_model gives, whatever the policy
     optimizer, schedule = make_optimizer(cfg)
     opt_state = optimizer.init(lora)
     if mesh is not None:
         lora, frozen, opt_state = (shard_state(mesh, tree) for tree in (lora, frozen, opt_state))
-    tried = {}  # remat "auto": each candidate's step, compiled once to plan it (jit then reuses the compilation)
+    tried = {}  # remat "auto": each candidate's (graphdef, step), the step compiled once to plan it (jit reuses it)
     if cfg.remat == "auto":
         def build_step(remat: str):
             graphdef = split_with(first_layouts(remat)[1][0])[0]
-            tried[remat] = make_train_step(graphdef, optimizer, schedule, dataclasses.replace(cfg, remat=remat), mesh)
-            return tried[remat]
+            step = make_train_step(graphdef, optimizer, schedule, dataclasses.replace(cfg, remat=remat), mesh)
+            tried[remat] = graphdef, step
+            return step
 
         choice = choose_remat(build_step, lora, opt_state, frozen, rows, cfg, offloads_to_host())
         if lead:
@@ -216,8 +216,11 @@ def train(
         cfg = dataclasses.replace(cfg, remat=choice.policy)
     host, layouts = first_layouts(cfg.remat)
     offloading = cfg.remat == "offload" and offloads_to_host()
-    graphdef = split_with(layouts[0])[0]
-    step_fn = tried.get(cfg.remat) or make_train_step(graphdef, optimizer, schedule, cfg, mesh)
+    if cfg.remat in tried:
+        graphdef, step_fn = tried[cfg.remat]
+    else:
+        graphdef = split_with(layouts[0])[0]
+        step_fn = make_train_step(graphdef, optimizer, schedule, cfg, mesh)
     layout = layouts[0]
     if len(layouts) > 1 and not _fits_device(step_fn, lora, opt_state, frozen, cfg, unit):
         layout = layouts[1]
