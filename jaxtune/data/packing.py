@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,6 +22,12 @@ class PackedRows:
     segment_ids: np.ndarray  # int32 [N, T]
     positions: np.ndarray  # int32 [N, T]
     truncated: int  # examples cut to T
+    extra: dict[str, np.ndarray] = field(default_factory=dict)  # more per-row arrays [N, ...] (preference pairs)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every per-row array by name: what a batch of these rows holds."""
+        return {"input_ids": self.input_ids, "labels": self.labels, "segment_ids": self.segment_ids,
+                "positions": self.positions, **self.extra}
 
     @property
     def efficiency(self) -> float:

@@ -12,7 +12,8 @@ from jaxtune.data.sources import DataError
 
 
 class BatchStream:
-    """Yields {input_ids, labels, segment_ids, positions} of shape [accum, micro_batch, T], epoch after epoch.
+    """Yields {input_ids, labels, segment_ids, positions, ...the rows' extra arrays} of shape [accum, micro_batch, ...],
+    epoch after epoch.
 
     Each epoch visits the rows in a permutation drawn from (seed, epoch); a partial last batch is dropped.
     A dataset smaller than one step fills each step from the following epochs (with a warning), so a small
@@ -59,12 +60,7 @@ class BatchStream:
     def next(self) -> dict[str, np.ndarray]:
         take = self._take()
         shape = (self.accum, self.micro_batch, -1)
-        return {
-            "input_ids": self.rows.input_ids[take].reshape(shape),
-            "labels": self.rows.labels[take].reshape(shape),
-            "segment_ids": self.rows.segment_ids[take].reshape(shape),
-            "positions": self.rows.positions[take].reshape(shape),
-        }
+        return {k: v[take].reshape(shape) for k, v in self.rows.arrays().items()}
 
     def state(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed}

@@ -47,6 +47,8 @@ def _step_memory(step_fn, lora, opt_state, frozen, micro: int, cfg: TrainConfig)
     mesh = getattr(step_fn, "mesh", None)
     sharding = None if mesh is None else batch_sharding(mesh)  # then the plan is per device
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in BATCH_KEYS}
+    for k, (trailing, dtype) in getattr(step_fn, "batch_extra", {}).items():
+        batch[k] = jax.ShapeDtypeStruct(shape[:2] + tuple(trailing), dtype, sharding=sharding)
     batch["stop"] = jax.ShapeDtypeStruct((cfg.grad_accum, micro, 1), jnp.int32, sharding=sharding)
     options = SIZING_OPTIONS_GPU if jax.default_backend() == "gpu" else None
     # an array donated to a step that then failed is deleted, but its shape still plans the step (live arrays stay:

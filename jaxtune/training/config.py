@@ -16,6 +16,8 @@ from jaxtune.qlora import LORA_TARGETS
 SCHEDULES = ("constant", "linear", "cosine")
 REMAT = ("auto", "none", "selective", "per-layer", "offload")
 REPORTERS = ("tensorboard", "wandb")
+OBJECTIVES = ("sft", "dpo", "orpo")
+DPO_LOSSES = ("sigmoid", "ipo", "robust")
 # 16.7M tokens: 39x the longest step measured on one 80 GB GPU (425,984 tokens); beyond it no single GPU can
 # hold even one layer's activations, so the value is a typo, refused before any work
 MAX_SEQ_LEN = 2**24
@@ -62,6 +64,15 @@ class TrainConfig:
     compile_cache: bool = True
     # devices: "data=2,fsdp=4" (see jaxtune.sharding); None = every device on the data axis
     mesh: str | None = None
+    # objective: "sft" (next-token cross-entropy on `format` rows), or preference tuning on prompt/chosen/rejected
+    # rows: "dpo" (reference = the model with its adapters off) or "orpo" (no reference)
+    objective: str = "sft"
+    beta: float = 0.1  # DPO: how far the policy may move from the reference (IPO: its tau)
+    dpo_loss: str = "sigmoid"  # sigmoid (the DPO paper's), ipo, robust
+    label_smoothing: float = 0.0  # DPO sigmoid / robust: the assumed probability that a pair's label is flipped
+    orpo_lambda: float = 0.1  # ORPO: weight of the odds-ratio term beside the chosen responses' NLL
+    precompute_reference: bool = False  # DPO: reference log-probabilities once before training (no reference forward per step)
+    drop_long_prompts: bool = False  # preference rows whose prompt leaves no room in seq_len: dropped (warned), not an error
     # loop
     logging_steps: int = 1
     eval_steps: int = 0
@@ -92,6 +103,12 @@ class TrainConfig:
         self._check_combinations()
 
     def _check_combinations(self) -> None:
+        if self.objective != "dpo" and self.precompute_reference:
+            raise ConfigError(f"precompute_reference needs objective 'dpo' (ORPO and SFT have no reference model); "
+                              f"objective is {self.objective!r}", field="precompute_reference")
+        if self.dpo_loss == "ipo" and self.label_smoothing:
+            raise ConfigError(f"label_smoothing={self.label_smoothing} does not apply to dpo_loss 'ipo'; use 'sigmoid' "
+                              "(conservative DPO) or 'robust', or label_smoothing=0", field="label_smoothing")
         if self.warmup_steps >= self.max_steps:  # it runs, but likely not as meant
             warnings.warn(f"warmup_steps ({self.warmup_steps}) is not below max_steps ({self.max_steps}): the learning "
                           "rate never reaches its peak", stacklevel=3)
@@ -223,6 +240,13 @@ _RULES: dict[str, _Rule] = {
     "eval_steps": _Rule("int", 0),
     "save_steps": _Rule("int", 0),
     "max_bad_steps": _Rule("int", 1),
+    "objective": _Rule("choice", choices=OBJECTIVES),
+    "beta": _Rule("float", 0, low_open=True, fix="0.1 is usual for DPO"),
+    "dpo_loss": _Rule("choice", choices=DPO_LOSSES),
+    "label_smoothing": _Rule("float", 0, 0.5, high_open=True, fix="0.1 is usual for conservative or robust DPO"),
+    "orpo_lambda": _Rule("float", 0, fix="0.1 is usual"),
+    "precompute_reference": _Rule("bool"),
+    "drop_long_prompts": _Rule("bool"),
 }
 
 

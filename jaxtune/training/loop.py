@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from jaxtune.data import BatchStream, PackedRows, encode_rows, pack_examples, read_rows
 from jaxtune.data.packing import IGNORE
+from jaxtune.data.preference import encode_pairs, pack_pairs
 from jaxtune.data.sources import DataError, Row
 from jaxtune.ops.dispatch import check_fp8_device
 from jaxtune.distributed import (agree_min, catch_stop_signals, clear_stop_request, local_device, memory_stats,
@@ -33,6 +34,8 @@ from jaxtune.training.autobatch import (MARGIN, choose_micro_batch, refuse_if_to
 from jaxtune.training.checkpoint import RunCheckpoints, check_run_dir
 from jaxtune.training.compilation import use_compilation_cache
 from jaxtune.training.config import TrainConfig
+from jaxtune.training.objectives import make_objective
+from jaxtune.training.reference import reference_logps
 from jaxtune.training.remat_choice import choose_remat
 from jaxtune.training.reporting import MetricsLog, check_reporters
 from jaxtune.training.host_memory import HostMemoryGuard, offload_plan, offloads_to_host
@@ -71,7 +74,8 @@ def _rows_from(data: str | os.PathLike | Sequence[dict[str, Any] | Row]) -> list
 
 
 def prepare_data(data, tokenizer, cfg: TrainConfig) -> tuple[PackedRows, PackedRows | None]:
-    """(train rows, held-out rows or None), packed; the held-out split is drawn from cfg.seed."""
+    """(train rows, held-out rows or None), packed (SFT examples, or preference pairs for DPO/ORPO); the held-out
+    split is drawn from cfg.seed."""
     rows = _rows_from(data)
     eval_rows: list[Row] = []
     if cfg.eval_fraction > 0:
@@ -79,13 +83,14 @@ def prepare_data(data, tokenizer, cfg: TrainConfig) -> tuple[PackedRows, PackedR
         n_eval = max(1, int(len(rows) * cfg.eval_fraction))
         eval_rows = [rows[i] for i in sorted(order[:n_eval])]
         rows = [rows[i] for i in sorted(order[n_eval:])]
-    train = pack_examples(encode_rows(rows, cfg.format, tokenizer, train_on_all=cfg.train_on_all), cfg.seq_len,
-                          packing=cfg.packing)
-    held = None
-    if eval_rows:
-        held = pack_examples(encode_rows(eval_rows, cfg.format, tokenizer, train_on_all=cfg.train_on_all), cfg.seq_len,
+    def pack(rows: list[Row]) -> PackedRows:
+        if cfg.objective != "sft":  # preference pairs: prompt / chosen / rejected
+            return pack_pairs(encode_pairs(rows, tokenizer), cfg.seq_len, packing=cfg.packing,
+                              drop_long_prompts=cfg.drop_long_prompts)
+        return pack_examples(encode_rows(rows, cfg.format, tokenizer, train_on_all=cfg.train_on_all), cfg.seq_len,
                              packing=cfg.packing)
-    return train, held
+
+    return pack(rows), pack(eval_rows) if eval_rows else None
 
 
 def flops_per_token(model: CausalLM, seq_len: int) -> float:
@@ -198,6 +203,10 @@ def train(
         return None, [(0, 1)]
 
     lora, frozen = nnx.state(model, nnx.LoRAParam, ...)  # the states split_model gives, whatever the policy
+    # arrays a batch holds besides the token ones (preference pairs), so the step can be planned before data flows
+    batch_extra = {k: (v.shape[1:], v.dtype) for k, v in train_rows.extra.items()}
+    if cfg.precompute_reference:
+        batch_extra["ref_logps"] = ((2 * train_rows.extra["pair_mask"].shape[1],), np.dtype(np.float32))
     optimizer, schedule = make_optimizer(cfg)
     opt_state = optimizer.init(lora)
     if mesh is not None:
@@ -206,7 +215,8 @@ def train(
     if cfg.remat == "auto":
         def build_step(remat: str):
             graphdef = split_with(first_layouts(remat)[1][0])[0]
-            step = make_train_step(graphdef, optimizer, schedule, dataclasses.replace(cfg, remat=remat), mesh)
+            step = make_train_step(graphdef, optimizer, schedule, dataclasses.replace(cfg, remat=remat), mesh,
+                                   batch_extra)
             tried[remat] = graphdef, step
             return step
 
@@ -220,11 +230,11 @@ def train(
         graphdef, step_fn = tried[cfg.remat]
     else:
         graphdef = split_with(layouts[0])[0]
-        step_fn = make_train_step(graphdef, optimizer, schedule, cfg, mesh)
+        step_fn = make_train_step(graphdef, optimizer, schedule, cfg, mesh, batch_extra)
     layout = layouts[0]
     if len(layouts) > 1 and not _fits_device(step_fn, lora, opt_state, frozen, cfg, unit):
         layout = layouts[1]
-        step_fn = make_train_step(split_with(layout)[0], optimizer, schedule, cfg, mesh)
+        step_fn = make_train_step(split_with(layout)[0], optimizer, schedule, cfg, mesh, batch_extra)
     on_device, group = layout
     if on_device and lead:
         print(f"remat offload: the inputs of {on_device} of {model.config.num_layers} layers stay in device memory, "
@@ -243,6 +253,13 @@ def train(
     if micro % unit:
         raise JaxtuneError(f"micro_batch_size {micro} does not split over the {unit} devices of mesh "
                            f"{dict(mesh.shape)}; use a multiple of {unit}")
+    if cfg.precompute_reference:  # DPO: the reference's log-probabilities once, stored with the run
+        splits = {"train": train_rows, **({"eval": eval_rows} if eval_rows is not None else {})}
+        if run_dir is not None and lead:
+            os.makedirs(run_dir, exist_ok=True)
+        refs = reference_logps(graphdef, lora, frozen, splits, micro, cfg, run_dir, mesh, lead, progress)
+        for name, rows_of in splits.items():
+            rows_of.extra["ref_logps"] = refs[name]
     stream = BatchStream(train_rows, micro_batch=micro, accum=cfg.grad_accum, seed=cfg.seed)
     eval_fn = make_eval_step(graphdef, cfg, mesh) if eval_rows is not None and len(eval_rows) else None
 
@@ -273,6 +290,7 @@ def train(
     on_gpu = local_device().platform == "gpu"
     agreed_stop = jax.process_count() > 1  # every process stops after the same step: the flag rides in the step
     uniform_loss = math.log(model.config.vocab_size)
+    objective_metrics = make_objective(cfg).metric_names  # DPO/ORPO: rewards and log-probabilities, as TRL names them
     step, bad_in_row, collapsed_in_row, interrupted, tokens_per_s = start_step, 0, 0, False, 0.0
     bar = tqdm(total=cfg.max_steps, initial=start_step, desc="training", unit="step", disable=not progress)
     try:
@@ -307,10 +325,12 @@ def train(
                 losses.append(m["loss"])
                 record = {"step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
                           "tokens_per_s": round(tokens_per_s, 1), "skipped": int(m["skipped"])}
+                record.update({k: m[k] for k in objective_metrics})
                 if on_gpu:
                     record["mfu"] = round(tokens_per_s * fpt / PEAK_BF16_FLOPS, 4)
                     record["peak_memory_gib"] = peak_memory_gib()
-                collapsed = m["grad_norm"] == 0.0 or abs(m["loss"] - uniform_loss) < 1e-4 * uniform_loss
+                collapsed = m["grad_norm"] == 0.0 or (cfg.objective == "sft"
+                                                      and abs(m["loss"] - uniform_loss) < 1e-4 * uniform_loss)
                 collapsed_in_row = collapsed_in_row + 1 if collapsed else 0
                 if collapsed_in_row >= COLLAPSE_STEPS:
                     record["collapsed"] = 1
@@ -320,7 +340,8 @@ def train(
                             f"gradient norm or the loss of uniform predictions (log vocab = {uniform_loss:.3f}); the "
                             "model is learning nothing: lower learning_rate", stacklevel=2)
                 if eval_fn is not None and (step == cfg.max_steps or (cfg.eval_steps and step % cfg.eval_steps == 0)):
-                    record["eval_loss"] = _evaluate(eval_fn, lora, frozen, eval_rows, micro, mesh)
+                    record["eval_loss"], eval_metrics = _evaluate(eval_fn, lora, frozen, eval_rows, micro, mesh)
+                    record.update({f"eval_{k}": v for k, v in eval_metrics.items()})
                     eval_losses.append((step, record["eval_loss"]))
                 if metrics is not None and (step % cfg.logging_steps == 0 or "eval_loss" in record
                                             or step == cfg.max_steps):
@@ -381,15 +402,20 @@ def _can_step_down(error: Exception, stream: BatchStream, lora, unit: int = 1) -
             and not any(x.is_deleted() for x in jax.tree.leaves(lora)))
 
 
-def _evaluate(eval_fn, lora, frozen, rows: PackedRows, micro: int, mesh=None) -> float:
-    total, count = 0.0, 0
+def _evaluate(eval_fn, lora, frozen, rows: PackedRows, micro: int, mesh=None) -> tuple[float, dict[str, float]]:
+    """(mean loss, mean metrics) over the held-out rows: token-weighted (SFT) or pair-weighted (DPO/ORPO)."""
+    total, count, metric_totals = 0.0, 0.0, {}
+    arrays = rows.arrays()
     for start in range(0, len(rows), micro):
         idx = np.arange(start, min(start + micro, len(rows)))
-        batch = {k: getattr(rows, k)[idx][None] for k in ("input_ids", "labels", "segment_ids", "positions")}
+        batch = {k: v[idx][None] for k, v in arrays.items()}
         if mesh is not None and len(idx) < micro:  # the last batch, padded with rows that carry no loss
             fill = {"labels": IGNORE, "segment_ids": 0}
-            batch = {k: np.pad(v, ((0, 0), (0, micro - len(idx)), (0, 0)), constant_values=fill.get(k, 0))
-                     for k, v in batch.items()}
-        s, n = eval_fn(lora, frozen, to_device_batch(batch, mesh))
-        total, count = total + float(s), count + int(n)
-    return total / max(count, 1)
+            batch = {k: np.pad(v, ((0, 0), (0, micro - len(idx))) + ((0, 0),) * (v.ndim - 2),
+                               constant_values=fill.get(k, 0)) for k, v in batch.items()}
+        s, metrics, n = jax.device_get(eval_fn(lora, frozen, to_device_batch(batch, mesh)))
+        total, count = total + float(s), count + float(n)
+        for k, v in metrics.items():
+            metric_totals[k] = metric_totals.get(k, 0.0) + float(v)
+    count = max(count, 1.0)
+    return total / count, {k: v / count for k, v in metric_totals.items()}

@@ -42,22 +42,51 @@ def chunked_cross_entropy(
     return total, jnp.sum(labels != IGNORE)
 
 
-def _chunk(h_c: jax.Array, head: jax.Array, y_c: jax.Array, head_grad: bool):
-    """Loss sum, d loss / d h_c and (if asked) d loss / d head of one chunk h_c [rows, steps, H]."""
+def chunked_token_logps(hidden: jax.Array, head: jax.Array, labels: jax.Array, *, chunk_size: int = 1024) -> jax.Array:
+    """log p(label) of every token [..., T] (0 where the label is IGNORE), for hidden [..., T, H], head [V, H].
+
+    The sequence-level losses of preference tuning weight each token's log-probability differently, so this
+    returns them one by one; chunking and the fused gradient are those of `chunked_cross_entropy` (each
+    token's d logp / d hidden is formed in the forward pass and scaled by its own cotangent in the backward).
+    """
+    h = hidden.reshape(-1, *hidden.shape[-2:])
+    y = labels.reshape(-1, labels.shape[-1])
+    rows, t, width = h.shape
+    mesh = current_mesh()
+    shards = 1 if mesh is None or rows % batch_shards(mesh) else batch_shards(mesh)
+    steps = max(1, min(t, chunk_size * shards // rows))
+    pad = (-t) % steps
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).astype(head.dtype)
+    y = jnp.pad(y, ((0, 0), (0, pad)), constant_values=IGNORE)
+    n = (t + pad) // steps
+    logps = _fused_token_logps(h.reshape(rows, n, steps, width).swapaxes(0, 1), head,
+                               y.reshape(rows, n, steps).swapaxes(0, 1))
+    return logps.swapaxes(0, 1).reshape(rows, t + pad)[:, :t].reshape(labels.shape)
+
+
+def _token_terms(h_c: jax.Array, head: jax.Array, y_c: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(token losses -log p(label) [rows, steps], d loss / d logits in the head's dtype) of one chunk; both zero
+    where the label is IGNORE."""
     logits = jax.lax.dot_general(h_c, head, (((2,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     valid = y_c != IGNORE
     target = jnp.where(valid, y_c, 0)
     picked = jnp.take_along_axis(logits, target[..., None], axis=-1)[..., 0]
-    loss = jnp.sum(jnp.where(valid, lse - picked, 0.0))
+    nll = jnp.where(valid, lse - picked, 0.0)
     probs = jnp.exp(logits - lse[..., None])
     onehot = jax.nn.one_hot(target, logits.shape[-1], dtype=jnp.float32)
     dlogits = (jnp.where(valid[..., None], probs - onehot, 0.0)).astype(head.dtype)
+    return nll, dlogits
+
+
+def _chunk(h_c: jax.Array, head: jax.Array, y_c: jax.Array, head_grad: bool):
+    """Loss sum, d loss / d h_c and (if asked) d loss / d head of one chunk h_c [rows, steps, H]."""
+    nll, dlogits = _token_terms(h_c, head, y_c)
     dh = dot_out(dlogits, head, (((2,), (0,)), ((), ())), h_c.dtype)
     dhead = None
     if head_grad:
         dhead = jax.lax.dot_general(dlogits, h_c, (((0, 1), (0, 1)), ((), ())), preferred_element_type=jnp.float32)
-    return loss, dh, dhead
+    return jnp.sum(nll), dh, dhead
 
 
 @jax.custom_vjp
@@ -94,3 +123,49 @@ def _fused_bwd(res, g):
 
 
 _fused_cross_entropy.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
+
+
+@jax.custom_vjp
+def _fused_token_logps(h: jax.Array, head: jax.Array, y: jax.Array) -> jax.Array:
+    """Token log-probabilities [n, rows, steps] over chunks h [n, rows, steps, H], y [n, rows, steps]."""
+    def body(_, xs):
+        return None, -_token_terms(xs[0], head, xs[1])[0]
+
+    return jax.lax.scan(body, None, (h, y))[1]
+
+
+def _token_logps_fwd(h, head, y):
+    head_grad = head.perturbed
+    h, head, y = h.value, head.value, y.value
+
+    def body(_, xs):
+        nll, dlogits = _token_terms(xs[0], head, xs[1])
+        return None, (-nll, dot_out(dlogits, head, (((2,), (0,)), ((), ())), xs[0].dtype))
+
+    _, (logps, dnll_dh) = jax.lax.scan(body, None, (h, y))
+    # d logp / d head needs each token's cotangent, known only in the backward pass: keep what recomputes it
+    return logps, (dnll_dh, (h, head, y) if head_grad else None)
+
+
+def _token_logps_bwd(res, g):
+    dnll_dh, recompute = res
+    if isinstance(g, jax.custom_derivatives.SymbolicZero):
+        return jnp.zeros_like(dnll_dh), None if recompute is None else jnp.zeros_like(recompute[1]), None
+    g = g.astype(jnp.float32)
+    dh = (-dnll_dh.astype(jnp.float32) * g[..., None]).astype(dnll_dh.dtype)
+    if recompute is None:
+        return dh, None, None
+    h, head, y = recompute
+
+    def body(acc, xs):
+        h_c, y_c, g_c = xs
+        _, dlogits = _token_terms(h_c, head, y_c)
+        weighted = (-dlogits.astype(jnp.float32) * g_c[..., None]).astype(head.dtype)
+        return acc + jax.lax.dot_general(weighted, h_c, (((0, 1), (0, 1)), ((), ())),
+                                         preferred_element_type=jnp.float32), None
+
+    dhead, _ = jax.lax.scan(body, jnp.zeros(head.shape, jnp.float32), (h, y, g))
+    return dh, dhead.astype(head.dtype), None
+
+
+_fused_token_logps.defvjp(_token_logps_fwd, _token_logps_bwd, symbolic_zeros=True)

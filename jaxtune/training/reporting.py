@@ -20,6 +20,18 @@ SCALARS = {
     "peak_memory_gib": "train/peak_memory_gib",
     "skipped": "train/skipped_steps",
 }
+# DPO/ORPO metrics keep TRL's names: "rewards/chosen" -> train/rewards/chosen, "eval_rewards/chosen" -> eval/...
+OBJECTIVE_SCALARS = ("rewards/", "logps/", "nll_loss", "log_odds_ratio", "log_odds_chosen")
+
+
+def scalar_name(key: str) -> str | None:
+    """The reporter's name of a metrics.jsonl key, or None for keys that are not reported (step, collapsed)."""
+    if key in SCALARS:
+        return SCALARS[key]
+    split, name = ("eval", key[5:]) if key.startswith("eval_") else ("train", key)
+    return f"{split}/{name}" if name.startswith(OBJECTIVE_SCALARS) else None
+
+
 _PACKAGES = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb", "wandb")}
 WANDB_ID_FILE = "wandb-run-id"
 
@@ -60,7 +72,7 @@ class MetricsLog:
         if self.path is not None:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
-        scalars = {SCALARS[k]: float(v) for k, v in record.items() if k in SCALARS and v is not None}
+        scalars = {scalar_name(k): float(v) for k, v in record.items() if scalar_name(k) and v is not None}
         if self.tensorboard is not None:
             for tag, value in scalars.items():
                 self.tensorboard.add_scalar(tag, value, record["step"])

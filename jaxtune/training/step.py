@@ -17,7 +17,7 @@ from jaxtune.model import CausalLM
 from jaxtune.sharding import global_batch, state_shardings
 from jaxtune.training.compilation import step_compiler_options
 from jaxtune.training.config import TrainConfig
-from jaxtune.training.loss import chunked_cross_entropy
+from jaxtune.training.objectives import SFT, Objective, make_objective
 
 REMAT_POLICIES = {"none": "none", "selective": "selective", "per-layer": "full", "offload": "offload"}
 
@@ -49,41 +49,41 @@ def split_model(model: CausalLM) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     return graphdef, lora, frozen
 
 
-def _micro_loss(graphdef, lora, frozen, micro: dict[str, jax.Array], rng, chunk_size: int):
-    model = nnx.merge(graphdef, lora, frozen)
-    hidden = model.hidden_states(micro["input_ids"], micro["positions"], micro["segment_ids"], dropout_rng=rng)
-    loss_sum, _ = chunked_cross_entropy(hidden, model.head_weight(), micro["labels"], chunk_size=chunk_size)
-    return loss_sum
+def loss_and_grads(graphdef, lora, frozen, batch: dict[str, jax.Array], key: jax.Array | None, chunk_size: int,
+                   objective: Objective | None = None):
+    """(mean loss, float32 grads, metrics) over all micro-batches of batch [accum, B, ...].
 
-
-def loss_and_grads(graphdef, lora, frozen, batch: dict[str, jax.Array], key: jax.Array | None, chunk_size: int):
-    """(mean loss, float32 grads) over all micro-batches of batch [accum, B, T].
-
-    Each micro-batch's summed token loss is divided by the label count of the WHOLE batch, so the result is
-    the same however the batch is split into micro-batches.
+    The objective divides each micro-batch's loss by counts over the WHOLE batch (label tokens, pairs), so the
+    result is the same however the batch is split into micro-batches; its metrics (rewards for DPO/ORPO) are
+    means over the batch the same way.
     """
-    grad_fn = jax.value_and_grad(_micro_loss, argnums=1)
-    total_tokens = jnp.maximum(jnp.sum(batch["labels"] != IGNORE), 1).astype(jnp.float32)
+    objective = objective or SFT()
+    weights = objective.weights(batch)
+    grad_fn = jax.value_and_grad(objective.micro_loss, argnums=1, has_aux=True)
 
     def accumulate(carry, xs):
-        loss_acc, grad_acc = carry
+        loss_acc, grad_acc, metric_acc = carry
         micro, i = xs
         rng = None if key is None else jax.random.fold_in(key, i)
-        loss, grads = grad_fn(graphdef, lora, frozen, micro, rng, chunk_size)
-        grad_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32) / total_tokens, grad_acc, grads)
-        return (loss_acc + loss, grad_acc), None
+        (loss, metrics), grads = grad_fn(graphdef, lora, frozen, micro, rng, chunk_size, weights)
+        grad_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_acc, grads)
+        return (loss_acc + loss, grad_acc, jax.tree.map(jnp.add, metric_acc, metrics)), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), lora)
+    metric_zeros = {name: jnp.float32(0) for name in objective.metric_names}
     accum = batch["input_ids"].shape[0]
-    (loss_sum, grads), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros), (batch, jnp.arange(accum)))
-    return loss_sum / total_tokens, grads
+    (loss, grads, metrics), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros, metric_zeros),
+                                             (batch, jnp.arange(accum)))
+    return loss, grads, metrics
 
 
 class OnMesh:
     """A jitted function traced and run with `mesh` set, so the ops see it (shard_map around the kernels)."""
 
-    def __init__(self, fn: Callable, mesh: Mesh | None):
-        self.fn, self.mesh = fn, mesh
+    def __init__(self, fn: Callable, mesh: Mesh | None, batch_extra: dict[str, tuple[tuple[int, ...], Any]] | None = None):
+        # batch_extra: the arrays a batch holds besides the four [accum, B, T] int32 ones, as (trailing shape,
+        # dtype) each (preference pairs: response, pair_mask, ref_logps), so memory planning can build the batch
+        self.fn, self.mesh, self.batch_extra = fn, mesh, dict(batch_extra or {})
 
     def _ctx(self):
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
@@ -98,7 +98,8 @@ class OnMesh:
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                    cfg: TrainConfig, mesh: Mesh | None = None) -> OnMesh:
+                    cfg: TrainConfig, mesh: Mesh | None = None,
+                    batch_extra: dict[str, tuple[tuple[int, ...], Any]] | None = None) -> OnMesh:
     """step(lora, opt_state, frozen, batch [accum, B, T], step) -> (lora, opt_state, metrics).
 
     Gradient accumulation runs inside the jit (see `loss_and_grads`). A step whose loss or gradients are not
@@ -107,12 +108,14 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     its maximum over every process: all processes learn of a stop after the same step, at no extra sync.
     """
     base_key = jax.random.key(cfg.seed)
+    objective = make_objective(cfg)
 
     def step(lora, opt_state, frozen, batch, step_index):
         batch = dict(batch)
         stop = batch.pop("stop", None)
         key = jax.random.fold_in(base_key, step_index) if cfg.lora_dropout > 0 else None
-        loss, grads = loss_and_grads(graphdef, lora, frozen, batch, key, cfg.ce_chunk_size)
+        loss, grads, objective_metrics = loss_and_grads(graphdef, lora, frozen, batch, key, cfg.ce_chunk_size,
+                                                        objective)
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt_state = optimizer.update(grads, opt_state, lora)
@@ -120,25 +123,33 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(step_index),
                    "tokens": jnp.sum(batch["labels"] != IGNORE), "skipped": (~finite).astype(jnp.int32),
-                   "stop": jnp.int32(0) if stop is None else jnp.max(stop)}
+                   "stop": jnp.int32(0) if stop is None else jnp.max(stop), **objective_metrics}
         new_lora, new_opt_state = keep(new_lora, lora), keep(new_opt_state, opt_state)
         if mesh is not None:  # params and optimizer state keep their FSDP layout from step to step
             new_lora = jax.lax.with_sharding_constraint(new_lora, state_shardings(mesh, new_lora))
             new_opt_state = jax.lax.with_sharding_constraint(new_opt_state, state_shardings(mesh, new_opt_state))
         return new_lora, new_opt_state, metrics
 
-    return OnMesh(jax.jit(step, donate_argnums=(0, 1), compiler_options=step_compiler_options(cfg.compute)), mesh)
+    return OnMesh(jax.jit(step, donate_argnums=(0, 1), compiler_options=step_compiler_options(cfg.compute)), mesh,
+                  batch_extra)
 
 
 def make_eval_step(graphdef: nnx.GraphDef, cfg: TrainConfig, mesh: Mesh | None = None) -> OnMesh:
-    """eval(lora, frozen, batch [accum, B, T]) -> (sum of token losses, number of label tokens)."""
+    """eval(lora, frozen, batch [accum, B, ...]) -> (loss x weight, metrics x weight, weight): the weight is the
+    batch's label tokens (SFT) or pairs (DPO/ORPO), so sums over batches give the held-out split's means."""
+    objective = make_objective(cfg)
 
     def evaluate(lora, frozen, batch):
-        def body(carry, micro):
-            return carry + _micro_loss(graphdef, lora, frozen, micro, None, cfg.ce_chunk_size), None
+        weights = objective.weights(batch)
+        weight = weights[objective.eval_weight]
 
-        total, _ = jax.lax.scan(body, jnp.float32(0), batch)
-        return total, jnp.sum(batch["labels"] != IGNORE)
+        def body(carry, micro):
+            loss, metrics = objective.micro_loss(graphdef, lora, frozen, micro, None, cfg.ce_chunk_size, weights)
+            return jax.tree.map(jnp.add, carry, (loss, metrics)), None
+
+        zeros = (jnp.float32(0), {name: jnp.float32(0) for name in objective.metric_names})
+        (loss, metrics), _ = jax.lax.scan(body, zeros, batch)
+        return loss * weight, jax.tree.map(lambda m: m * weight, metrics), weight
 
     return OnMesh(jax.jit(evaluate, compiler_options=step_compiler_options(cfg.compute)), mesh)
 

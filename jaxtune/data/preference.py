@@ -1,0 +1,195 @@
+"""Preference pairs (prompt, chosen, rejected) -> token ids -> rows that hold both responses of each pair.
+
+Rows follow TRL's preference formats: `prompt`, `chosen` and `rejected` as strings, or as message lists
+(conversational: rendered with the chat template; without `prompt`, the messages chosen and rejected share
+are the prompt). Tokenization is TRL's: the prompt alone and prompt + response are tokenized, and the response
+starts where the two diverge; plain-text responses end with the EOS token.
+
+A pair occupies one row as two packed sequences, prompt + chosen (segment 2k+1) and prompt + rejected
+(segment 2k+2), so one forward pass scores both; several pairs share a row when they fit.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxtune.data.formats import _check_messages
+from jaxtune.data.packing import IGNORE, PackedRows, _FirstFit
+from jaxtune.data.sources import DataError, Row
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    prompt: np.ndarray  # int32 token ids
+    chosen: np.ndarray
+    rejected: np.ndarray
+    where: str
+
+    @property
+    def length(self) -> int:
+        """Tokens the pair takes in a row: the prompt twice and both responses."""
+        return 2 * len(self.prompt) + len(self.chosen) + len(self.rejected)
+
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list)
+
+
+def _fields(row: Row) -> tuple[Any, Any, Any]:
+    """(prompt, chosen, rejected) of a row, checked; a conversational row without a prompt gets the messages
+    chosen and rejected start with as its prompt."""
+    for name in ("chosen", "rejected"):
+        if row.data.get(name) is None:
+            raise DataError(f"{row.where}: missing field {name!r}; a preference row needs 'chosen' and 'rejected' "
+                            "(and 'prompt')")
+    chosen, rejected, prompt = row.data["chosen"], row.data["rejected"], row.data.get("prompt")
+    conversational = _is_messages(chosen)
+    for name, value in (("chosen", chosen), ("rejected", rejected)) + ((("prompt", prompt),) if prompt is not None else ()):
+        if conversational and not _is_messages(value) or not conversational and not isinstance(value, str):
+            kind = "message lists" if conversational else "strings"
+            raise DataError(f"{row.where}: field {name!r} is a {type(value).__name__}, but this row's responses are "
+                            f"{kind}; give prompt, chosen and rejected the same form")
+        if conversational:
+            _check_messages(value, f"{row.where}: {name}")
+    if prompt is None:
+        if not conversational:
+            raise DataError(f"{row.where}: missing field 'prompt'; a row of plain-text responses needs one")
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+            shared += 1
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    for name, value in (("chosen", chosen), ("rejected", rejected)):
+        text = "".join(m["content"] for m in value) if conversational else value
+        if not text.strip():
+            raise DataError(f"{row.where}: the {name} response is empty; give the pair two non-empty responses")
+    return prompt, chosen, rejected
+
+
+def check_preference_rows(rows: Sequence[Row]) -> None:
+    """Every row is a usable preference pair (fields, types, non-empty responses): found before a model loads."""
+    if not rows:
+        raise DataError("the dataset is empty; it needs at least one preference row")
+    for row in rows:
+        _fields(row)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def encode_pair(row: Row, tokenizer: Any) -> PreferencePair:
+    """One row -> token ids of its prompt and two responses."""
+    prompt, chosen, rejected = _fields(row)
+    if _is_messages(chosen):
+        if not getattr(tokenizer, "chat_template", None):
+            raise DataError(f"{row.where}: conversational preference rows need a tokenizer with a chat template; "
+                            "give prompt, chosen and rejected as strings")
+
+        def ids(messages, generation_prompt=False) -> list[int]:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+        p, pc, pr = ids(prompt, True), ids(prompt + chosen), ids(prompt + rejected)
+    else:
+        eos = tokenizer.eos_token or ""
+        end = lambda s: s if not eos or s.endswith(eos) else s + eos  # noqa: E731
+        ids = lambda s: list(tokenizer(s)["input_ids"])  # noqa: E731
+        p, pc, pr = ids(prompt), ids(prompt + end(chosen)), ids(prompt + end(rejected))
+    n = min(_common_prefix(p, pc), _common_prefix(p, pr))
+    as_array = lambda x: np.asarray(x, np.int32)  # noqa: E731
+    return PreferencePair(as_array(p[:n]), as_array(pc[n:]), as_array(pr[n:]), row.where)
+
+
+def encode_pairs(rows: Sequence[Row], tokenizer: Any) -> list[PreferencePair]:
+    """Tokenizes every row (with a progress bar); warns about pairs whose two responses are the same."""
+    check_preference_rows(rows)
+    pairs = [encode_pair(row, tokenizer) for row in tqdm(rows, desc="tokenizing pairs", unit="pair", leave=False)]
+    same = [p.where for p in pairs if np.array_equal(p.chosen, p.rejected)]
+    if same:
+        warnings.warn(f"{len(same)} of {len(pairs)} pairs have identical chosen and rejected responses (first: "
+                      f"{same[0]}); they teach nothing and only dilute the batch", stacklevel=2)
+    return pairs
+
+
+def fit_pairs(pairs: Sequence[PreferencePair], seq_len: int, *, drop_long_prompts: bool = False
+              ) -> list[PreferencePair]:
+    """Pairs cut to fit one row of seq_len: responses keep their start; a pair whose prompt leaves no room for a
+    token of each response is an error naming its row, or, with `drop_long_prompts`, dropped with a warning."""
+    out, cut, dropped = [], 0, []
+    for pair in pairs:
+        room = seq_len - 2 * len(pair.prompt)
+        if room < 2:
+            if not drop_long_prompts:
+                raise DataError(f"{pair.where}: the prompt ({len(pair.prompt):,} tokens) leaves no room for the "
+                                f"responses in seq_len={seq_len:,} (a row holds the prompt twice and both responses); "
+                                "raise seq_len, shorten the prompt, or drop such rows (drop_long_prompts=True, "
+                                "--drop-long-prompts)")
+            dropped.append(pair.where)
+            continue
+        if len(pair.chosen) + len(pair.rejected) > room:
+            short, long_ = sorted((len(pair.chosen), len(pair.rejected)))
+            keep_short = min(short, room // 2)
+            keep = (keep_short, room - keep_short)  # (shorter, longer) response lengths
+            c_keep, r_keep = keep if len(pair.chosen) <= len(pair.rejected) else keep[::-1]
+            pair = PreferencePair(pair.prompt, pair.chosen[:c_keep], pair.rejected[:r_keep], pair.where)
+            cut += 1
+        out.append(pair)
+    if dropped:
+        warnings.warn(f"{len(dropped)} of {len(pairs)} pairs were dropped: their prompts leave no room for the "
+                      f"responses in seq_len={seq_len:,} (first: {dropped[0]})", stacklevel=2)
+    if cut:
+        warnings.warn(f"{cut} of {len(pairs)} pairs were longer than seq_len={seq_len:,} (prompt twice plus both "
+                      "responses) and their responses were truncated", stacklevel=2)
+    if not out:
+        raise DataError(f"no preference pair fits seq_len={seq_len:,}; raise seq_len")
+    return out
+
+
+def pack_pairs(pairs: Sequence[PreferencePair], seq_len: int, *, packing: bool = True,
+               drop_long_prompts: bool = False) -> PackedRows:
+    """Rows of seq_len holding whole pairs (first-fit-decreasing; one pair per row without packing).
+
+    Besides the usual arrays, `extra` holds `response` [N, T] (1 where the label is a response token) and
+    `pair_mask` [N, P] (1 for each of the row's pairs; P = the most pairs any row holds). Every next token of a
+    sequence is labeled (the objective picks which count); the segment of pair k's chosen sequence is 2k+1,
+    of its rejected one 2k+2.
+    """
+    pairs = fit_pairs(pairs, seq_len, drop_long_prompts=drop_long_prompts)
+    bins: list[list[PreferencePair]] = []
+    if packing:
+        fit = _FirstFit(seq_len, len(pairs))
+        for i in sorted(range(len(pairs)), key=lambda i: (-pairs[i].length, i)):
+            b = fit.place(pairs[i].length)
+            if b == len(bins):
+                bins.append([])
+            bins[b].append(pairs[i])
+    else:
+        bins = [[p] for p in pairs]
+    n, most = len(bins), max(len(b) for b in bins)
+    ids = np.zeros((n, seq_len), np.int32)
+    labels = np.full((n, seq_len), IGNORE, np.int32)
+    seg = np.zeros((n, seq_len), np.int32)
+    pos = np.zeros((n, seq_len), np.int32)
+    response = np.zeros((n, seq_len), np.int32)
+    pair_mask = np.zeros((n, most), np.int32)
+    for r, row in enumerate(bins):
+        at = 0
+        for k, pair in enumerate(row):
+            pair_mask[r, k] = 1
+            for s, answer in ((2 * k + 1, pair.chosen), (2 * k + 2, pair.rejected)):
+                seq = np.concatenate([pair.prompt, answer])
+                m = len(seq)
+                ids[r, at:at + m], seg[r, at:at + m], pos[r, at:at + m] = seq, s, np.arange(m)
+                labels[r, at:at + m - 1] = seq[1:]  # position j predicts token j+1 of the same sequence
+                response[r, at + max(len(pair.prompt), 1) - 1:at + m - 1] = 1  # labels that are response tokens
+                at += m
+    return PackedRows(ids, labels, seg, pos, 0, extra={"response": response, "pair_mask": pair_mask})
