@@ -50,6 +50,59 @@ def build_hf_model(config, out_dir, *, seed: int = 0, max_shard_size: str | None
     return model
 
 
+def set_random_lora(model, seed: int):
+    """Every LoRA A and B random (B non-zero, so the adapters change the output)."""
+    import numpy as np
+    from flax import nnx
+
+    rng = np.random.default_rng(seed)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
+        var.set_value(np.asarray(rng.standard_normal(var.get_value().shape) * 0.1, np.float32))
+    return model
+
+
+def peft_reference(hf_model, model, *, r, alpha, rslora, targets):
+    """HF model with jaxtune's dequantized NF4 base weights and jaxtune's LoRA A/B, wrapped by PEFT."""
+    import numpy as np
+    import torch
+    from peft import LoraConfig, get_peft_model as peft_get
+
+    from jaxtune import nf4
+    from jaxtune.qlora import LORA_TARGETS, LoRALinear, NF4Linear
+
+    layers = hf_model.model.layers
+    for name in LORA_TARGETS:
+        parent = "self_attn" if name[0] in "qkvo" else "mlp"
+        proj = getattr(getattr(model.layers, parent), name)
+        base = proj.base if isinstance(proj, LoRALinear) else proj
+        assert isinstance(base, NF4Linear)
+        w = np.asarray(nf4.dequantize(base.weight_nf4))  # [L, out, in]
+        for i, layer in enumerate(layers):
+            getattr(getattr(layer, parent), name).weight.data = torch.from_numpy(w[i].copy())
+    peft_model = peft_get(hf_model, LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, target_modules=list(targets),
+                                               lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
+    copy_lora(model, peft_model, targets)
+    return peft_model.eval()
+
+
+def peft_lora_modules(peft_model, targets):
+    """{(projection name, layer index): PEFT LoRA module}."""
+    return {(name, i): getattr(getattr(layer, "self_attn" if name[0] in "qkvo" else "mlp"), name)
+            for name in targets for i, layer in enumerate(peft_model.base_model.model.model.layers)}
+
+
+def copy_lora(model, peft_model, targets, adapter: str = "default"):
+    """jaxtune's LoRA A/B ([L, ...] stacks) into the PEFT model's adapter `adapter`."""
+    import numpy as np
+    import torch
+
+    for (name, i), mod in peft_lora_modules(peft_model, targets).items():
+        proj = getattr(getattr(model.layers, "self_attn" if name[0] in "qkvo" else "mlp"), name)
+        with torch.no_grad():
+            mod.lora_A[adapter].weight.copy_(torch.from_numpy(np.asarray(proj.lora_a[...])[i].copy()))
+            mod.lora_B[adapter].weight.copy_(torch.from_numpy(np.asarray(proj.lora_b[...])[i].copy()))
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     from jaxtune.bundled import bundled_path

@@ -48,13 +48,13 @@ def model(vocab: int = 320):
 
 def grads_on(mesh, graphdef, lora, frozen, batch):
     if mesh is None:
-        fn = jax.jit(lambda l, f, b: loss_and_grads(graphdef, l, f, b, None, 64))
+        fn = jax.jit(lambda l, f, b: loss_and_grads(graphdef, l, f, b, None, 64)[:2])
         return (*fn(lora, frozen, {k: jnp.asarray(v) for k, v in batch.items()}), 0)
     lora, frozen = sharding.shard_state(mesh, lora), sharding.shard_state(mesh, frozen)
     spread = [str(a.sharding.spec) for a in jax.tree.leaves(frozen) if "fsdp" in str(a.sharding.spec)]
     assert mesh.shape["fsdp"] == 1 or spread, "no frozen array was sharded over fsdp"
     with jax.set_mesh(mesh):
-        fn = jax.jit(lambda l, f, b: loss_and_grads(graphdef, l, f, b, None, 64))
+        fn = jax.jit(lambda l, f, b: loss_and_grads(graphdef, l, f, b, None, 64)[:2])
         gbatch = sharding.global_batch(mesh, batch)
         kernels_per_shard = str(fn.trace(lora, frozen, gbatch).jaxpr).count("shard_map[")
         if mesh.shape["fsdp"] == 1:  # pure data parallel: nothing may be gathered (each device its own rows)

@@ -9,45 +9,12 @@ from flax import nnx
 from transformers import LlamaConfig, Qwen2Config
 
 import jaxtune
-from conftest import build_hf_model
+from conftest import build_hf_model, peft_reference, set_random_lora
 from jaxtune import nf4
-from jaxtune.qlora import LORA_TARGETS, LoRALinear, NF4Linear, get_peft_model
+from jaxtune.qlora import LORA_TARGETS, get_peft_model
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2)
-
-
-def _set_random_lora(model, seed: int):
-    rng = np.random.default_rng(seed)
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
-        var.set_value(np.asarray(rng.standard_normal(var.get_value().shape) * 0.1, np.float32))
-    return model
-
-
-def _peft_reference(hf_model, model, *, r, alpha, rslora, targets):
-    """HF model with jaxtune's dequantized NF4 base weights and jaxtune's LoRA A/B, wrapped by PEFT."""
-    from peft import LoraConfig, get_peft_model as peft_get
-
-    layers = hf_model.model.layers
-    for name in LORA_TARGETS:
-        parent = "self_attn" if name[0] in "qkvo" else "mlp"
-        proj = getattr(getattr(model.layers, parent), name)
-        base = proj.base if isinstance(proj, LoRALinear) else proj
-        assert isinstance(base, NF4Linear)
-        w = np.asarray(nf4.dequantize(base.weight_nf4))  # [L, out, in]
-        for i, layer in enumerate(layers):
-            getattr(getattr(layer, parent), name).weight.data = torch.from_numpy(w[i].copy())
-    peft_model = peft_get(hf_model, LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, target_modules=list(targets),
-                                               lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
-    for name in targets:
-        parent = "self_attn" if name[0] in "qkvo" else "mlp"
-        proj = getattr(getattr(model.layers, parent), name)
-        a, b = np.asarray(proj.lora_a[...]), np.asarray(proj.lora_b[...])
-        for i, layer in enumerate(peft_model.base_model.model.model.layers):
-            mod = getattr(getattr(layer, parent), name)
-            mod.lora_A["default"].weight.data = torch.from_numpy(a[i].copy())
-            mod.lora_B["default"].weight.data = torch.from_numpy(b[i].copy())
-    return peft_model.eval()
 
 
 @pytest.mark.parametrize("hf_config, r, alpha, rslora, targets", [
@@ -59,8 +26,8 @@ def test_qlora_logits_equal_peft(tmp_path, hf_config, r, alpha, rslora, targets)
     hf_model = build_hf_model(hf_config, tmp_path)
     model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32", load_in_4bit=True)
     get_peft_model(model, r=r, lora_alpha=alpha, use_rslora=rslora, target_modules=targets, seed=1)
-    _set_random_lora(model, seed=2)  # non-zero B, so the adapters change the output
-    ref_model = _peft_reference(hf_model, model, r=r, alpha=alpha, rslora=rslora, targets=targets)
+    set_random_lora(model, seed=2)  # non-zero B, so the adapters change the output
+    ref_model = peft_reference(hf_model, model, r=r, alpha=alpha, rslora=rslora, targets=targets)
     ids = np.random.default_rng(3).integers(0, 128, size=(2, 12))
     with torch.no_grad():
         ref = ref_model(torch.as_tensor(ids)).logits.numpy()
@@ -98,7 +65,7 @@ def test_lora_dropout_applies_only_with_an_rng(tmp_path):
     build_hf_model(LlamaConfig(**COMMON), tmp_path)
     model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32", load_in_4bit=True)
     get_peft_model(model, r=4, lora_dropout=0.5)
-    _set_random_lora(model, seed=5)
+    set_random_lora(model, seed=5)
     ids = np.random.default_rng(6).integers(0, 128, size=(1, 8))
     no_dropout = np.asarray(model(ids))
     key = jax.random.key(0)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
@@ -34,7 +35,7 @@ from jaxtune.training.autobatch import (MARGIN, choose_micro_batch, refuse_if_to
 from jaxtune.training.checkpoint import RunCheckpoints, check_run_dir
 from jaxtune.training.compilation import use_compilation_cache
 from jaxtune.training.config import TrainConfig
-from jaxtune.training.objectives import make_objective
+from jaxtune.training.objectives import make_objective, reference_adapters
 from jaxtune.training.reference import reference_logps
 from jaxtune.training.remat_choice import choose_remat
 from jaxtune.training.reporting import MetricsLog, check_reporters
@@ -203,6 +204,8 @@ def train(
         return None, [(0, 1)]
 
     lora, frozen = nnx.state(model, nnx.LoRAParam, ...)  # the states split_model gives, whatever the policy
+    if cfg.objective == "dpo" and not cfg.precompute_reference and reference_adapters(lora):
+        frozen = (frozen, jax.tree.map(jnp.copy, lora))  # DPO's reference: the adapters as the run begins
     # arrays a batch holds besides the token ones (preference pairs), so the step can be planned before data flows
     batch_extra = {k: (v.shape[1:], v.dtype) for k, v in train_rows.extra.items()}
     if cfg.precompute_reference:

@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxtune.data.packing import IGNORE
@@ -45,8 +46,13 @@ class SFT:
 
 @dataclasses.dataclass(frozen=True)
 class Preference:
-    """DPO (reference: the same model with its adapters off, or log-probabilities stored in the batch as
-    `ref_logps`) or ORPO (no reference: NLL of the chosen responses minus λ log σ(log odds ratio))."""
+    """DPO or ORPO (no reference: NLL of the chosen responses minus λ log σ(log odds ratio)).
+
+    DPO's reference is the model as the run began: with fresh adapters (every B zero) the base model, computed
+    as the same weights with the adapters at zero (no second copy of anything); with adapters trained before
+    (SFT, then DPO on the same adapters) a frozen copy of those adapters, as TRL does; or log-probabilities
+    computed once and carried in the batch as `ref_logps`.
+    """
 
     name: str  # "dpo" or "orpo"
     beta: float = 0.1
@@ -82,6 +88,9 @@ class Preference:
         return token, sequence_sums(token * micro["response"], micro["segment_ids"], pairs)
 
     def micro_loss(self, graphdef, lora, frozen, micro: Batch, rng, chunk_size: int, weights) -> tuple:
+        """`frozen` is the model's frozen state, or (that state, the reference's adapters) when the adapters were
+        trained before this run (see `reference_adapters`)."""
+        frozen, reference = frozen if isinstance(frozen, tuple) else (frozen, None)
         model = nnx.merge(graphdef, lora, frozen)
         token, (chosen, rejected) = self.sequence_logps(model, micro, rng, chunk_size)
         mask = micro["pair_mask"] > 0
@@ -91,9 +100,10 @@ class Preference:
         if self.name == "dpo":
             if "ref_logps" in micro:
                 ref_chosen, ref_rejected = micro["ref_logps"][..., 0::2], micro["ref_logps"][..., 1::2]
-            else:  # the reference: the base model, i.e. the same weights with every adapter at zero
-                off = jax.tree.map(jnp.zeros_like, jax.lax.stop_gradient(lora))
-                _, (ref_chosen, ref_rejected) = self.sequence_logps(nnx.merge(graphdef, off, frozen), micro, None, chunk_size)
+            else:  # the reference: the model as the run began; fresh adapters are zero, i.e. switched off
+                off = reference if reference is not None else jax.tree.map(jnp.zeros_like, jax.lax.stop_gradient(lora))
+                _, (ref_chosen, ref_rejected) = self.sequence_logps(nnx.merge(graphdef, off, frozen), micro, None,
+                                                                    chunk_size)
                 ref_chosen, ref_rejected = jax.lax.stop_gradient(ref_chosen), jax.lax.stop_gradient(ref_rejected)
             losses = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=self.beta, loss_type=self.loss_type,
                               label_smoothing=self.label_smoothing, chosen_tokens=n_chosen,
@@ -126,3 +136,9 @@ def make_objective(cfg: TrainConfig) -> Objective:
         return SFT()
     return Preference(cfg.objective, beta=cfg.beta, loss_type=cfg.dpo_loss, label_smoothing=cfg.label_smoothing,
                       orpo_lambda=cfg.orpo_lambda, nll_on_prompt=cfg.train_on_all)
+
+
+def reference_adapters(lora) -> bool:
+    """Whether DPO's reference needs a copy of the adapters: some B is non-zero, so the model the run starts
+    from is not the base model."""
+    return any(path[-1] == "lora_b" and bool(np.any(np.asarray(v))) for path, v in nnx.to_flat_state(lora))

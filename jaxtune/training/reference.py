@@ -1,6 +1,6 @@
 """DPO's reference log-probabilities computed once before training (`precompute_reference=True`).
 
-The reference is the model with its adapters off; its summed response log-probabilities per pair become a
+The reference is the model as the run begins (the base model for fresh adapters); its summed response log-probabilities per pair become a
 `ref_logps` array [N, 2P] beside the packed rows (chosen, rejected interleaved per pair slot), so each step
 runs one forward and backward instead of two forwards and a backward. They are stored in the run directory
 (safetensors, with a digest of the rows they belong to) so a resumed run reads them instead of recomputing.
@@ -36,14 +36,14 @@ def _digest(rows: PackedRows) -> str:
 
 def compute_reference_logps(graphdef: nnx.GraphDef, lora, frozen, rows: PackedRows, micro: int, cfg: TrainConfig,
                             mesh=None, progress: bool = True) -> np.ndarray:
-    """[N, 2P] float32: each pair's summed response log-probabilities under the adapter-free model."""
+    """[N, 2P] float32: each pair's summed response log-probabilities under the model with adapters `lora` (the
+    run's starting adapters: zero, i.e. the base model, unless they were trained before)."""
     objective = make_objective(cfg)
     assert isinstance(objective, Preference)
     pairs = rows.extra["pair_mask"].shape[1]
 
     def reference(lora, frozen, batch):
-        off = jax.tree.map(jnp.zeros_like, lora)
-        _, (chosen, rejected) = objective.sequence_logps(nnx.merge(graphdef, off, frozen), batch, None,
+        _, (chosen, rejected) = objective.sequence_logps(nnx.merge(graphdef, lora, frozen), batch, None,
                                                          cfg.ce_chunk_size)
         return jnp.stack([chosen, rejected], axis=-1).reshape(chosen.shape[0], 2 * pairs)
 
