@@ -88,7 +88,8 @@ _TRAIN_OVERRIDES = {  # CLI flag -> TrainConfig field
     "grad_accum": "grad_accum", "lr": "learning_rate", "schedule": "schedule", "warmup_steps": "warmup_steps",
     "lora_r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout", "remat": "remat",
     "eval_fraction": "eval_fraction", "eval_steps": "eval_steps", "save_steps": "save_steps", "seed": "seed",
-    "mesh": "mesh", "compute": "compute", "report_to": "report_to",
+    "mesh": "mesh", "compute": "compute", "report_to": "report_to", "objective": "objective", "beta": "beta",
+    "dpo_loss": "dpo_loss", "label_smoothing": "label_smoothing", "orpo_lambda": "orpo_lambda",
 }
 _FLAG_OF = {field: flag for flag, field in _TRAIN_OVERRIDES.items()}
 
@@ -103,6 +104,10 @@ def _train_config(args: argparse.Namespace):
         overrides["packing"] = False
     if args.no_compile_cache:
         overrides["compile_cache"] = False
+    if args.precompute_reference:
+        overrides["precompute_reference"] = True
+    if args.drop_long_prompts:
+        overrides["drop_long_prompts"] = True
     try:
         return (TrainConfig.from_yaml(args.config, **overrides) if args.config
                 else TrainConfig.from_dict(overrides, where="command line"))
@@ -119,12 +124,16 @@ def _train(args: argparse.Namespace) -> None:
     cfg = _train_config(args)  # bad values and unusable paths refused before JAX starts or the model loads
     from jaxtune.bundled import resolve_model_path
     from jaxtune.data import check_rows, read_rows
+    from jaxtune.data.preference import check_preference_rows
     from jaxtune.training.checkpoint import check_run_dir
     from jaxtune.training.reporting import check_reporters
 
     resolve_model_path(args.model)
     rows = read_rows(args.data)
-    check_rows(rows, cfg.format)
+    if cfg.objective == "sft":
+        check_rows(rows, cfg.format)
+    else:
+        check_preference_rows(rows)
     check_run_dir(args.out, args.resume)
     check_reporters(cfg.report_to, args.out)
     initialize_from_env()  # multi-host launches: before anything else touches JAX
@@ -172,7 +181,19 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--model", required=True, help="HF directory, jaxtune checkpoint, .gguf file, or smollm2")
     tr.add_argument("--data", required=True, help=".jsonl, .json, .csv, .parquet, or a saved datasets directory")
     tr.add_argument("--out", required=True, help="run directory: checkpoints, metrics.jsonl, loss.png")
-    tr.add_argument("--format", choices=["chat", "alpaca", "completion", "text"], help="row format (default chat)")
+    tr.add_argument("--format", choices=["chat", "alpaca", "completion", "text"],
+                    help="row format of SFT data (default chat)")
+    tr.add_argument("--objective", choices=["sft", "dpo", "orpo"],
+                    help="sft (default), or preference tuning on prompt/chosen/rejected rows: dpo or orpo")
+    tr.add_argument("--beta", type=float, help="DPO: how far the policy may move from the reference (default 0.1)")
+    tr.add_argument("--dpo-loss", choices=["sigmoid", "ipo", "robust"], help="DPO loss variant (default sigmoid)")
+    tr.add_argument("--label-smoothing", type=float,
+                    help="DPO sigmoid/robust: assumed probability that a pair's preference is flipped (default 0)")
+    tr.add_argument("--orpo-lambda", type=float, help="ORPO: weight of the odds-ratio term (default 0.1)")
+    tr.add_argument("--precompute-reference", action="store_true",
+                    help="DPO: reference log-probabilities once before training instead of a forward per step")
+    tr.add_argument("--drop-long-prompts", action="store_true",
+                    help="DPO/ORPO: drop pairs whose prompt leaves no room in --seq-len (default: an error)")
     tr.add_argument("--config", help="YAML file of TrainConfig options (command-line flags override it)")
     tr.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     tr.add_argument("--max-steps", type=int)
