@@ -17,8 +17,8 @@ for s in "$@"; do
   case "$s" in
     checkpoint) [ -f "$ckpt/config.json" ] || PYTHONPATH=. python3 benchmarks/make_bnb4_checkpoint.py --model llama3-8b "$ckpt" | json ;;
     unsloth-dpo|unsloth-orpo)
-      for cfg in ${UNSLOTH_CFGS:-"1 false" "2 unsloth" "4 unsloth"}; do
-        PYTHONPATH=$here/.site python3 benchmarks/unsloth_dpo.py "$ckpt" ${s#unsloth-} $cfg | json
+      for cfg in ${UNSLOTH_CFGS:-1:false 2:unsloth 4:unsloth}; do  # batch:gradient checkpointing
+        PYTHONPATH=$here/.site python3 benchmarks/unsloth_dpo.py "$ckpt" ${s#unsloth-} ${cfg%%:*} ${cfg#*:} | json
       done ;;
     jaxtune-dpo|jaxtune-orpo)
       PYTHONPATH=. python3 benchmarks/dpo_qlora.py "$ckpt" --objective ${s#jaxtune-} --batches ${JT_BATCHES:-1,2,4} | json ;;
