@@ -54,7 +54,8 @@ def main() -> None:
     rows = Dataset.from_list(random_pairs(batch * (steps + 2), prompt, response, model.config.vocab_size))
     common = dict(output_dir="/tmp/unsloth_pref", per_device_train_batch_size=batch, max_steps=steps + 2,
                   learning_rate=5e-5, bf16=True, logging_steps=1, report_to=[], save_strategy="no",
-                  max_length=max_length, lr_scheduler_type="constant", optim="adamw_torch_fused")
+                  max_length=max_length, lr_scheduler_type="constant", optim="adamw_torch_fused",
+                  gradient_accumulation_steps=1)  # Unsloth's RL patch makes it 2 when left out
     times = StepTimes()
     torch.cuda.reset_peak_memory_stats()
     if objective == "dpo":

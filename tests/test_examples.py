@@ -38,7 +38,7 @@ def test_cli_example_script_runs(smollm2_path, tmp_path):
     assert proc.stdout.strip().splitlines()[-1]  # the generation printed something
 
 
-@pytest.mark.parametrize("script", ["train_own_chat.py", "export_and_run_merged.py", "demo.py"])
+@pytest.mark.parametrize("script", ["train_own_chat.py", "export_and_run_merged.py", "demo.py", "dpo_demo.py"])
 def test_example_scripts_have_help(script):
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--help"], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
@@ -49,8 +49,9 @@ def test_shipped_demo_data_is_what_the_generator_writes(tmp_path):
     import shutil
 
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
-    subprocess.run([sys.executable, str(tmp_path / "examples" / "make_demo_data.py")], check=True, timeout=120)
-    for name in ("people_train.jsonl", "people_eval.jsonl"):
+    for script in ("make_demo_data.py", "make_preference_data.py"):
+        subprocess.run([sys.executable, str(tmp_path / "examples" / script)], check=True, timeout=120)
+    for name in ("people_train.jsonl", "people_eval.jsonl", "caps_train.jsonl", "caps_eval.jsonl"):
         assert (tmp_path / "examples" / "data" / name).read_text() == (ROOT / "examples" / "data" / name).read_text()
 
 
@@ -66,3 +67,18 @@ def test_demo_runs_end_to_end(smollm2_path, tmp_path):
     assert results["steps"] == 3 and 0.0 <= results["exact_match_after"] <= 1.0
     assert "exact match on held-out prompts" in proc.stdout
     assert (tmp_path / "demo" / "run" / "loss.png").exists()
+
+
+def test_dpo_demo_runs_end_to_end(smollm2_path, tmp_path):
+    """examples/dpo_demo.py with few steps (docs/training.md's numbers come from the full 40)."""
+    proc = subprocess.run([sys.executable, "examples/dpo_demo.py", "--steps", "2", "--out", str(tmp_path / "dpo")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    results = json.loads((tmp_path / "dpo" / "results.json").read_text())
+    assert results["steps"] == 2 and 0.0 <= results["capitals_after"] <= 1.0
+    assert 0.0 <= results["eval_reward_accuracy_after"] <= 1.0
+    records = [json.loads(line) for line in (tmp_path / "dpo" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert "rewards/margins" in records[-1] and "eval_rewards/accuracies" in records[-1]
