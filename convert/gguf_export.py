@@ -4,7 +4,8 @@ The tensors are those of the merged HF checkpoint (LoRA added onto the original 
 given), renamed to llama.cpp's names, with q/k rows permuted into llama.cpp's interleaved-RoPE order
 (the inverse of what the GGUF importer undoes). Hyperparameters and the tokenizer (vocabulary, merges or
 scores, special ids, chat template) go into the metadata. Written with the `gguf` package's writer and
-quantizers to a temp file beside the output, renamed when complete.
+quantizers to a temp file beside the output, renamed when complete: the tensor table first, then each tensor
+computed and written alone, so the export holds one tensor in host memory.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from tqdm.auto import tqdm
 
 from convert.gguf_source import _LAYER_NAMES, _TOP_NAMES, SUPPORTED_GGUF_ARCHITECTURES
 from convert.gguf_tokenizer import gguf_tokenizer_fields
-from convert.merged import _tensors, open_original
+from convert.merged import merged_tensors, open_original
 from convert.peft_io import lora_modules
 from jaxtune.config import ModelConfig
 from jaxtune.errors import CheckpointError, UnsupportedModelError
@@ -124,18 +125,37 @@ def _add_tokenizer(writer: Any, tokenizer: Any, cfg: ModelConfig) -> None:
         (writer.add_bool if isinstance(value, bool) else writer.add_uint32)(key, value)
 
 
-def _encode(w: np.ndarray, gguf_type: str) -> tuple[np.ndarray, Any]:
-    """(stored array, raw GGML type or None) for one float32 tensor; 1-D tensors stay f32, as llama.cpp keeps them."""
+def _encoding(shape: tuple[int, ...], gguf_type: str) -> tuple[Any, Any]:
+    """(raw GGML type or None, numpy dtype of the stored array) of one tensor; 1-D tensors stay f32, as llama.cpp
+    keeps them, and q8_0 rows that are not whole blocks fall back to f16."""
     import gguf
 
     q = gguf.GGMLQuantizationType
-    if w.ndim == 1 or gguf_type == "f32":
-        return w.astype(np.float32), None
-    if gguf_type == "q8_0" and w.shape[-1] % gguf.GGML_QUANT_SIZES[q.Q8_0][0] == 0:
-        return gguf.quants.quantize(w, q.Q8_0), q.Q8_0
+    if len(shape) == 1 or gguf_type == "f32":
+        return None, np.float32
+    if gguf_type == "q8_0" and shape[-1] % gguf.GGML_QUANT_SIZES[q.Q8_0][0] == 0:
+        return q.Q8_0, np.uint8
     if gguf_type == "bf16":
-        return gguf.quants.quantize(w, q.BF16), q.BF16
-    return w.astype(np.float16), None  # f16, and q8_0's fallback for rows that are not whole blocks
+        return q.BF16, np.uint8
+    return None, np.float16
+
+
+def _stored_info(shape: tuple[int, ...], gguf_type: str) -> tuple[tuple[int, ...], Any, int, Any]:
+    """(stored shape, dtype, bytes, raw type) of a float32 tensor of `shape` once encoded: the tensor table is
+    written before any data, so each tensor can be computed and written alone."""
+    import gguf
+
+    raw, dtype = _encoding(shape, gguf_type)
+    stored = tuple(gguf.quants.quant_shape_to_byte_shape(shape, raw)) if raw is not None else shape
+    return stored, dtype, int(np.prod(stored, dtype=np.int64)) * np.dtype(dtype).itemsize, raw
+
+
+def _encode(w: np.ndarray, gguf_type: str) -> np.ndarray:
+    """The stored array of one float32 tensor (see `_encoding`)."""
+    import gguf
+
+    raw, dtype = _encoding(w.shape, gguf_type)
+    return gguf.quants.quantize(w, raw) if raw is not None else w.astype(dtype)
 
 
 def save_gguf(
@@ -168,22 +188,28 @@ def save_gguf(
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out_path)}.partial-", dir=parent)
     os.close(fd)
     try:
-        writer = gguf.GGUFWriter(tmp, SUPPORTED_GGUF_ARCHITECTURES[0], use_temp_file=True)
+        writer = gguf.GGUFWriter(tmp, SUPPORTED_GGUF_ARCHITECTURES[0])
         _add_hyperparameters(writer, cfg, name or os.path.splitext(os.path.basename(out_path))[0], int(file_type))
         _add_tokenizer(writer, tokenizer, cfg)
-        if cfg.rope_type == "llama3":
-            writer.add_tensor("rope_freqs.weight", rope_factors(cfg))
-        total = 2 + cfg.num_layers * len(_GGUF_LAYER_NAMES) + (0 if model.lm_head is None else 1)
-        for hf_name, w in tqdm(_tensors(model, source), total=total, desc="GGUF tensors", unit="tensor"):
-            if hf_name.endswith("q_proj.weight"):
-                w = permute_qk(w, cfg.num_heads)
-            elif hf_name.endswith("k_proj.weight"):
-                w = permute_qk(w, cfg.num_kv_heads)
-            data, raw_type = _encode(w, gguf_type)
-            writer.add_tensor(gguf_name(hf_name), data, raw_dtype=raw_type)
+        rope = rope_factors(cfg) if cfg.rope_type == "llama3" else None
+        if rope is not None:
+            writer.add_tensor_info("rope_freqs.weight", rope.shape, rope.dtype, rope.nbytes)
+        tensors = list(merged_tensors(model, source))
+        for t in tensors:  # the whole tensor table first; the data then follows one tensor at a time
+            stored, dtype, nbytes, raw = _stored_info(t.shape, gguf_type)
+            writer.add_tensor_info(gguf_name(t.name), stored, np.dtype(dtype), nbytes, raw_dtype=raw)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        writer.write_ti_data_to_file()
+        if rope is not None:
+            writer.write_tensor_data(rope)
+        for t in tqdm(tensors, desc="GGUF tensors", unit="tensor"):
+            w = t.compute()
+            if t.name.endswith("q_proj.weight"):
+                w = permute_qk(w, cfg.num_heads)
+            elif t.name.endswith("k_proj.weight"):
+                w = permute_qk(w, cfg.num_kv_heads)
+            writer.write_tensor_data(_encode(w, gguf_type))
         writer.close()
         os.replace(tmp, out_path)
     except BaseException:

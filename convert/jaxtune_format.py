@@ -14,18 +14,16 @@ from __future__ import annotations
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Iterable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
 from convert.atomic import atomic_directory
 from convert.safetensors_source import SafetensorsSource
+from convert.safetensors_writer import write_shards
 from convert.state_tree import expected_arrays, merge_filled
 from jaxtune.config import ModelConfig, load_hf_config
 from jaxtune.errors import CheckpointError
@@ -36,7 +34,7 @@ from jaxtune.qlora import quantize_layers
 FORMAT_FILE = "jaxtune.json"
 FORMAT_VERSION = 1
 QUANTIZATIONS = ("nf4", "none")
-SHARD_BYTES = 2 * 2**30
+SHARD_METADATA = {"format": "jaxtune"}
 
 
 def is_jaxtune_checkpoint(path: str) -> bool:
@@ -82,37 +80,23 @@ def write_checkpoint(model: CausalLM, tokenizer: Any, out_dir: str | os.PathLike
     `source` (the checkpoint it was converted from) is recorded so exports can merge onto the original weights.
     """
     with atomic_directory(out_dir) as tmp:
-        write_shards(tmp, _flat_arrays(model).items(), metadata={"format": "jaxtune"})
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(model.config.to_hf(), f, indent=2)
-        meta = {"format_version": FORMAT_VERSION, "quantization": quantization, "dtype": str(model.dtype)}
-        if source is not None:
-            meta["source"] = source
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        with open(os.path.join(tmp, FORMAT_FILE), "w") as f:  # written last: marks the directory complete
-            json.dump(meta, f, indent=2)
+        write_shards(tmp, _flat_arrays(model).items(), metadata=SHARD_METADATA)
+        write_description(tmp, model.config, tokenizer, quantization=quantization, dtype=model.dtype, source=source)
 
 
-def write_shards(directory: str, tensors: Iterable[tuple[str, Any]], *, metadata: dict[str, str]) -> None:
-    """Writes (name, array) pairs as model-0000i-of-0000n.safetensors files of at most SHARD_BYTES each, and
-    their index (HF's sharded layout)."""
-    shards: list[dict[str, Any]] = [{}]
-    size = 0
-    for name, value in tensors:
-        nbytes = value.size * value.dtype.itemsize
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = value
-        size += nbytes
-    weight_map: dict[str, str] = {}
-    for i, shard in enumerate(tqdm(shards, desc="writing", unit="shard", leave=False)):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({k: np.asarray(v) for k, v in shard.items()}, os.path.join(directory, fname), metadata=metadata)
-        weight_map.update({k: fname for k in shard})
-    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": metadata, "weight_map": weight_map}, f, indent=1)
+def write_description(directory: str, cfg: ModelConfig, tokenizer: Any, *, quantization: str, dtype: Any,
+                      source: str | None = None) -> None:
+    """config.json, the tokenizer files and jaxtune.json beside a checkpoint's weights; jaxtune.json, written last,
+    marks the directory complete."""
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(cfg.to_hf(), f, indent=2)
+    meta = {"format_version": FORMAT_VERSION, "quantization": quantization, "dtype": str(jnp.dtype(dtype))}
+    if source is not None:
+        meta["source"] = source
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    with open(os.path.join(directory, FORMAT_FILE), "w") as f:
+        json.dump(meta, f, indent=2)
 
 
 def read_checkpoint(path: str, *, dtype: str | None = None) -> CausalLM:

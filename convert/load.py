@@ -7,6 +7,7 @@ import json
 import os
 import re
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -102,14 +103,8 @@ def _plan(source, cfg: ModelConfig, slots: dict[Path, tuple[tuple[int, ...], boo
     return plan
 
 
-def load_model(
-    source, cfg: ModelConfig, dtype: str | jnp.dtype = "bfloat16", *, load_in_4bit: bool = False, desc: str = "loading"
-) -> CausalLM:
-    """Fills an abstract model from a tensor source; host memory holds one tensor at a time.
-
-    With load_in_4bit the decoder projections are quantized to NF4 on the device as they arrive.
-    """
-    dtype = jnp.dtype(dtype)
+def abstract_state(cfg: ModelConfig, dtype: jnp.dtype, load_in_4bit: bool):
+    """(graphdef, abstract state, pure dict, {path: ShapeDtypeStruct}) of the model a checkpoint fills."""
 
     def build() -> CausalLM:
         model = CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))
@@ -117,36 +112,63 @@ def load_model(
 
     graphdef, state = nnx.split(nnx.eval_shape(build))
     pure, expected = expected_arrays(state)
-    slots = _slots(expected)
-    plan = _plan(source, cfg, slots)
-    values: dict[Path, jax.Array] = {}
+    return graphdef, state, pure, expected
 
-    def put(path: Path, layer: int | None, value: jax.Array) -> None:
-        if layer is None:
-            values[path] = value
-            return
-        if path not in values:
-            values[path] = jnp.zeros(expected[path].shape, expected[path].dtype)
-        values[path] = _set_layer(values[path], jnp.int32(layer), value)
 
-    names = set(source.names())
-    for name, (path, layer) in tqdm(plan.items(), desc=desc, unit="tensor", leave=False):
-        if slots[path][1] and f"{name}.absmax" in names:  # pre-quantized by bitsandbytes: no requantization
-            shape = slots[path][0][-2:]
-            bnb = {suffix: source.get(f"{name}.{suffix}") for suffix in nf4.BNB_TENSOR_NAMES if suffix != "weight"}
-            q = nf4.from_bnb_tensors({"weight": source.get(name), **bnb}, shape, where=name)
-            for field in _NF4_ARRAYS:
-                put(path[:-1] + (field,), layer, jnp.asarray(getattr(q, field)))
-        elif slots[path][1]:
-            q = nf4.quantize(np.asarray(source.get(name), np.float32))
-            for field in _NF4_ARRAYS:
-                put(path[:-1] + (field,), layer, getattr(q, field))
+class TensorPlan:
+    """Where every tensor of a checkpoint goes in the model's state, and the arrays it becomes there.
+
+    Checked up front (names, shapes, completeness); `arrays(name)` then reads one checkpoint tensor and yields the
+    state arrays it fills (several for an NF4 weight), so a caller never needs more than one tensor in memory.
+    """
+
+    def __init__(self, source, cfg: ModelConfig, expected: dict[Path, jax.ShapeDtypeStruct]):
+        self.source, self.expected = source, expected
+        self.slots = _slots(expected)
+        self.targets = _plan(source, cfg, self.slots)
+        self._names = set(source.names())
+
+    def arrays(self, name: str) -> Iterator[tuple[Path, int | None, jax.Array | np.ndarray]]:
+        """(state path, layer index or None, array) for each state array that checkpoint tensor `name` fills."""
+        path, layer = self.targets[name]
+        quantized = self.slots[path][1]
+        if quantized and f"{name}.absmax" in self._names:  # pre-quantized by bitsandbytes: no requantization
+            shape = self.slots[path][0][-2:]
+            bnb = {suffix: self.source.get(f"{name}.{suffix}") for suffix in nf4.BNB_TENSOR_NAMES if suffix != "weight"}
+            q = nf4.from_bnb_tensors({"weight": self.source.get(name), **bnb}, shape, where=name)
+        elif quantized:
+            q = nf4.quantize(np.asarray(self.source.get(name), np.float32))
         else:
-            put(path, layer, jnp.asarray(np.asarray(source.get(name)).astype(expected[path].dtype, copy=False)))
+            yield path, layer, np.asarray(self.source.get(name)).astype(self.expected[path].dtype, copy=False)
+            return
+        for field in _NF4_ARRAYS:
+            key = path[:-1] + (field,)
+            yield key, layer, jnp.asarray(getattr(q, field), self.expected[key].dtype)
+
+
+def load_model(
+    source, cfg: ModelConfig, dtype: str | jnp.dtype = "bfloat16", *, load_in_4bit: bool = False, desc: str = "loading"
+) -> CausalLM:
+    """Fills an abstract model from a tensor source; host memory holds one tensor at a time.
+
+    With load_in_4bit the decoder projections are quantized to NF4 on the device as they arrive.
+    """
+    graphdef, state, pure, expected = abstract_state(cfg, jnp.dtype(dtype), load_in_4bit)
+    plan = TensorPlan(source, cfg, expected)
+    values: dict[Path, jax.Array] = {}
+    for name in tqdm(plan.targets, desc=desc, unit="tensor", leave=False):
+        for path, layer, value in plan.arrays(name):
+            value = jnp.asarray(value)
+            if layer is None:
+                values[path] = value
+                continue
+            if path not in values:
+                values[path] = jnp.zeros(expected[path].shape, expected[path].dtype)
+            values[path] = _set_layer(values[path], jnp.int32(layer), value)
     return merge_filled(graphdef, state, pure, values)
 
 
-def _load_tokenizer(path: str):
+def load_tokenizer(path: str):
     if not any(
         os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
     ):
@@ -199,12 +221,12 @@ def from_pretrained(path: str | os.PathLike, *, dtype: str = "bfloat16", load_in
         model = read_checkpoint(resolved, dtype=dtype)
         if load_in_4bit:
             quantize_layers(model)  # no-op when already NF4
-        return model, _load_tokenizer(resolved)
+        return model, load_tokenizer(resolved)
     cfg, source, gguf_path = open_checkpoint(resolved)
     if gguf_path is None and bnb_quantization(resolved):
         load_in_4bit = True
     with source:
         name = os.path.basename(os.fspath(path).rstrip("/"))
         model = load_model(source, cfg, dtype, load_in_4bit=load_in_4bit, desc=f"loading {name}")
-        tokenizer = source.tokenizer() if gguf_path is not None else _load_tokenizer(resolved)
+        tokenizer = source.tokenizer() if gguf_path is not None else load_tokenizer(resolved)
     return model, tokenizer

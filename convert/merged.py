@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import numpy as np
+from tqdm.auto import tqdm
 
 from convert.atomic import atomic_directory
-from convert.jaxtune_format import write_shards
+from convert.safetensors_writer import ShardedSafetensorsWriter
 from convert.peft_io import lora_modules
 from convert.safetensors_source import SafetensorsSource
 from jaxtune import nf4
@@ -27,8 +30,12 @@ def _layer(array: Any, i: int) -> np.ndarray:
     return np.asarray(array[i], np.float32)
 
 
+def _base(proj):
+    return proj.base if isinstance(proj, LoRALinear) else proj
+
+
 def _base_weight(proj, i: int) -> np.ndarray:
-    base = proj.base if isinstance(proj, LoRALinear) else proj
+    base = _base(proj)
     if isinstance(base, NF4Linear):
         return np.asarray(nf4.dequantize(jax.tree.map(lambda a: a[i], base.weight_nf4)), np.float32)
     if isinstance(base, Linear):
@@ -36,35 +43,66 @@ def _base_weight(proj, i: int) -> np.ndarray:
     raise TypeError(f"unexpected projection {type(base).__name__}")
 
 
-def _tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterator[tuple[str, np.ndarray]]:
-    """HF-named float32 tensors of the merged model, one at a time."""
+def _weight_shape(proj) -> tuple[int, int]:
+    base = _base(proj)
+    codes = base.codes if isinstance(base, NF4Linear) else None
+    return (codes.shape[-2], codes.shape[-1] * 2) if codes is not None else tuple(base.weight.shape[-2:])
+
+
+@dataclasses.dataclass(frozen=True)
+class MergedTensor:
+    """One HF-named tensor of the merged model: its shape now, its float32 values when `compute()` is called."""
+
+    name: str
+    shape: tuple[int, ...]
+    compute: Callable[[], np.ndarray]
+
+
+def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterator[MergedTensor]:
+    """The merged model's tensors in HF order, each computed only when asked: a writer can lay out every file
+    first and then hold one tensor at a time."""
     cfg = model.config
 
-    def original(name: str, fallback) -> np.ndarray:
-        return np.asarray(source.get(name), np.float32) if source is not None else fallback()
+    def stacked(name: str, array: Any) -> Iterator[MergedTensor]:
+        for i in range(cfg.num_layers):
+            yield i, MergedTensor(name.format(i), tuple(array.shape[1:]), functools.partial(_layer, array, i))
 
-    yield "model.embed_tokens.weight", np.asarray(model.embed_tokens.weight[...], np.float32)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}"
-        yield f"{p}.input_layernorm.weight", _layer(model.layers.input_layernorm.weight[...], i)
-        yield f"{p}.post_attention_layernorm.weight", _layer(model.layers.post_attention_layernorm.weight[...], i)
-        if cfg.qk_norm:
-            yield f"{p}.self_attn.q_norm.weight", _layer(model.layers.self_attn.q_norm.weight[...], i)
-            yield f"{p}.self_attn.k_norm.weight", _layer(model.layers.self_attn.k_norm.weight[...], i)
-        for name in LORA_TARGETS:
-            proj = projection(model, name)
-            key = f"{p}.{PARENT_MODULE[name]}.{name}"
-            w = original(f"{key}.weight", lambda: _base_weight(proj, i))
-            if isinstance(proj, LoRALinear):
-                a, b = _layer(proj.lora_a[...], i), _layer(proj.lora_b[...], i)
-                w = w + np.float32(proj.scale) * (b @ a)
-            yield f"{key}.weight", w
-            base = proj.base if isinstance(proj, LoRALinear) else proj
-            if base.bias is not None:
-                yield f"{key}.bias", _layer(base.bias[...], i)
-    yield "model.norm.weight", np.asarray(model.norm.weight[...], np.float32)
+    def whole(name: str, array: Any) -> MergedTensor:
+        return MergedTensor(name, tuple(array.shape), lambda: np.asarray(array, np.float32))
+
+    def merged_weight(key: str, proj, i: int) -> np.ndarray:
+        w = np.asarray(source.get(key), np.float32) if source is not None else _base_weight(proj, i)
+        if isinstance(proj, LoRALinear):
+            a, b = _layer(proj.lora_a[...], i), _layer(proj.lora_b[...], i)
+            w = w + np.float32(proj.scale) * (b @ a)
+        return w
+
+    per_layer: list[list[MergedTensor]] = [[] for _ in range(cfg.num_layers)]
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    for norm in norms:
+        for i, t in stacked(f"model.layers.{{}}.{norm}.weight", getattr(model.layers, norm).weight[...]):
+            per_layer[i].append(t)
+    if cfg.qk_norm:
+        for norm in ("q_norm", "k_norm"):
+            for i, t in stacked(f"model.layers.{{}}.self_attn.{norm}.weight",
+                                getattr(model.layers.self_attn, norm).weight[...]):
+                per_layer[i].append(t)
+    for name in LORA_TARGETS:
+        proj = projection(model, name)
+        bias = _base(proj).bias
+        for i in range(cfg.num_layers):
+            key = f"model.layers.{i}.{PARENT_MODULE[name]}.{name}"
+            per_layer[i].append(MergedTensor(f"{key}.weight", _weight_shape(proj),
+                                             functools.partial(merged_weight, f"{key}.weight", proj, i)))
+            if bias is not None:
+                per_layer[i].append(MergedTensor(f"{key}.bias", tuple(bias.shape[1:]),
+                                                 functools.partial(_layer, bias[...], i)))
+    yield whole("model.embed_tokens.weight", model.embed_tokens.weight[...])
+    for tensors in per_layer:
+        yield from tensors
+    yield whole("model.norm.weight", model.norm.weight[...])
     if model.lm_head is not None:
-        yield "lm_head.weight", np.asarray(model.lm_head.weight[...], np.float32)
+        yield whole("lm_head.weight", model.lm_head.weight[...])
 
 
 def open_original(model: CausalLM, base: str | os.PathLike | None):
@@ -114,8 +152,15 @@ def save_merged(
     out_dtype = _DTYPES[dtype]
     try:
         with atomic_directory(out_dir) as tmp:
-            tensors = ((name, value.astype(out_dtype)) for name, value in _tensors(model, source))
-            write_shards(tmp, tensors, metadata={"format": "pt"})
+            tensors = list(merged_tensors(model, source))
+            specs = [(t.name, t.shape, np.dtype(out_dtype)) for t in tensors]
+            writer = ShardedSafetensorsWriter(tmp, specs, metadata={"format": "pt"})
+            try:
+                for t in tqdm(tensors, desc="merging", unit="tensor", leave=False):
+                    writer.write(t.name, t.compute().astype(out_dtype))
+            finally:
+                writer.close()
+            writer.finish()
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump({**model.config.to_hf(), "torch_dtype": dtype, "dtype": dtype}, f, indent=2)
             if tokenizer is not None:

@@ -14,7 +14,7 @@ from safetensors import SafetensorError, safe_open
 from jaxtune.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
-_DTYPES = {
+SAFETENSORS_DTYPES = {
     "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64, "U8": np.uint8,
     "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "BOOL": np.bool_,
 }
@@ -28,10 +28,10 @@ def _memmap_views(path: str) -> dict[str, np.ndarray]:
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
     views = {}
     for name, info in header.items():
-        if name == "__metadata__" or info["dtype"] not in _DTYPES:
+        if name == "__metadata__" or info["dtype"] not in SAFETENSORS_DTYPES:
             continue
         start, end = info["data_offsets"]
-        views[name] = data[start:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+        views[name] = data[start:end].view(SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
     return views
 SINGLE_FILE = "model.safetensors"
 
