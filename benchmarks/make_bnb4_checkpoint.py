@@ -20,14 +20,15 @@ import os
 import resource
 import shutil
 import time
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
+from convert.safetensors_writer import write_shards
 from jaxtune import nf4
 
 # HF config fields of each shape (Llama-3.x and Qwen3 dense); vocab sizes as released
@@ -111,77 +112,55 @@ def save_tokenizer(path: str, vocab_size: int) -> None:
         json.dump(cfg, f, indent=1)
 
 
-class _Shards:
-    """Tensors gathered into ~SHARD_BYTES safetensors files, named and indexed as transformers writes them."""
-
-    def __init__(self, directory: str):
-        self.directory, self.pending, self.files, self.weight_map, self.total = directory, {}, [], {}, 0
-
-    def add(self, name: str, array: np.ndarray) -> None:
-        self.pending[name] = array
-        if sum(a.nbytes for a in self.pending.values()) >= SHARD_BYTES:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        name = f"model-{len(self.files) + 1:05d}.safetensors"
-        save_file(self.pending, os.path.join(self.directory, name), metadata={"format": "pt"})
-        self.files.append(name)
-        for key, a in self.pending.items():
-            self.weight_map[key] = name
-            self.total += a.nbytes
-        self.pending = {}
-
-    def finish(self) -> None:
-        self.flush()
-        count = len(self.files)
-        for i, old in enumerate(self.files):  # model-0000i-of-0000n, as transformers names shards
-            new = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-            os.rename(os.path.join(self.directory, old), os.path.join(self.directory, new))
-            self.weight_map = {k: (new if v == old else v) for k, v in self.weight_map.items()}
-        with open(os.path.join(self.directory, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": self.total}, "weight_map": self.weight_map}, f, indent=1)
+def _tensors(c: dict, seed: int, bf16: bool, progress: bool) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, array) of the checkpoint in HF order, drawn one projection at a time."""
+    key = jax.random.key(seed)
+    h, vocab = c["hidden_size"], c["vocab_size"]
+    key, k_embed, k_head = jax.random.split(key, 3)
+    yield "model.embed_tokens.weight", _bf16(_normal(k_embed, (vocab, h)))
+    shapes = _shapes(c)
+    ones = np.ones(h, ml_dtypes.bfloat16)
+    for layer in tqdm(range(c["num_hidden_layers"]), desc="writing", unit="layer", disable=not progress):
+        prefix = f"model.layers.{layer}"
+        for parent, proj in PROJECTIONS:
+            key, k = jax.random.split(key)
+            w = _normal(k, shapes[proj])
+            if bf16:
+                yield f"{prefix}.{parent}.{proj}.weight", _bf16(w)
+                continue
+            for suffix, array in nf4.to_bnb(w).items():
+                yield (f"{prefix}.{parent}.{proj}.weight.{suffix}" if suffix != "weight"
+                       else f"{prefix}.{parent}.{proj}.weight"), array
+        yield f"{prefix}.input_layernorm.weight", ones
+        yield f"{prefix}.post_attention_layernorm.weight", ones
+        if c["model_type"] == "qwen3":
+            norm = np.ones(c["head_dim"], ml_dtypes.bfloat16)
+            yield f"{prefix}.self_attn.q_norm.weight", norm
+            yield f"{prefix}.self_attn.k_norm.weight", norm
+    yield "model.norm.weight", ones
+    if not c.get("tie_word_embeddings"):
+        yield "lm_head.weight", _bf16(_normal(k_head, (vocab, h)))
 
 
-def write_checkpoint(name: str, out: str, seed: int = 0, progress: bool = True) -> dict:
-    """Writes the random bnb-4bit checkpoint `name` to `out` (through a temporary directory renamed at the end)."""
+def write_checkpoint(name: str, out: str, seed: int = 0, progress: bool = True, bf16: bool = False) -> dict:
+    """Writes the random checkpoint `name` to `out` (through a temporary directory renamed at the end): bnb-4bit,
+    or with `bf16` the plain bf16 HF checkpoint of the same draws (for conversion benchmarks)."""
     if os.path.exists(out):
         raise SystemExit(f"{out} already exists; choose a new output directory or delete it first")
     c = hf_config(name)
+    if bf16:
+        del c["quantization_config"]
     tmp = out.rstrip("/") + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     t0 = time.perf_counter()
-    shards = _Shards(tmp)
-    key = jax.random.key(seed)
-    h, vocab = c["hidden_size"], c["vocab_size"]
-    key, k_embed, k_head = jax.random.split(key, 3)
-    shards.add("model.embed_tokens.weight", _bf16(_normal(k_embed, (vocab, h))))
-    shapes = _shapes(c)
-    ones = np.ones(h, ml_dtypes.bfloat16)
-    for layer in tqdm(range(c["num_hidden_layers"]), desc=f"writing {name}", unit="layer", disable=not progress):
-        prefix = f"model.layers.{layer}"
-        for parent, proj in PROJECTIONS:
-            key, k = jax.random.split(key)
-            for suffix, array in nf4.to_bnb(_normal(k, shapes[proj])).items():
-                shards.add(f"{prefix}.{parent}.{proj}.weight.{suffix}" if suffix != "weight"
-                           else f"{prefix}.{parent}.{proj}.weight", array)
-        shards.add(f"{prefix}.input_layernorm.weight", ones)
-        shards.add(f"{prefix}.post_attention_layernorm.weight", ones)
-        if c["model_type"] == "qwen3":
-            norm = np.ones(c["head_dim"], ml_dtypes.bfloat16)
-            shards.add(f"{prefix}.self_attn.q_norm.weight", norm)
-            shards.add(f"{prefix}.self_attn.k_norm.weight", norm)
-    shards.add("model.norm.weight", ones)
-    if not c.get("tie_word_embeddings"):
-        shards.add("lm_head.weight", _bf16(_normal(k_head, (vocab, h))))
-    shards.finish()
+    write_shards(tmp, _tensors(c, seed, bf16, progress), metadata={"format": "pt"}, shard_bytes=SHARD_BYTES)
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(c, f, indent=1)
-    save_tokenizer(tmp, vocab)
+    save_tokenizer(tmp, c["vocab_size"])
     os.rename(tmp, out)
-    return {"model": name, "path": out, "write_s": round(time.perf_counter() - t0, 1),
+    return {"model": name, "path": out, "format": "bf16" if bf16 else "bnb-4bit",
+            "write_s": round(time.perf_counter() - t0, 1),
             "disk_gib": round(sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)) / 2**30, 2),
             "host_rss_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
 
@@ -191,8 +170,9 @@ def main() -> None:
     ap.add_argument("out", help="output directory (must not exist)")
     ap.add_argument("--model", default="llama3-70b", choices=list(MODELS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bf16", action="store_true", help="plain bf16 projections (an HF checkpoint to convert)")
     args = ap.parse_args()
-    print(json.dumps(write_checkpoint(args.model, args.out, args.seed)), flush=True)
+    print(json.dumps(write_checkpoint(args.model, args.out, args.seed, bf16=args.bf16)), flush=True)
 
 
 if __name__ == "__main__":

@@ -20,19 +20,21 @@ SAFETENSORS_DTYPES = {
 }
 
 
-def _memmap_views(path: str) -> dict[str, np.ndarray]:
-    """Zero-copy numpy views of every tensor of a safetensors file (header already validated by safe_open)."""
+def _layout(path: str) -> dict[str, tuple[np.dtype, tuple[int, ...], int]]:
+    """name -> (dtype, shape, byte offset in the file) of every numpy-readable tensor of a safetensors file (header
+    already validated by safe_open)."""
     with open(path, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(header_len))
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
-    views = {}
+    layout = {}
     for name, info in header.items():
         if name == "__metadata__" or info["dtype"] not in SAFETENSORS_DTYPES:
             continue
-        start, end = info["data_offsets"]
-        views[name] = data[start:end].view(SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
-    return views
+        layout[name] = (np.dtype(SAFETENSORS_DTYPES[info["dtype"]]), tuple(info["shape"]),
+                        8 + header_len + info["data_offsets"][0])
+    return layout
+
+
 SINGLE_FILE = "model.safetensors"
 
 
@@ -84,7 +86,7 @@ class SafetensorsSource:
         for fname, handle in self._handles.items():
             for key in handle.keys():
                 self._where[key] = fname
-        self._views = {f: _memmap_views(os.path.join(self.model_dir, f)) for f in files}
+        self._layouts = {f: _layout(os.path.join(self.model_dir, f)) for f in files}
 
     def __enter__(self) -> "SafetensorsSource":
         return self
@@ -93,7 +95,7 @@ class SafetensorsSource:
         self.close()
 
     def close(self) -> None:
-        self._views = {}
+        self._layouts = {}
         self._stack.close()
 
     def names(self) -> list[str]:
@@ -103,11 +105,16 @@ class SafetensorsSource:
         return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
 
     def get(self, name: str) -> np.ndarray:
-        """The tensor as a read-only memory-mapped view (pages are read when the data is first touched)."""
+        """The tensor as a read-only memory-mapped array of its own: the mapping (and the pages it brought into this
+        process's resident memory) goes away with the array, so reading a checkpoint tensor by tensor never keeps
+        the whole file resident."""
         fname = self._where[name]
-        view = self._views[fname].get(name)
-        if view is not None:
-            return view
+        layout = self._layouts[fname].get(name)
+        if layout is not None:
+            dtype, shape, offset = layout
+            if 0 in shape:
+                return np.zeros(shape, dtype)
+            return np.memmap(os.path.join(self.model_dir, fname), dtype=dtype, mode="r", offset=offset, shape=shape)
         try:  # dtypes numpy cannot view directly
             return self._handles[fname].get_tensor(name)
         except SafetensorError as e:

@@ -61,3 +61,21 @@ def test_a_random_bnb4_checkpoint_reads_the_same_in_bitsandbytes_transformers_an
     assert np.isfinite(got).all()
     np.testing.assert_array_less(np.abs(got - ref).max(), 1e-4)
     assert AutoTokenizer.from_pretrained(out).eos_token == "</s>"
+
+
+def test_the_bf16_form_holds_the_draws_the_4bit_form_quantizes(tmp_path):
+    """`--bf16` writes the same random weights unquantized (the HF checkpoint a conversion benchmark starts from):
+    quantized by jaxtune as bitsandbytes would, they are the bnb-4bit form's bytes."""
+    script = _script()
+    script.write_checkpoint("tiny", str(tmp_path / "bnb"), progress=False)
+    info = script.write_checkpoint("tiny", str(tmp_path / "bf16"), progress=False, bf16=True)
+    assert info["format"] == "bf16"
+    assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
+    from_bnb, _ = jaxtune.from_pretrained(tmp_path / "bnb")
+    quantized, _ = jaxtune.from_pretrained(tmp_path / "bf16", load_in_4bit=True)
+    import jax
+
+    a, b = jax.tree_util.tree_leaves_with_path(from_bnb), jax.tree_util.tree_leaves_with_path(quantized)
+    assert len(a) == len(b) > 10
+    for (path, x), (_, y) in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
