@@ -7,6 +7,11 @@ Segment ids [B, T] restrict attention to the same packed sample; each id must fo
 tile's earliest segment, so fully masked tiles are never visited and no [T, T] mask exists anywhere.
 Any T works: the wrapper pads to the tile size and the padding is its own segment.
 
+Shared prefixes (`shared_prefix=True`, for preference pairs: one prompt, two responses in one row): a negative
+segment id s marks a branch that sees, besides its own run, the run of id (-s) // 2, which lies before it (the
+prompt run p, its branches -2p and -2p-1). Prefix ids are positive and below T. Tile ranges then start at the
+prefix run and, for a prefix key, end at its last branch.
+
 Softmax runs in base 2 (exp2 with log2(e) folded into the scale); the saved residual is the per-row
 log-sum-exp in that base. The backward pass is two kernels (dq; dk+dv) so no atomics are needed. With
 GQA, dk/dv are produced per query head in f32 and summed over the group outside the kernel.
@@ -68,6 +73,7 @@ def attention_reference(
     causal: bool = True,
     sliding_window: int | None = None,
     scale: float | None = None,
+    shared_prefix: bool = False,
 ) -> jax.Array:
     """Pure-jnp attention with the kernel's semantics (builds the [T, T] mask; for tests and CPU)."""
     b, t, hq, d = q.shape
@@ -82,7 +88,7 @@ def attention_reference(
     if sliding_window is not None:
         mask = mask & ((idx[None, :, None] - idx[None, None, :]) < sliding_window)
     if segment_ids is not None:
-        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        mask = mask & segments_visible(segment_ids[:, :, None], segment_ids[:, None, :], shared_prefix)
     s = jnp.where(mask[:, None, None], s, _MASKED)
     p = jax.nn.softmax(s, axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype) if v.dtype != jnp.float64 else p, v,
@@ -91,6 +97,39 @@ def attention_reference(
 
 
 # ------------------------------------------------------------------------------------------ shared pieces
+
+
+def prefix_ids(segment_ids: jax.Array) -> jax.Array:
+    """The id of the run each token may see besides its own: (-s) // 2 for a branch (s < 0), else s itself."""
+    return jnp.where(segment_ids < 0, (-segment_ids) // 2, segment_ids)
+
+
+def segments_visible(q_seg: jax.Array, k_seg: jax.Array, shared_prefix: bool) -> jax.Array:
+    """Whether keys of segment k_seg are visible to queries of segment q_seg (broadcasting): the same segment,
+    or, with shared prefixes, the prefix run of a branch."""
+    same = q_seg == k_seg
+    return same | (prefix_ids(q_seg) == k_seg) if shared_prefix else same
+
+
+def _visible_bounds(segment_ids: jax.Array, shared_prefix: bool) -> tuple[jax.Array, jax.Array]:
+    """Per token, the first key index its query may see and the last query index that may see its key, [B, T]
+    int32 each: its own run's bounds, widened to the prefix run (queries) and to the prefix's branches (keys)."""
+    start, end = _segment_bounds(segment_ids)
+    if not shared_prefix:
+        return start, end
+    b, t = segment_ids.shape
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    rows = jnp.arange(b, dtype=jnp.int32)[:, None] * (t + 1)
+    branch = segment_ids < 0
+    prefix = jnp.clip(prefix_ids(segment_ids), 0, t)  # prefix ids are below T (the contract above)
+    # first index of each prefix id, and the last index of any branch that sees it
+    first = jax.ops.segment_min(idx.reshape(-1), (rows + jnp.clip(segment_ids, 0, t)).reshape(-1),
+                                num_segments=b * (t + 1))
+    last = jax.ops.segment_max(jnp.where(branch, idx, -1).reshape(-1), (rows + prefix).reshape(-1),
+                               num_segments=b * (t + 1))
+    start = jnp.where(branch, jnp.minimum(start, first[(rows + prefix).reshape(-1)].reshape(b, t)), start)
+    end = jnp.where(branch, end, jnp.maximum(end, last[(rows + prefix).reshape(-1)].reshape(b, t)))
+    return start, end
 
 
 def _segment_bounds(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -104,8 +143,9 @@ def _segment_bounds(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     return start, end
 
 
-def _tile_mask(q_pos, k_pos, q_seg, k_seg, causal: bool, window: int | None):
-    """[len(q_pos), len(k_pos)] visibility of keys to queries inside one tile, or None if all visible."""
+def _tile_mask(q_pos, k_pos, q_seg, k_seg, causal: bool, window: int | None, q_pre=None):
+    """[len(q_pos), len(k_pos)] visibility of keys to queries inside one tile, or None if all visible; `q_pre`:
+    the queries' prefix ids (shared prefixes)."""
     mask = None
 
     def both(a, b):
@@ -116,7 +156,8 @@ def _tile_mask(q_pos, k_pos, q_seg, k_seg, causal: bool, window: int | None):
     if window is not None:
         mask = both(mask, (q_pos[:, None] - k_pos[None, :]) < window)
     if q_seg is not None:
-        mask = both(mask, q_seg[:, None] == k_seg[None, :])
+        same = q_seg[:, None] == k_seg[None, :]
+        mask = both(mask, same if q_pre is None else same | (q_pre[:, None] == k_seg[None, :]))
     return mask
 
 
@@ -142,11 +183,28 @@ def _query_tile_range(j, block_q, block_k, n_q, causal, window, k_end_max):
     return lo, hi
 
 
+def _query_segment_specs(bq: int, t: int, shared_prefix: bool) -> list:
+    """Block specs of the query-side segment operands of the forward and dq kernels: the tile's segment ids,
+    (its prefix ids,) its first visible key, and the whole row's segment ids for the keys."""
+    tile = pl.BlockSpec((None, bq), lambda i, bi, h: (bi, i))
+    return [tile] * (3 if shared_prefix else 2) + [pl.BlockSpec((None, t), lambda i, bi, h: (bi, 0))]
+
+
+def _query_segment_args(segment_ids: jax.Array, shared_prefix: bool) -> list:
+    start, _ = _visible_bounds(segment_ids, shared_prefix)
+    return [segment_ids] + ([prefix_ids(segment_ids)] if shared_prefix else []) + [start, segment_ids]
+
+
 # ------------------------------------------------------------------------------------------------ forward
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qk_scale, causal, window, block_q, block_k, has_segments):
-    if has_segments:
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qk_scale, causal, window, block_q, block_k, has_segments,
+                shared_prefix=False):
+    q_pre = None
+    if shared_prefix:
+        q_seg_ref, q_pre_ref, q_start_ref, k_seg_ref, o_ref, lse_ref = refs
+        q_pre = q_pre_ref[...]
+    elif has_segments:
         q_seg_ref, q_start_ref, k_seg_ref, o_ref, lse_ref = refs
     else:
         o_ref, lse_ref = refs
@@ -167,7 +225,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qk_scale, causal, window, block_q, b
         s = pltriton.dot(q, k, trans_b=True) * qk_scale
         if masked:
             k_pos = j * block_k + jnp.arange(block_k)
-            mask = _tile_mask(q_pos, k_pos, q_seg, k_seg_ref[ks] if has_segments else None, causal, window)
+            mask = _tile_mask(q_pos, k_pos, q_seg, k_seg_ref[ks] if has_segments else None, causal, window, q_pre)
             s = jnp.where(mask, s, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp2(m - m_new)
@@ -195,7 +253,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qk_scale, causal, window, block_q, b
     lse_ref[...] = m + jnp.log2(l)
 
 
-def _forward(q, k, v, segment_ids, *, scale, causal, window, tiles: AttentionTiles, interpret):
+def _forward(q, k, v, segment_ids, *, scale, causal, window, tiles: AttentionTiles, interpret, shared_prefix=False):
     """Padded inputs -> (out [B, Tp, Hq, D], lse [B, Hq, Tp] in log2 units)."""
     b, t, hq, d = q.shape
     hkv = k.shape[2]
@@ -204,7 +262,7 @@ def _forward(q, k, v, segment_ids, *, scale, causal, window, tiles: AttentionTil
     has_segments = segment_ids is not None
     kernel = functools.partial(
         _fwd_kernel, qk_scale=scale * _LOG2E, causal=causal, window=window, block_q=bq, block_k=bk,
-        has_segments=has_segments,
+        has_segments=has_segments, shared_prefix=shared_prefix,
     )
     in_specs = [
         pl.BlockSpec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0)),
@@ -213,13 +271,8 @@ def _forward(q, k, v, segment_ids, *, scale, causal, window, tiles: AttentionTil
     ]
     args = [q, k, v]
     if has_segments:
-        start, _ = _segment_bounds(segment_ids)
-        in_specs += [
-            pl.BlockSpec((None, bq), lambda i, bi, h: (bi, i)),
-            pl.BlockSpec((None, bq), lambda i, bi, h: (bi, i)),
-            pl.BlockSpec((None, t), lambda i, bi, h: (bi, 0)),
-        ]
-        args += [segment_ids, start, segment_ids]
+        in_specs += _query_segment_specs(bq, t, shared_prefix)
+        args += _query_segment_args(segment_ids, shared_prefix)
     out, lse = pl.pallas_call(
         kernel,
         grid=(t // bq, b, hq),
@@ -240,8 +293,12 @@ def _forward(q, k, v, segment_ids, *, scale, causal, window, tiles: AttentionTil
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, qk_scale, scale, causal, window,
-               block_q, block_k, has_segments):
-    if has_segments:
+               block_q, block_k, has_segments, shared_prefix=False):
+    q_pre = None
+    if shared_prefix:
+        q_seg_ref, q_pre_ref, q_start_ref, k_seg_ref, dq_ref = refs
+        q_pre = q_pre_ref[...]
+    elif has_segments:
         q_seg_ref, q_start_ref, k_seg_ref, dq_ref = refs
     else:
         (dq_ref,) = refs
@@ -264,7 +321,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, qk_scale,
         s = pltriton.dot(q, k, trans_b=True) * qk_scale
         if masked:
             k_pos = j * block_k + jnp.arange(block_k)
-            mask = _tile_mask(q_pos, k_pos, q_seg, k_seg_ref[ks] if has_segments else None, causal, window)
+            mask = _tile_mask(q_pos, k_pos, q_seg, k_seg_ref[ks] if has_segments else None, causal, window, q_pre)
             s = jnp.where(mask, s, _MASKED)
         p = jnp.exp2(s - lse[:, None])
         dp = pltriton.dot(do, v, trans_b=True)
@@ -283,10 +340,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, qk_scale,
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, qk_scale, scale, causal, window,
-                block_q, block_k, has_segments, heads):
+                block_q, block_k, has_segments, heads, shared_prefix=False):
     """dk, dv of one key tile. With `heads` > 0 the program owns a kv head and sums over the `heads` query
     heads that share it (q/do refs [T, heads, D], lse/delta [heads, T]); else one query head's share."""
-    if has_segments:
+    q_pre_ref = None
+    if shared_prefix:
+        q_seg_ref, q_pre_ref, k_seg_ref, k_end_ref, dk_ref, dv_ref = refs
+    elif has_segments:
         q_seg_ref, k_seg_ref, k_end_ref, dk_ref, dv_ref = refs
     else:
         dk_ref, dv_ref = refs
@@ -311,7 +371,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, qk_scale
         st = pltriton.dot(k, q, trans_b=True) * qk_scale  # [bk, bq]
         if masked:
             q_pos = i * block_q + jnp.arange(block_q)
-            mask = _tile_mask(q_pos, k_pos, q_seg_ref[qs] if has_segments else None, k_seg, causal, window)
+            mask = _tile_mask(q_pos, k_pos, q_seg_ref[qs] if has_segments else None, k_seg, causal, window,
+                              None if q_pre_ref is None else q_pre_ref[qs])
             st = jnp.where(mask.T, st, _MASKED)
         pt = jnp.exp2(st - lse[None, :])
         dv = dv + pltriton.dot(pt.astype(do.dtype), do)
@@ -336,7 +397,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, qk_scale
 
 
 def _backward(q, k, v, segment_ids, out, lse, do, *, scale, causal, window, tiles: AttentionTiles,
-              interpret):
+              interpret, shared_prefix=False):
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     group = hq // hkv
@@ -345,9 +406,7 @@ def _backward(q, k, v, segment_ids, out, lse, do, *, scale, causal, window, tile
     delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
     params = pltriton.CompilerParams(num_warps=tiles.bwd_num_warps, num_stages=tiles.bwd_num_stages)
     static = dict(qk_scale=scale * _LOG2E, scale=scale, causal=causal, window=window, block_q=bq,
-                  block_k=bk, has_segments=has_segments)
-    if has_segments:
-        start, end = _segment_bounds(segment_ids)
+                  block_k=bk, has_segments=has_segments, shared_prefix=shared_prefix)
 
     # dq: one program per (query tile, batch, query head), looping over key tiles
     in_specs = [
@@ -360,12 +419,8 @@ def _backward(q, k, v, segment_ids, out, lse, do, *, scale, causal, window, tile
     ]
     args = [q, k, v, do, lse, delta]
     if has_segments:
-        in_specs += [
-            pl.BlockSpec((None, bq), lambda i, bi, h: (bi, i)),
-            pl.BlockSpec((None, bq), lambda i, bi, h: (bi, i)),
-            pl.BlockSpec((None, t), lambda i, bi, h: (bi, 0)),
-        ]
-        args += [segment_ids, start, segment_ids]
+        in_specs += _query_segment_specs(bq, t, shared_prefix)
+        args += _query_segment_args(segment_ids, shared_prefix)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, **static),
         grid=(t // bq, b, hq),
@@ -393,12 +448,13 @@ def _backward(q, k, v, segment_ids, out, lse, do, *, scale, causal, window, tile
     ]
     args = [q, k, v, do, lse, delta]
     if has_segments:
-        in_specs += [
-            pl.BlockSpec((None, t), lambda j, bi, h: (bi, 0)),
+        _, end = _visible_bounds(segment_ids, shared_prefix)
+        full = pl.BlockSpec((None, t), lambda j, bi, h: (bi, 0))
+        in_specs += [full] * (2 if shared_prefix else 1) + [
             pl.BlockSpec((None, bk), lambda j, bi, h: (bi, j)),
             pl.BlockSpec((None, bk), lambda j, bi, h: (bi, j)),
         ]
-        args += [segment_ids, segment_ids, end]
+        args += [segment_ids] + ([prefix_ids(segment_ids)] if shared_prefix else []) + [segment_ids, end]
     out_heads, kv_dtype = (hq, jnp.float32) if partials else (hkv, k.dtype)
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, heads=group if grouped else 0, **static),
@@ -445,14 +501,15 @@ def _pad_to(x, t_pad, axis):
     return jnp.pad(x, widths)
 
 
-def _prepare(q, k, v, segment_ids, causal, tiles):
+def _prepare(q, k, v, segment_ids, causal, tiles, shared_prefix=False):
     t = q.shape[1]
     tiles = tiles.fitted(t)
     step = max(tiles.block_q, tiles.block_k, tiles.bwd_block_q, tiles.bwd_block_k)
     t_pad = pl.cdiv(t, step) * step
     if t_pad != t:
         if segment_ids is not None:
-            pad_id = jnp.min(segment_ids) - 1  # padding is a run of its own, distinct from its neighbour
+            # padding is a run of its own, distinct from its neighbour (and, with shared prefixes, no branch)
+            pad_id = jnp.max(segment_ids) + 1 if shared_prefix else jnp.min(segment_ids) - 1
             segment_ids = jnp.concatenate(
                 [segment_ids, jnp.broadcast_to(pad_id, (segment_ids.shape[0], t_pad - t)).astype(segment_ids.dtype)],
                 axis=1,
@@ -467,30 +524,33 @@ def _prepare(q, k, v, segment_ids, causal, tiles):
     return q, k, v, segment_ids, tiles
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _flash(q, k, v, segment_ids, scale, causal, window, tiles, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _flash(q, k, v, segment_ids, scale, causal, window, tiles, interpret, shared_prefix):
     t = q.shape[1]
-    qp, kp, vp, seg, tl = _prepare(q, k, v, segment_ids, causal, tiles)
-    out, _ = _forward(qp, kp, vp, seg, scale=scale, causal=causal, window=window, tiles=tl, interpret=interpret)
+    qp, kp, vp, seg, tl = _prepare(q, k, v, segment_ids, causal, tiles, shared_prefix)
+    out, _ = _forward(qp, kp, vp, seg, scale=scale, causal=causal, window=window, tiles=tl, interpret=interpret,
+                      shared_prefix=shared_prefix)
     return out[:, :t]
 
 
-def _flash_fwd(q, k, v, segment_ids, scale, causal, window, tiles, interpret):
+def _flash_fwd(q, k, v, segment_ids, scale, causal, window, tiles, interpret, shared_prefix):
     t = q.shape[1]
-    qp, kp, vp, seg, tl = _prepare(q, k, v, segment_ids, causal, tiles)
-    out, lse = _forward(qp, kp, vp, seg, scale=scale, causal=causal, window=window, tiles=tl, interpret=interpret)
+    qp, kp, vp, seg, tl = _prepare(q, k, v, segment_ids, causal, tiles, shared_prefix)
+    out, lse = _forward(qp, kp, vp, seg, scale=scale, causal=causal, window=window, tiles=tl, interpret=interpret,
+                        shared_prefix=shared_prefix)
     # named so a selective remat policy can keep them rather than re-running the forward kernel
     out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
     return (out if out.shape[1] == t else out[:, :t]), (q, k, v, segment_ids, out, lse)
 
 
-def _flash_bwd(scale, causal, window, tiles, interpret, residuals, do):
+def _flash_bwd(scale, causal, window, tiles, interpret, shared_prefix, residuals, do):
     q, k, v, segment_ids, out_p, lse = residuals
     t = q.shape[1]
-    qp, kp, vp, seg, tl = _prepare(q, k, v, segment_ids, causal, tiles)
+    qp, kp, vp, seg, tl = _prepare(q, k, v, segment_ids, causal, tiles, shared_prefix)
     dop = _pad_to(do, qp.shape[1], 1)
     dq, dk, dv = _backward(
-        qp, kp, vp, seg, out_p, lse, dop, scale=scale, causal=causal, window=window, tiles=tl, interpret=interpret
+        qp, kp, vp, seg, out_p, lse, dop, scale=scale, causal=causal, window=window, tiles=tl, interpret=interpret,
+        shared_prefix=shared_prefix,
     )
     return dq[:, :t], dk[:, :t], dv[:, :t], None
 
@@ -509,13 +569,16 @@ def flash_attention(
     scale: float | None = None,
     tiles: AttentionTiles = DEFAULT_TILES,
     interpret: bool = False,
+    shared_prefix: bool = False,
 ) -> jax.Array:
     """softmax(q kᵀ·scale + mask) v over [B, T, H, D] tensors, differentiable in q, k and v.
 
     `segment_ids` [B, T] (each id one contiguous run) keeps attention inside a packed sample;
-    `sliding_window` w lets a query see only the last w keys (Mistral). `interpret=True` runs the
-    kernels' logic on CPU.
+    `shared_prefix` lets negative ids see their prefix run (module docstring); `sliding_window` w lets a query
+    see only the last w keys (Mistral). `interpret=True` runs the kernels' logic on CPU.
     """
     _check(q, k, v, segment_ids)
+    if shared_prefix and (segment_ids is None or not causal):
+        raise ValueError("flash_attention: shared_prefix needs segment_ids and causal attention")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _flash(q, k, v, segment_ids, scale, causal, sliding_window, tiles, interpret)
+    return _flash(q, k, v, segment_ids, scale, causal, sliding_window, tiles, interpret, shared_prefix)

@@ -9,10 +9,10 @@ import pytest
 
 from jax.experimental.pallas.triton import CUSTOM_CALL_TARGET_NAME as CUSTOM_CALL
 
-from pallas_kernels.flash_attention import AttentionTiles, flash_attention
+from pallas_kernels.flash_attention import AttentionTiles, attention_reference, flash_attention
 
 
-def numpy_attention(q, k, v, do, segment_ids=None, window=None):
+def numpy_attention(q, k, v, do, segment_ids=None, window=None, shared_prefix=False):
     """float64 softmax attention and its gradients, written out by hand (independent of jax)."""
     q, k, v, do = (np.asarray(a, np.float64) for a in (q, k, v, do))
     b, t, hq, d = q.shape
@@ -26,7 +26,11 @@ def numpy_attention(q, k, v, do, segment_ids=None, window=None):
         mask = mask & ((i[:, None] - i[None, :]) < window)[None, None]
     if segment_ids is not None:
         seg = np.asarray(segment_ids)
-        mask = mask & (seg[:, None, :, None] == seg[:, None, None, :])
+        q_seg, k_seg = seg[:, None, :, None], seg[:, None, None, :]
+        visible = q_seg == k_seg
+        if shared_prefix:  # a branch -2p / -2p-1 also sees the prompt run p
+            visible = visible | ((q_seg < 0) & (k_seg == -q_seg // 2))
+        mask = mask & visible
     s = np.where(mask, s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
@@ -50,6 +54,23 @@ def packed_ids(b, t, rng, max_len):
             pos, seg = pos + n, seg + 1
         ids[row, t - t // 7 :] = 0  # trailing padding run, as packing leaves it
     return ids
+
+
+def shared_prefix_ids(b, t, rng, max_len):
+    """Rows of groups laid out as preference pairs: a prompt run p, then branches -2p and -2p-1 (a branch may be
+    absent, a prompt may have one branch), plain positive runs between groups, trailing padding."""
+    ids = np.zeros((b, t), np.int32)
+    for row in range(b):
+        pos, p = 0, 1
+        while pos < t:
+            lengths = rng.integers(1, max_len + 1, 3)
+            runs = [p, -2 * p, -2 * p - 1][: int(rng.integers(1, 4))]
+            for run, n in zip(runs, lengths):
+                ids[row, pos:pos + n] = run
+                pos += int(n)
+            p += 1
+        ids[row, t - t // 7:] = 0
+    return ids[:, :t]
 
 
 CASES = [
@@ -85,6 +106,45 @@ def test_flash_attention_matches_float64(b, t, hq, hkv, d, segments, window):
         np.testing.assert_allclose(np.asarray(got, np.float64), ref, atol=2e-5, rtol=2e-5, err_msg=name)
 
 
+@pytest.mark.parametrize("b,t,hq,hkv,max_len", [(1, 64, 4, 2, 9), (2, 301, 8, 2, 60), (1, 700, 4, 1, 200),
+                                                 (2, 130, 6, 2, 30)])
+def test_shared_prefix_attention_matches_float64(b, t, hq, hkv, max_len):
+    """Each branch sees its prompt and itself, never the other branch; tiles start at the prompt (queries) and
+    run to the last branch (keys), so ragged runs across tile edges are the test."""
+    rng = np.random.default_rng(t + hq)
+    q, do = (rng.standard_normal((b, t, hq, 64)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((b, t, hkv, 64)).astype(np.float32) for _ in range(2))
+    seg = shared_prefix_ids(b, t, rng, max_len)
+    assert (seg < 0).any() and (seg > 0).any()
+    tiles = AttentionTiles(block_q=32, block_k=16, bwd_block_q=16, bwd_block_k=32)
+
+    def f(q, k, v):
+        return flash_attention(q, k, v, jnp.asarray(seg), tiles=tiles, interpret=True, shared_prefix=True)
+
+    out, vjp = jax.vjp(f, *(jnp.asarray(a) for a in (q, k, v)))
+    grads = vjp(jnp.asarray(do))
+    want = numpy_attention(q, k, v, do, seg, shared_prefix=True)
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), want):
+        np.testing.assert_allclose(np.asarray(got, np.float64), ref, atol=2e-5, rtol=2e-5, err_msg=name)
+    ref_jnp = attention_reference(*(jnp.asarray(a) for a in (q, k, v)), jnp.asarray(seg), shared_prefix=True)
+    np.testing.assert_allclose(np.asarray(ref_jnp, np.float64), want[0], atol=2e-5, rtol=2e-5)
+
+
+def test_a_branch_sees_only_its_prompt_and_itself():
+    """The same rows with the other branch's values changed: a branch's outputs do not move."""
+    rng = np.random.default_rng(5)
+    seg = np.array([[1, 1, 1, -2, -2, -3, -3, -3, 2, -4, -5, 0]], np.int32)
+    q, k, v = (rng.standard_normal((1, 12, 2, 64)).astype(np.float32) for _ in range(3))
+    f = lambda k, v: np.asarray(flash_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),  # noqa: E731
+                                                jnp.asarray(seg), interpret=True, shared_prefix=True))
+    k2, v2 = k.copy(), v.copy()
+    k2[:, 3:5], v2[:, 3:5] = 7.0, -7.0  # the first pair's chosen branch
+    a, b = f(k, v), f(k2, v2)
+    np.testing.assert_array_equal(a[:, 5:8], b[:, 5:8])  # its rejected branch
+    np.testing.assert_array_equal(a[:, :3], b[:, :3])  # its prompt
+    assert not np.allclose(a[:, 3:5], b[:, 3:5])
+
+
 def test_flash_attention_bf16_close_to_float64():
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, 200, 8, 128)).astype(np.float32)
@@ -116,6 +176,7 @@ def test_flash_attention_rejects_unsupported_shapes():
     (2048, True, AttentionTiles()),
     (17, True, AttentionTiles()),
     (4096, False, AttentionTiles(128, 128, 8, 2, 128, 64, 8, 2)),
+    (3000, "shared", AttentionTiles()),
 ])
 @pytest.mark.parametrize("hq,hkv", [(32, 8), (28, 4)])  # dk/dv summed over the group in the kernel / after it
 def test_flash_attention_lowers_for_cuda(cuda_export, t, segments, tiles, hq, hkv):
@@ -124,7 +185,7 @@ def test_flash_attention_lowers_for_cuda(cuda_export, t, segments, tiles, hq, hk
     seg = jax.ShapeDtypeStruct((2, t), jnp.int32) if segments else None
 
     def loss(q, k, v, seg):
-        return flash_attention(q, k, v, seg, tiles=tiles).astype(jnp.float32).sum()
+        return flash_attention(q, k, v, seg, tiles=tiles, shared_prefix=segments == "shared").astype(jnp.float32).sum()
 
     module = cuda_export(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
     assert module.count(f"@{CUSTOM_CALL}(") == 3  # forward, dq, dk+dv kernels
