@@ -3,8 +3,11 @@ through `jaxtune.train` itself, on the random pairs benchmarks/unsloth_dpo.py gi
 
     PYTHONPATH=. python3 benchmarks/dpo_qlora.py /tmp/bnb4_llama3-8b --objective dpo --batches 1,2,4
 A pair is prompt (1,024 tokens) + chosen and prompt + rejected, each sequence cut to 2,048 tokens as TRL's
-max_length=2048 does (jaxtune: seq_len 4,096 holds the pair). One JSON line per configuration; tok/s counts both
-sequences' tokens, the median of the steps after the first two (compilation).
+max_length=2048 does. jaxtune runs the prompt once by default (a row of 1,024 + 2 x 1,024 = 3,072 tokens, the
+responses cut to what TRL keeps, one token less for the prompt's last token that both responses start from);
+`--no-share-prompt` runs it twice (seq_len 4,096 holds the two sequences). One JSON line per configuration; tok/s
+counts both sequences' tokens as TRL processes them (2 x 2,048 per pair) whatever the layout, the median of the
+steps after the first two (compilation); row_tok_s counts the tokens jaxtune's rows hold.
 """
 
 from __future__ import annotations
@@ -30,7 +33,11 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=2048, help="per sequence, as TRL's max_length")
     ap.add_argument("--compute", default="bf16")
     ap.add_argument("--remat", default="auto")
+    ap.add_argument("--no-share-prompt", action="store_true", help="run each prompt twice, once per response")
     args = ap.parse_args()
+    share = not args.no_share_prompt
+    kept = args.max_length - args.prompt  # response tokens TRL keeps of each sequence
+    seq_len = args.prompt + 2 * kept if share else 2 * args.max_length
 
     import jax
     import jax.numpy as jnp
@@ -43,17 +50,19 @@ def main() -> None:
     fresh = jax.tree.map(jnp.copy, nnx.state(model, nnx.LoRAParam))
     for batch in (int(b) for b in args.batches.split(",")):
         nnx.update(model, jax.tree.map(jnp.copy, fresh))
-        rows = random_pairs(batch * (args.steps + 2), args.prompt, args.response, model.config.vocab_size)
-        cfg = jaxtune.TrainConfig(objective=args.objective, seq_len=2 * args.max_length, micro_batch_size=batch,
+        rows = random_pairs(batch * (args.steps + 2), args.prompt, min(args.response, kept), model.config.vocab_size)
+        cfg = jaxtune.TrainConfig(objective=args.objective, seq_len=seq_len, micro_batch_size=batch,
                                   max_steps=args.steps + 2, learning_rate=5e-5, lora_r=16, lora_alpha=16,
-                                  compute=args.compute, remat=args.remat, packing=False)
+                                  compute=args.compute, remat=args.remat, packing=False, share_prompt=share)
         records = []
         result = jaxtune.train(model, tokenizer, rows, cfg, progress=False, callback=records.append)
         steady = records[2:]
+        row_tok_s = statistics.median(r["tokens_per_s"] for r in steady)
         print(json.dumps({
             "system": "jaxtune", "objective": args.objective, "bs": batch, "compute": args.compute,
-            "remat": result.remat, "tokens_per_step": batch * 2 * args.max_length,
-            "tok_s": round(statistics.median(r["tokens_per_s"] for r in steady)),
+            "remat": result.remat, "share_prompt": share, "seq_len": seq_len,
+            "tokens_per_step": batch * 2 * args.max_length,
+            "tok_s": round(row_tok_s * 2 * args.max_length / seq_len), "row_tok_s": round(row_tok_s),
             "peak_gib": max(r.get("peak_memory_gib", 0) for r in records),
             "loss": [round(r["loss"], 4) for r in records],
             "rewards_margins": round(records[-1]["rewards/margins"], 4)}), flush=True)

@@ -108,6 +108,8 @@ def _train_config(args: argparse.Namespace):
         overrides["precompute_reference"] = True
     if args.drop_long_prompts:
         overrides["drop_long_prompts"] = True
+    if args.no_share_prompt:
+        overrides["share_prompt"] = False
     try:
         return (TrainConfig.from_yaml(args.config, **overrides) if args.config
                 else TrainConfig.from_dict(overrides, where="command line"))
@@ -194,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="DPO: reference log-probabilities once before training instead of a forward per step")
     tr.add_argument("--drop-long-prompts", action="store_true",
                     help="DPO/ORPO: drop pairs whose prompt leaves no room in --seq-len (default: an error)")
+    tr.add_argument("--no-share-prompt", action="store_true",
+                    help="DPO/ORPO: run each pair's prompt twice, once per response (default: once, both attend to it)")
     tr.add_argument("--config", help="YAML file of TrainConfig options (command-line flags override it)")
     tr.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     tr.add_argument("--max-steps", type=int)

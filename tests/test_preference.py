@@ -6,6 +6,7 @@ from __future__ import annotations
 import tempfile
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -49,8 +50,8 @@ def _models(tokenizer, hf_cls, tmp_path):
     return model, peft_reference(hf_model, model, r=8, alpha=16, rslora=False, targets=LORA_TARGETS)
 
 
-def _batch(pairs, seq_len=96):
-    packed = pack_pairs(pairs, seq_len)
+def _batch(pairs, seq_len=96, share_prompt=True):
+    packed = pack_pairs(pairs, seq_len, share_prompt=share_prompt)
     return {k: v[None] for k, v in packed.arrays().items()}  # one micro-batch of every row
 
 
@@ -107,15 +108,16 @@ def _dpo_trainer(peft_model, tokenizer, out, **config):
     return DPOTrainer(model=peft_model, args=args, train_dataset=Dataset.from_list(ROWS), processing_class=tokenizer)
 
 
-@pytest.mark.parametrize("hf_cls, loss_type, smoothing", [
-    (LlamaConfig, "sigmoid", 0.0),
-    (Qwen2Config, "sigmoid", 0.0),
-    (LlamaConfig, "ipo", 0.0),
-    (Qwen2Config, "robust", 0.1),
+@pytest.mark.parametrize("hf_cls, loss_type, smoothing, share_prompt", [
+    (LlamaConfig, "sigmoid", 0.0, True),
+    (Qwen2Config, "sigmoid", 0.0, False),
+    (LlamaConfig, "ipo", 0.0, True),
+    (Qwen2Config, "robust", 0.1, True),
 ])
-def test_dpo_loss_rewards_and_grads_equal_trl(tiny_tokenizer, tmp_path, hf_cls, loss_type, smoothing):
+def test_dpo_loss_rewards_and_grads_equal_trl(tiny_tokenizer, tmp_path, hf_cls, loss_type, smoothing, share_prompt):
     """TRL's DPOTrainer copies the adapters it is given as its reference ("ref"); the policy then gets other
-    random adapters, so rewards are non-zero. jaxtune gets the same two adapter sets."""
+    random adapters, so rewards are non-zero. jaxtune gets the same two adapter sets, its rows with each prompt
+    run once (the default) or twice."""
     model, peft_model = _models(tiny_tokenizer, hf_cls, tmp_path / "hf")
     trainer = _dpo_trainer(peft_model, tiny_tokenizer, str(tmp_path / "trl"), beta=0.3, loss_type=[loss_type],
                            label_smoothing=smoothing)
@@ -134,7 +136,7 @@ def test_dpo_loss_rewards_and_grads_equal_trl(tiny_tokenizer, tmp_path, hf_cls, 
     _, lora, _ = split_model(model)
     objective = Preference("dpo", beta=0.3, loss_type=loss_type, label_smoothing=smoothing)
     ours, grads, metrics = jax.jit(lambda b: loss_and_grads(graphdef, lora, (frozen, reference), b, None, 16,
-                                                            objective))(_batch(pairs))
+                                                            objective))(_batch(pairs, share_prompt=share_prompt))
     np.testing.assert_allclose(float(ours), loss.item(), rtol=1e-5, atol=1e-6)
     for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                  "logps/rejected"):
@@ -183,8 +185,8 @@ def _orpo_batch(pairs, pad: int):
     return out
 
 
-@pytest.mark.parametrize("hf_cls", [LlamaConfig, Qwen2Config])
-def test_orpo_loss_rewards_and_grads_equal_trl(tiny_tokenizer, tmp_path, hf_cls):
+@pytest.mark.parametrize("hf_cls, share_prompt", [(LlamaConfig, True), (Qwen2Config, False)])
+def test_orpo_loss_rewards_and_grads_equal_trl(tiny_tokenizer, tmp_path, hf_cls, share_prompt):
     """TRL's ORPOTrainer takes its NLL over the chosen prompt and response (jaxtune: train_on_all=True); the
     default NLL (responses only) is checked against torch's cross-entropy of the same logits."""
     from datasets import Dataset
@@ -201,7 +203,7 @@ def test_orpo_loss_rewards_and_grads_equal_trl(tiny_tokenizer, tmp_path, hf_cls)
     loss.backward()
 
     graphdef, lora, frozen = split_model(model)
-    batch = _batch(pairs)
+    batch = _batch(pairs, share_prompt=share_prompt)
     ours, grads, metrics = loss_and_grads(graphdef, lora, frozen, batch, None, 16,
                                           Preference("orpo", orpo_lambda=0.25, nll_on_prompt=True))
     np.testing.assert_allclose(float(ours), loss.item(), rtol=1e-5, atol=1e-6)
@@ -262,9 +264,11 @@ def test_long_prompts_are_refused_or_dropped_and_long_pairs_cut(tiny_tokenizer, 
     with pytest.warns(UserWarning, match="1 of 2 pairs were dropped"):
         kept = fit_pairs(pairs, 48, drop_long_prompts=True)
     assert [p.where for p in kept] == [pairs[0].where]
-    with pytest.warns(UserWarning, match="were truncated"):
-        cut = fit_pairs(pairs[:1], 2 * len(pairs[0].prompt) + 4)[0]
-    assert len(cut.chosen) + len(cut.rejected) == 4 and len(cut.chosen) >= 1 and len(cut.rejected) >= 1
+    n = len(pairs[0].prompt)
+    for share, prompt_cost in ((False, 2 * n), (True, n + 1)):  # the prompt twice, or once and its last token
+        with pytest.warns(UserWarning, match="were truncated"):
+            cut = fit_pairs(pairs[:1], prompt_cost + 4, share_prompt=share)[0]
+        assert len(cut.chosen) + len(cut.rejected) == 4 and len(cut.chosen) >= 1 and len(cut.rejected) >= 1
 
 
 def test_identical_responses_are_counted_and_warned(tiny_tokenizer):
@@ -273,29 +277,33 @@ def test_identical_responses_are_counted_and_warned(tiny_tokenizer):
         encode_pairs([Row(ROWS[0], "a:1"), Row(same, "a:2")], tiny_tokenizer)
 
 
-def test_packed_pairs_score_each_sequence_alone(tiny_tokenizer, tiny_qlora_model):
-    """Several pairs share a row; each sequence's log-probability equals that of the sequence run on its own."""
-    from jaxtune.training.loss import chunked_token_logps
-    from jaxtune.training.preference_loss import sequence_sums
+@pytest.mark.parametrize("share_prompt", [True, False])
+def test_packed_pairs_score_each_sequence_alone(tiny_tokenizer, tiny_qlora_model, share_prompt):
+    """Several pairs share a row; each response's log-probability equals that of prompt + response run on its own,
+    whether the row runs each prompt once (both responses attending to it) or twice."""
+    from jaxtune.training.objectives import Preference
 
-    pairs = encode_pairs([Row(r, f"row {i}") for i, r in enumerate(ROWS)], tiny_tokenizer)
-    packed = pack_pairs(pairs, 128)
+    rows = ROWS + [{"prompt": "Name a color.", "chosen": " Blue.", "rejected": " A dog is not a color."}]
+    pairs = encode_pairs([Row(r, f"row {i}") for i, r in enumerate(rows)], tiny_tokenizer)
+    packed = pack_pairs(pairs, 160, share_prompt=share_prompt)
     assert len(packed) < len(pairs) and packed.extra["pair_mask"].shape[1] > 1  # packing happened
+    assert ("attention_ids" in packed.extra) == share_prompt
+    width = sum(p.length(share_prompt) for p in pairs)
+    assert int((packed.segment_ids > 0).sum()) == width  # the prompt once plus its last token, or twice
     model = tiny_qlora_model
-    logp = chunked_token_logps(model.hidden_states(packed.input_ids, packed.positions, packed.segment_ids),
-                               model.head_weight(), packed.labels)
-    chosen, rejected = sequence_sums(logp * packed.extra["response"], packed.segment_ids,
-                                     packed.extra["pair_mask"].shape[1])
+    batch = {k: jnp.asarray(v) for k, v in packed.arrays().items()}
+    _, (chosen, rejected) = Preference("dpo").sequence_logps(model, batch, None, 16)
     found = 0
     for r in range(len(packed)):
         for k in range(int(packed.extra["pair_mask"][r].sum())):
-            seg = packed.segment_ids[r] == 2 * k + 1
-            ids = packed.input_ids[r][seg]
-            pair = next(p for p in pairs if np.array_equal(np.concatenate([p.prompt, p.chosen]), ids))
-            alone = np.asarray(jax.nn.log_softmax(model(ids[None])[0, :-1], -1))
-            n = len(pair.prompt)
-            want = alone[np.arange(n - 1, len(ids) - 1), ids[n:]].sum()
-            np.testing.assert_allclose(float(chosen[r, k]), want, rtol=1e-4)
+            c_ids = packed.input_ids[r][packed.segment_ids[r] == 2 * k + 1]
+            pair = next(p for p in pairs if np.array_equal(np.concatenate([p.prompt, p.chosen]), c_ids))
+            for got, answer in ((chosen[r, k], pair.chosen), (rejected[r, k], pair.rejected)):
+                ids = np.concatenate([pair.prompt, answer])
+                alone = np.asarray(jax.nn.log_softmax(model(ids[None])[0, :-1], -1))
+                n = len(pair.prompt)
+                want = alone[np.arange(n - 1, len(ids) - 1), ids[n:]].sum()
+                np.testing.assert_allclose(float(got), want, rtol=1e-4)
             found += 1
     assert found == len(pairs)
 

@@ -5,8 +5,13 @@ Rows follow TRL's preference formats: `prompt`, `chosen` and `rejected` as strin
 are the prompt). Tokenization is TRL's: the prompt alone and prompt + response are tokenized, and the response
 starts where the two diverge; plain-text responses end with the EOS token.
 
-A pair occupies one row as two packed sequences, prompt + chosen (segment 2k+1) and prompt + rejected
-(segment 2k+2), so one forward pass scores both; several pairs share a row when they fit.
+A pair occupies one row, so one forward pass scores both responses; several pairs share a row when they fit.
+With `share_prompt` (the default) the prompt runs once: the row holds the prompt but its last token, then that
+token followed by the chosen response, then that token again followed by the rejected one, and each response
+attends to the prompt and itself (attention ids: prompt p, branches -2p and -2p-1; see
+`ops.context.shared_prefix_segments`). Without it the row holds prompt + chosen and prompt + rejected as two
+packed sequences. Either way the loss segments are 2k+1 (pair k's prompt and chosen response) and 2k+2 (its
+rejected response) and every next token is labeled exactly as in the two separate sequences.
 """
 
 from __future__ import annotations
@@ -31,10 +36,14 @@ class PreferencePair:
     rejected: np.ndarray
     where: str
 
-    @property
-    def length(self) -> int:
-        """Tokens the pair takes in a row: the prompt twice and both responses."""
-        return 2 * len(self.prompt) + len(self.chosen) + len(self.rejected)
+    def prompt_cost(self, share_prompt: bool) -> int:
+        """Tokens the prompt takes in a row: twice, or once plus its last token again for the second response."""
+        n = len(self.prompt)
+        return n + min(n, 1) if share_prompt else 2 * n
+
+    def length(self, share_prompt: bool) -> int:
+        """Tokens the pair takes in a row."""
+        return self.prompt_cost(share_prompt) + len(self.chosen) + len(self.rejected)
 
 
 def _is_messages(value: Any) -> bool:
@@ -120,17 +129,18 @@ def encode_pairs(rows: Sequence[Row], tokenizer: Any) -> list[PreferencePair]:
     return pairs
 
 
-def fit_pairs(pairs: Sequence[PreferencePair], seq_len: int, *, drop_long_prompts: bool = False
-              ) -> list[PreferencePair]:
+def fit_pairs(pairs: Sequence[PreferencePair], seq_len: int, *, drop_long_prompts: bool = False,
+              share_prompt: bool = True) -> list[PreferencePair]:
     """Pairs cut to fit one row of seq_len: responses keep their start; a pair whose prompt leaves no room for a
     token of each response is an error naming its row, or, with `drop_long_prompts`, dropped with a warning."""
     out, cut, dropped = [], 0, []
     for pair in pairs:
-        room = seq_len - 2 * len(pair.prompt)
+        room = seq_len - pair.prompt_cost(share_prompt)
         if room < 2:
             if not drop_long_prompts:
+                holds = "the prompt" if share_prompt else "the prompt twice"
                 raise DataError(f"{pair.where}: the prompt ({len(pair.prompt):,} tokens) leaves no room for the "
-                                f"responses in seq_len={seq_len:,} (a row holds the prompt twice and both responses); "
+                                f"responses in seq_len={seq_len:,} (a row holds {holds} and both responses); "
                                 "raise seq_len, shorten the prompt, or drop such rows (drop_long_prompts=True, "
                                 "--drop-long-prompts)")
             dropped.append(pair.where)
@@ -147,28 +157,30 @@ def fit_pairs(pairs: Sequence[PreferencePair], seq_len: int, *, drop_long_prompt
         warnings.warn(f"{len(dropped)} of {len(pairs)} pairs were dropped: their prompts leave no room for the "
                       f"responses in seq_len={seq_len:,} (first: {dropped[0]})", stacklevel=2)
     if cut:
-        warnings.warn(f"{cut} of {len(pairs)} pairs were longer than seq_len={seq_len:,} (prompt twice plus both "
-                      "responses) and their responses were truncated", stacklevel=2)
+        warnings.warn(f"{cut} of {len(pairs)} pairs were longer than seq_len={seq_len:,} (prompt "
+                      f"{'' if share_prompt else 'twice '}plus both responses) and their responses were truncated",
+                      stacklevel=2)
     if not out:
         raise DataError(f"no preference pair fits seq_len={seq_len:,}; raise seq_len")
     return out
 
 
 def pack_pairs(pairs: Sequence[PreferencePair], seq_len: int, *, packing: bool = True,
-               drop_long_prompts: bool = False) -> PackedRows:
+               drop_long_prompts: bool = False, share_prompt: bool = True) -> PackedRows:
     """Rows of seq_len holding whole pairs (first-fit-decreasing; one pair per row without packing).
 
-    Besides the usual arrays, `extra` holds `response` [N, T] (1 where the label is a response token) and
-    `pair_mask` [N, P] (1 for each of the row's pairs; P = the most pairs any row holds). Every next token of a
-    sequence is labeled (the objective picks which count); the segment of pair k's chosen sequence is 2k+1,
-    of its rejected one 2k+2.
+    Besides the usual arrays, `extra` holds `response` [N, T] (1 where the label is a response token),
+    `pair_mask` [N, P] (1 for each of the row's pairs; P = the most pairs any row holds) and, with
+    `share_prompt`, `attention_ids` [N, T] (the module docstring's layout). Every next token of a sequence is
+    labeled (the objective picks which count); `segment_ids` are 2k+1 for pair k's prompt and chosen response,
+    2k+2 for its rejected response.
     """
-    pairs = fit_pairs(pairs, seq_len, drop_long_prompts=drop_long_prompts)
+    pairs = fit_pairs(pairs, seq_len, drop_long_prompts=drop_long_prompts, share_prompt=share_prompt)
     bins: list[list[PreferencePair]] = []
     if packing:
         fit = _FirstFit(seq_len, len(pairs))
-        for i in sorted(range(len(pairs)), key=lambda i: (-pairs[i].length, i)):
-            b = fit.place(pairs[i].length)
+        for i in sorted(range(len(pairs)), key=lambda i: (-pairs[i].length(share_prompt), i)):
+            b = fit.place(pairs[i].length(share_prompt))
             if b == len(bins):
                 bins.append([])
             bins[b].append(pairs[i])
@@ -180,16 +192,38 @@ def pack_pairs(pairs: Sequence[PreferencePair], seq_len: int, *, packing: bool =
     seg = np.zeros((n, seq_len), np.int32)
     pos = np.zeros((n, seq_len), np.int32)
     response = np.zeros((n, seq_len), np.int32)
+    attention = np.zeros((n, seq_len), np.int32)
     pair_mask = np.zeros((n, most), np.int32)
+
+    def place(r: int, at: int, tokens: np.ndarray, next_token: int | None, segment: int, attention_id: int,
+              first_position: int, first_response: int) -> int:
+        """Writes one run at `at`: its tokens, each labeled with the next (the run's last with `next_token`),
+        responses labeled from index `first_response` of the run on. Returns where the run ends."""
+        m = len(tokens)
+        ids[r, at:at + m], seg[r, at:at + m], attention[r, at:at + m] = tokens, segment, attention_id
+        pos[r, at:at + m] = first_position + np.arange(m)
+        labels[r, at:at + m - 1] = tokens[1:]
+        if next_token is not None and m:
+            labels[r, at + m - 1] = next_token
+        response[r, at + first_response:at + m - 1] = 1
+        return at + m
+
     for r, row in enumerate(bins):
         at = 0
         for k, pair in enumerate(row):
             pair_mask[r, k] = 1
+            p = len(pair.prompt)
+            if share_prompt:  # prompt run k+1, then branches -2(k+1) (chosen) and -2(k+1)-1 (rejected)
+                shared, last = pair.prompt[:-1], pair.prompt[-1:]
+                at = place(r, at, shared, int(last[0]) if p else None, 2 * k + 1, k + 1, 0, len(shared))
+                for s, answer in ((2 * k + 1, pair.chosen), (2 * k + 2, pair.rejected)):
+                    at = place(r, at, np.concatenate([last, answer]), None, s, -2 * (k + 1) - (s % 2 == 0),
+                               max(p - 1, 0), 0)
+                continue
             for s, answer in ((2 * k + 1, pair.chosen), (2 * k + 2, pair.rejected)):
-                seq = np.concatenate([pair.prompt, answer])
-                m = len(seq)
-                ids[r, at:at + m], seg[r, at:at + m], pos[r, at:at + m] = seq, s, np.arange(m)
-                labels[r, at:at + m - 1] = seq[1:]  # position j predicts token j+1 of the same sequence
-                response[r, at + max(len(pair.prompt), 1) - 1:at + m - 1] = 1  # labels that are response tokens
-                at += m
-    return PackedRows(ids, labels, seg, pos, 0, extra={"response": response, "pair_mask": pair_mask})
+                # without a prompt the response's first token has no context to be predicted from
+                at = place(r, at, np.concatenate([pair.prompt, answer]), None, s, s, 0, max(p, 1) - 1)
+    extra = {"response": response, "pair_mask": pair_mask}
+    if share_prompt:
+        extra["attention_ids"] = attention
+    return PackedRows(ids, labels, seg, pos, 0, extra=extra)

@@ -4,7 +4,7 @@ Every matmul and attention call of the model goes through here, so faster backen
 FP8 GEMMs) plug in without touching the model. Each concern lives in its own module: `attention`, `dense`
 (XLA matmuls), `nf4_linear` (frozen NF4 projections in bf16), `fp8_linear` (the same as FP8 GEMMs),
 `kernel_operands` (what the Pallas kernels read of a weight), `sharded` (kernels per shard on a mesh),
-`context` (the trace-time layer index and compute mode) and `dispatch` (which implementation runs, from
+`context` (the trace-time layer index, compute mode and shared-prefix segments) and `dispatch` (which implementation runs, from
 measured tables; `JAXTUNE_KERNELS`).
 """
 
@@ -15,8 +15,8 @@ import jax.numpy as jnp
 
 from jaxtune.ops import dispatch
 from jaxtune.ops.attention import attention, attention_mask
-from jaxtune.ops.context import (COMPUTE_MODES, frozen_compute, frozen_compute_mode, stacked_layer,
-                                 stacked_layer_index)
+from jaxtune.ops.context import (COMPUTE_MODES, frozen_compute, frozen_compute_mode, segments_share_prefixes,
+                                 shared_prefix_segments, stacked_layer, stacked_layer_index)
 from jaxtune.ops.dense import dot_out, linear, rows
 from jaxtune.ops.fp8_linear import FP8_GRAD_FORMAT, fp8_dx_nf4_matmul, fp8_input, fp8_nf4_matmul
 from jaxtune.ops.kernel_operands import kernel_shaped, kernels_read_prepared_scales, prepare_kernel_scales

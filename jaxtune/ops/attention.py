@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.ops import dispatch
+from jaxtune.ops.context import segments_share_prefixes
 from jaxtune.ops.sharded import per_batch_shard
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -20,7 +21,8 @@ def attention_mask(
     kv_segment_ids: jax.Array | None = None,
     sliding_window: int | None = None,
 ) -> jax.Array:
-    """Boolean [B or 1, q_len, kv_len]: causal by index (query i sits at q_offset + i), same segment only."""
+    """Boolean [B or 1, q_len, kv_len]: causal by index (query i sits at q_offset + i), same segment only (or a
+    branch's prefix run, inside `ops.context.shared_prefix_segments`)."""
     q_idx = jnp.arange(q_len)[:, None] + q_offset
     kv_idx = jnp.arange(kv_len)[None, :]
     mask = (kv_idx <= q_idx)[None]
@@ -28,7 +30,12 @@ def attention_mask(
         mask = mask & ((q_idx - kv_idx) < sliding_window)[None]
     if q_segment_ids is not None:
         kv_seg = q_segment_ids if kv_segment_ids is None else kv_segment_ids
-        mask = mask & (q_segment_ids[:, :, None] == kv_seg[:, None, :])
+        if segments_share_prefixes():
+            from pallas_kernels.flash_attention import segments_visible  # the kernel's own rule
+
+            mask = mask & segments_visible(q_segment_ids[:, :, None], kv_seg[:, None, :], True)
+        else:
+            mask = mask & (q_segment_ids[:, :, None] == kv_seg[:, None, :])
     return mask
 
 
@@ -79,8 +86,11 @@ def _fast_attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, sliding_wi
     if impl == "pallas":
         from pallas_kernels.flash_attention import flash_attention
 
+        shared = q_segment_ids is not None and segments_share_prefixes()
+
         def flash(q, k, v, *seg):
-            return flash_attention(q, k, v, *seg, sliding_window=sliding_window, interpret=dispatch.interpret())
+            return flash_attention(q, k, v, *seg, sliding_window=sliding_window, interpret=dispatch.interpret(),
+                                   shared_prefix=shared)
 
         seg = () if q_segment_ids is None else (q_segment_ids,)
         return per_batch_shard(flash, q, k, v, *seg)

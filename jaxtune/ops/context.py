@@ -1,5 +1,5 @@
-"""Trace-time context the model sets around its layers: which layer of a stacked scan runs, and in which
-precision the frozen projections compute."""
+"""Trace-time context the model sets around its layers: which layer of a stacked scan runs, in which
+precision the frozen projections compute, and whether segment ids carry shared prefixes."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ _frozen_compute: contextvars.ContextVar[str] = contextvars.ContextVar("frozen_co
 # (input, its FP8 rows and scales) quantized within the current "fp8" block, so projections that read one input
 # (gate and up, q/k/v) quantize it once
 _fp8_inputs: contextvars.ContextVar[list | None] = contextvars.ContextVar("fp8_inputs", default=None)
+_shared_prefix: contextvars.ContextVar[bool] = contextvars.ContextVar("shared_prefix", default=False)
 
 
 @contextlib.contextmanager
@@ -58,3 +59,18 @@ def frozen_compute_mode() -> str:
 def fp8_inputs_seen() -> list | None:
     """The (input, quantized) pairs of the current "fp8" block (None outside one): `fp8_linear`'s memo."""
     return _fp8_inputs.get()
+
+
+@contextlib.contextmanager
+def shared_prefix_segments() -> Iterator[None]:
+    """Within the block, a negative segment id -2p or -2p-1 marks a branch that also attends to the run of id p
+    before it (a preference pair's prompt, run once for both responses); see `pallas_kernels.flash_attention`."""
+    token = _shared_prefix.set(True)
+    try:
+        yield
+    finally:
+        _shared_prefix.reset(token)
+
+
+def segments_share_prefixes() -> bool:
+    return _shared_prefix.get()

@@ -73,6 +73,7 @@ class TrainConfig:
     orpo_lambda: float = 0.1  # ORPO: weight of the odds-ratio term beside the chosen responses' NLL
     precompute_reference: bool = False  # DPO: reference log-probabilities once before training (no reference forward per step)
     drop_long_prompts: bool = False  # preference rows whose prompt leaves no room in seq_len: dropped (warned), not an error
+    share_prompt: bool = True  # DPO/ORPO: each pair's prompt runs once, both responses attend to it (same losses, fewer tokens)
     # loop
     logging_steps: int = 1
     eval_steps: int = 0
@@ -247,6 +248,7 @@ _RULES: dict[str, _Rule] = {
     "orpo_lambda": _Rule("float", 0, fix="0.1 is usual"),
     "precompute_reference": _Rule("bool"),
     "drop_long_prompts": _Rule("bool"),
+    "share_prompt": _Rule("bool"),
 }
 
 

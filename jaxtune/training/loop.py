@@ -87,7 +87,7 @@ def prepare_data(data, tokenizer, cfg: TrainConfig) -> tuple[PackedRows, PackedR
     def pack(rows: list[Row]) -> PackedRows:
         if cfg.objective != "sft":  # preference pairs: prompt / chosen / rejected
             return pack_pairs(encode_pairs(rows, tokenizer), cfg.seq_len, packing=cfg.packing,
-                              drop_long_prompts=cfg.drop_long_prompts)
+                              drop_long_prompts=cfg.drop_long_prompts, share_prompt=cfg.share_prompt)
         return pack_examples(encode_rows(rows, cfg.format, tokenizer, train_on_all=cfg.train_on_all), cfg.seq_len,
                              packing=cfg.packing)
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtune import ops
 from jaxtune.data.packing import IGNORE
 from jaxtune.training.config import TrainConfig
 from jaxtune.training.loss import chunked_cross_entropy, chunked_token_logps
@@ -23,6 +24,9 @@ Batch = dict[str, jax.Array]
 
 
 def _hidden(model, micro: Batch, rng):
+    if "attention_ids" in micro:  # preference rows whose pairs run their prompt once (data/preference.py)
+        with ops.shared_prefix_segments():
+            return model.hidden_states(micro["input_ids"], micro["positions"], micro["attention_ids"], dropout_rng=rng)
     return model.hidden_states(micro["input_ids"], micro["positions"], micro["segment_ids"], dropout_rng=rng)
 
 
