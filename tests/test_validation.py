@@ -47,6 +47,14 @@ BOUNDS = {
     "save_steps": ([-1], [0, 5]),
     "max_bad_steps": ([0], [1]),
     "report_to": ([["tensorboardx"], "tb", [3]], [["tensorboard"], "tensorboard,wandb", "none"]),
+    "objective": (["ppo", 1], ["dpo", "orpo"]),
+    "beta": ([0.0, -0.1, "x"], [1e-6]),
+    "dpo_loss": (["hinge"], ["ipo", "robust"]),
+    "label_smoothing": ([-0.1, 0.5], [0.0, 0.49]),
+    "orpo_lambda": ([-0.1], [0.0]),
+    "precompute_reference": (["yes", 1], [False]),
+    "drop_long_prompts": (["yes", 1], [True]),
+    "share_prompt": (["no", 0], [False]),
 }
 
 
@@ -125,7 +133,9 @@ BAD_FLAGS = {
         "--eval-steps": "-3", "--save-steps": "-1", "--seed": "-1", "--compute": "int8", "--mesh": "tp=2",
         "--report-to": "tb", "--config": "missing.yaml", "--dtype": "float8", "--data": "missing.jsonl",
         "--model": "missing-model-dir", "--out": "a-file", "--resume": None, "--no-packing": None,
-        "--no-compile-cache": None,
+        "--no-compile-cache": None, "--objective": "ppo", "--beta": "0", "--dpo-loss": "hinge",
+        "--label-smoothing": "0.5", "--orpo-lambda": "-1", "--precompute-reference": None,
+        "--drop-long-prompts": None, "--no-share-prompt": None,
     },
     "generate": {"--max-new-tokens": "0", "--temperature": "-1", "--top-p": "0", "--seed": "x",
                  "--dtype": "int4", "--adapter": "missing-adapter", "--prompt": "", "--raw": None,
