@@ -9,8 +9,9 @@ Any T works: the wrapper pads to the tile size and the padding is its own segmen
 
 Shared prefixes (`shared_prefix=True`, for preference pairs: one prompt, two responses in one row): a negative
 segment id s marks a branch that sees, besides its own run, the run of id (-s) // 2, which lies before it (the
-prompt run p, its branches -2p and -2p-1). Prefix ids are positive and below T. Tile ranges then start at the
-prefix run and, for a prefix key, end at its last branch.
+prompt run p, its branches -2p and -2p-1). Prefix ids are positive and below T. A query tile then loops over
+the key tiles of its prompt run and of its own runs, skipping those between (the other branch); a prefix key's
+tile runs to its last branch.
 
 Softmax runs in base 2 (exp2 with log2(e) folded into the scale); the saved residual is the per-row
 log-sum-exp in that base. The backward pass is two kernels (dq; dk+dv) so no atomics are needed. With
@@ -185,14 +186,45 @@ def _query_tile_range(j, block_q, block_k, n_q, causal, window, k_end_max):
 
 def _query_segment_specs(bq: int, t: int, shared_prefix: bool) -> list:
     """Block specs of the query-side segment operands of the forward and dq kernels: the tile's segment ids,
-    (its prefix ids,) its first visible key, and the whole row's segment ids for the keys."""
+    (its prefix ids,) its first visible key, (its own run's start and its prefix run's end,) and the whole row's
+    segment ids for the keys."""
     tile = pl.BlockSpec((None, bq), lambda i, bi, h: (bi, i))
-    return [tile] * (3 if shared_prefix else 2) + [pl.BlockSpec((None, t), lambda i, bi, h: (bi, 0))]
+    return [tile] * (5 if shared_prefix else 2) + [pl.BlockSpec((None, t), lambda i, bi, h: (bi, 0))]
 
 
 def _query_segment_args(segment_ids: jax.Array, shared_prefix: bool) -> list:
     start, _ = _visible_bounds(segment_ids, shared_prefix)
-    return [segment_ids] + ([prefix_ids(segment_ids)] if shared_prefix else []) + [start, segment_ids]
+    if not shared_prefix:
+        return [segment_ids, start, segment_ids]
+    own_start, prefix_end = _prefix_gap(segment_ids)
+    return [segment_ids, prefix_ids(segment_ids), start, own_start, prefix_end, segment_ids]
+
+
+def _prefix_gap(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per token, the start of its own run and the last index of its prefix run (a branch), or its own start - 1:
+    the keys strictly between are invisible to it (the other branch of its pair)."""
+    b, t = segment_ids.shape
+    own_start, _ = _segment_bounds(segment_ids)
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    rows = jnp.arange(b, dtype=jnp.int32)[:, None] * (t + 1)
+    last = jax.ops.segment_max(idx.reshape(-1), (rows + jnp.clip(segment_ids, 0, t)).reshape(-1),
+                               num_segments=b * (t + 1))
+    prefix = jnp.clip(prefix_ids(segment_ids), 0, t)
+    prefix_end = last[(rows + prefix).reshape(-1)].reshape(b, t)
+    return own_start, jnp.where(segment_ids < 0, jnp.minimum(prefix_end, own_start - 1), own_start - 1)
+
+
+def _skipped_key_tiles(q_own_ref, q_pend_ref, block_k):
+    """Key tiles [lo, hi) no query of this tile can see: after every prefix run it reads, before its own runs."""
+    return pl.cdiv(jnp.max(q_pend_ref[...]) + 1, block_k), jnp.min(q_own_ref[...]) // block_k
+
+
+def _key_loops(lo, hi, gap):
+    """The key-tile ranges a query tile visits: [lo, hi), less the skipped tiles `gap` (shared prefixes)."""
+    if gap is None:
+        return ((lo, hi),)
+    gap_lo, gap_hi = gap
+    return ((lo, jnp.minimum(jnp.minimum(gap_lo, gap_hi), hi)), (jnp.maximum(gap_hi, lo), hi))
 
 
 # ------------------------------------------------------------------------------------------------ forward
@@ -200,10 +232,10 @@ def _query_segment_args(segment_ids: jax.Array, shared_prefix: bool) -> list:
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qk_scale, causal, window, block_q, block_k, has_segments,
                 shared_prefix=False):
-    q_pre = None
+    q_pre = gap = None
     if shared_prefix:
-        q_seg_ref, q_pre_ref, q_start_ref, k_seg_ref, o_ref, lse_ref = refs
-        q_pre = q_pre_ref[...]
+        q_seg_ref, q_pre_ref, q_start_ref, q_own_ref, q_pend_ref, k_seg_ref, o_ref, lse_ref = refs
+        q_pre, gap = q_pre_ref[...], _skipped_key_tiles(q_own_ref, q_pend_ref, block_k)
     elif has_segments:
         q_seg_ref, q_start_ref, k_seg_ref, o_ref, lse_ref = refs
     else:
@@ -247,7 +279,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qk_scale, causal, window, block_q, b
         carry = jax.lax.fori_loop(mid, hi, functools.partial(step, masked=True), carry)
     else:
         masked = causal or has_segments or window is not None
-        carry = jax.lax.fori_loop(lo, hi, functools.partial(step, masked=masked), carry)
+        for start, stop in _key_loops(lo, hi, gap):
+            carry = jax.lax.fori_loop(start, stop, functools.partial(step, masked=masked), carry)
     acc, m, l = carry
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log2(l)
@@ -294,10 +327,10 @@ def _forward(q, k, v, segment_ids, *, scale, causal, window, tiles: AttentionTil
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, qk_scale, scale, causal, window,
                block_q, block_k, has_segments, shared_prefix=False):
-    q_pre = None
+    q_pre = gap = None
     if shared_prefix:
-        q_seg_ref, q_pre_ref, q_start_ref, k_seg_ref, dq_ref = refs
-        q_pre = q_pre_ref[...]
+        q_seg_ref, q_pre_ref, q_start_ref, q_own_ref, q_pend_ref, k_seg_ref, dq_ref = refs
+        q_pre, gap = q_pre_ref[...], _skipped_key_tiles(q_own_ref, q_pend_ref, block_k)
     elif has_segments:
         q_seg_ref, q_start_ref, k_seg_ref, dq_ref = refs
     else:
@@ -335,7 +368,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, qk_scale,
         dq = jax.lax.fori_loop(mid, hi, functools.partial(step, masked=True), dq)
     else:
         masked = causal or has_segments or window is not None
-        dq = jax.lax.fori_loop(lo, hi, functools.partial(step, masked=masked), dq)
+        for start, stop in _key_loops(lo, hi, gap):
+            dq = jax.lax.fori_loop(start, stop, functools.partial(step, masked=masked), dq)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 

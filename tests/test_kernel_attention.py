@@ -195,3 +195,20 @@ def test_bad_tiles_fail_cuda_lowering(cuda_export):
     q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
     with pytest.raises(Exception, match="power of 2"):
         cuda_export(lambda q: flash_attention(q, q, q, tiles=AttentionTiles(block_q=48, block_k=48)), q)
+
+
+def test_a_rejected_tile_skips_the_chosen_branch():
+    """Query tiles of the second response loop over the prompt's key tiles and their own, never the first
+    response's (the work a shared prompt must not add back)."""
+    from pallas_kernels.flash_attention import _key_loops, _query_segment_args, _skipped_key_tiles
+
+    seg = jnp.asarray([[1] * 64 + [-2] * 64 + [-3] * 64], jnp.int32)
+    _, _, start, own, pend, _ = (np.asarray(a)[0] for a in _query_segment_args(seg, True))
+    tile = slice(128, 144)  # rejected queries; key tiles of 16: prompt 0-3, chosen 4-7, rejected 8-11
+    gap = _skipped_key_tiles(own[tile], pend[tile], 16)
+    loops = [(int(a), int(b)) for a, b in _key_loops(int(start[tile].min()) // 16, 9, gap)]
+    assert loops == [(0, 4), (8, 9)]
+    chosen = slice(64, 80)  # chosen queries see the prompt and themselves: one contiguous range
+    gap = _skipped_key_tiles(own[chosen], pend[chosen], 16)
+    visited = {t for a, b in _key_loops(int(start[chosen].min()) // 16, 5, gap) for t in range(int(a), int(b))}
+    assert visited == set(range(5))
