@@ -308,6 +308,26 @@ def test_packed_pairs_score_each_sequence_alone(tiny_tokenizer, tiny_qlora_model
     assert found == len(pairs)
 
 
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_the_shared_prompt_trains_like_two_sequences(tiny_tokenizer, tiny_qlora_model, objective):
+    """The loop end to end with one pair per row: the prompt run once gives the losses and adapters of the two
+    separate sequences, step after step."""
+    import copy
+
+    rows = [{"prompt": f"Question {i}: is {i} even?", "chosen": " yes" if i % 2 == 0 else " no",
+             "rejected": " maybe" * (1 + i % 2)} for i in range(8)]
+    results = {}
+    for share in (True, False):
+        model = copy.deepcopy(tiny_qlora_model)
+        cfg = jaxtune.TrainConfig(objective=objective, seq_len=64, micro_batch_size=2, max_steps=4,
+                                  learning_rate=5e-3, lora_r=4, packing=False, share_prompt=share)
+        results[share] = (jaxtune.train(model, tiny_tokenizer, rows, cfg, progress=False).losses,
+                          nnx.state(model, nnx.LoRAParam))
+    np.testing.assert_allclose(results[True][0], results[False][0], rtol=2e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(results[True][1]), jax.tree.leaves(results[False][1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4)  # Adam after 4 steps of 5e-3
+
+
 def test_dpo_trains_and_precomputed_reference_gives_the_same_losses(tiny_tokenizer, tiny_qlora_model, tmp_path):
     """The loop end to end: rewards logged under TRL's names, loss falls, the stored reference log-probabilities
     reproduce the per-step reference exactly, and a resumed run reads them back."""
