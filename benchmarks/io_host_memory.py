@@ -53,7 +53,7 @@ def _status(pid: int) -> dict[str, int]:
 
 def run_stage(stage: str, directory: str, model: str) -> dict:
     code = STAGES[stage].format(d=directory, model=model, load=LOAD.format(d=directory))
-    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", ""), "TQDM_DISABLE": "1"}
+    env = {**os.environ, "TQDM_DISABLE": "1"}
     t0 = time.perf_counter()
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
     peaks: dict[str, int] = {}

@@ -19,7 +19,6 @@ from convert.jaxtune_format import (SHARD_METADATA, check_quantization, is_jaxtu
                                     write_description)
 from convert.load import (TensorPlan, abstract_state, bnb_quantization, from_pretrained, load_tokenizer,
                           open_checkpoint)
-
 from convert.safetensors_writer import ShardedSafetensorsWriter
 from jaxtune.bundled import resolve_model_path
 from jaxtune.errors import CheckpointError
@@ -56,13 +55,9 @@ def _convert_streaming(src: str, dst: str, *, quantize: str, dtype: jnp.dtype, n
         tokenizer = source.tokenizer() if gguf_path is not None else load_tokenizer(src)
         with atomic_directory(dst) as tmp:
             specs = [(".".join(path), sds.shape, np.dtype(sds.dtype)) for path, sds in expected.items()]
-            writer = ShardedSafetensorsWriter(tmp, specs, metadata=SHARD_METADATA)
-            try:
+            with ShardedSafetensorsWriter(tmp, specs, metadata=SHARD_METADATA) as writer:
                 for tensor in tqdm(plan.targets, desc=f"converting {name}", unit="tensor", leave=False):
                     for path, layer, value in plan.arrays(tensor):
                         writer.write(".".join(path), np.asarray(value), index=layer)
-            finally:
-                writer.close()
-            writer.finish()
             write_description(tmp, cfg, tokenizer, quantization="nf4" if load_in_4bit else "none", dtype=dtype,
                               source=os.path.abspath(src))

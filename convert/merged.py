@@ -63,12 +63,11 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
     first and then hold one tensor at a time."""
     cfg = model.config
 
-    def stacked(name: str, array: Any) -> Iterator[MergedTensor]:
-        for i in range(cfg.num_layers):
-            yield i, MergedTensor(name.format(i), tuple(array.shape[1:]), functools.partial(_layer, array, i))
-
     def whole(name: str, array: Any) -> MergedTensor:
-        return MergedTensor(name, tuple(array.shape), lambda: np.asarray(array, np.float32))
+        return MergedTensor(name, tuple(array.shape), functools.partial(np.asarray, array, np.float32))
+
+    def layer(name: str, stack: Any, i: int) -> MergedTensor:
+        return MergedTensor(name, tuple(stack.shape[1:]), functools.partial(_layer, stack, i))
 
     def merged_weight(key: str, proj, i: int) -> np.ndarray:
         w = np.asarray(source.get(key), np.float32) if source is not None else _base_weight(proj, i)
@@ -77,29 +76,21 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
             w = w + np.float32(proj.scale) * (b @ a)
         return w
 
-    per_layer: list[list[MergedTensor]] = [[] for _ in range(cfg.num_layers)]
-    norms = ["input_layernorm", "post_attention_layernorm"]
-    for norm in norms:
-        for i, t in stacked(f"model.layers.{{}}.{norm}.weight", getattr(model.layers, norm).weight[...]):
-            per_layer[i].append(t)
+    norms = [(f"{norm}.weight", getattr(model.layers, norm)) for norm in ("input_layernorm", "post_attention_layernorm")]
     if cfg.qk_norm:
-        for norm in ("q_norm", "k_norm"):
-            for i, t in stacked(f"model.layers.{{}}.self_attn.{norm}.weight",
-                                getattr(model.layers.self_attn, norm).weight[...]):
-                per_layer[i].append(t)
-    for name in LORA_TARGETS:
-        proj = projection(model, name)
-        bias = _base(proj).bias
-        for i in range(cfg.num_layers):
-            key = f"model.layers.{i}.{PARENT_MODULE[name]}.{name}"
-            per_layer[i].append(MergedTensor(f"{key}.weight", _weight_shape(proj),
-                                             functools.partial(merged_weight, f"{key}.weight", proj, i)))
-            if bias is not None:
-                per_layer[i].append(MergedTensor(f"{key}.bias", tuple(bias.shape[1:]),
-                                                 functools.partial(_layer, bias[...], i)))
+        norms += [(f"self_attn.{norm}.weight", getattr(model.layers.self_attn, norm)) for norm in ("q_norm", "k_norm")]
     yield whole("model.embed_tokens.weight", model.embed_tokens.weight[...])
-    for tensors in per_layer:
-        yield from tensors
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        for name, norm in norms:
+            yield layer(f"{p}.{name}", norm.weight[...], i)
+        for name in LORA_TARGETS:
+            proj = projection(model, name)
+            key = f"{p}.{PARENT_MODULE[name]}.{name}"
+            yield MergedTensor(f"{key}.weight", _weight_shape(proj), functools.partial(merged_weight, f"{key}.weight",
+                                                                                       proj, i))
+            if _base(proj).bias is not None:
+                yield layer(f"{key}.bias", _base(proj).bias[...], i)
     yield whole("model.norm.weight", model.norm.weight[...])
     if model.lm_head is not None:
         yield whole("lm_head.weight", model.lm_head.weight[...])
@@ -154,13 +145,9 @@ def save_merged(
         with atomic_directory(out_dir) as tmp:
             tensors = list(merged_tensors(model, source))
             specs = [(t.name, t.shape, np.dtype(out_dtype)) for t in tensors]
-            writer = ShardedSafetensorsWriter(tmp, specs, metadata={"format": "pt"})
-            try:
+            with ShardedSafetensorsWriter(tmp, specs, metadata={"format": "pt"}) as writer:
                 for t in tqdm(tensors, desc="merging", unit="tensor", leave=False):
                     writer.write(t.name, t.compute().astype(out_dtype))
-            finally:
-                writer.close()
-            writer.finish()
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump({**model.config.to_hf(), "torch_dtype": dtype, "dtype": dtype}, f, indent=2)
             if tokenizer is not None:

@@ -95,7 +95,8 @@ class SafetensorsFile:
 
 class ShardedSafetensorsWriter:
     """HF's sharded layout (model-0000i-of-0000n.safetensors + index), planned from (name, shape, dtype) specs in
-    order, at most `shard_bytes` per file (a larger tensor gets a file of its own)."""
+    order, at most `shard_bytes` per file (a larger tensor gets a file of its own). As a context manager it
+    finishes on success and only closes on an error (the caller's temporary directory then goes)."""
 
     def __init__(self, directory: str, specs: Iterable[tuple[str, Sequence[int], Any]], *, metadata: dict[str, str],
                  shard_bytes: int | None = None):
@@ -121,6 +122,16 @@ class ShardedSafetensorsWriter:
         except BaseException:
             self.close()
             raise
+
+    def __enter__(self) -> "ShardedSafetensorsWriter":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        """Finishes (index included) when the block completed, else only closes the files."""
+        if exc_type is None:
+            self.finish()
+        else:
+            self.close()
 
     def write(self, name: str, value: Any, index: int | None = None) -> None:
         self._file_of[name].write(name, value, index)

@@ -216,9 +216,9 @@ def pack_pairs(pairs: Sequence[PreferencePair], seq_len: int, *, packing: bool =
             if share_prompt:  # prompt run k+1, then branches -2(k+1) (chosen) and -2(k+1)-1 (rejected)
                 shared, last = pair.prompt[:-1], pair.prompt[-1:]
                 at = place(r, at, shared, int(last[0]) if p else None, 2 * k + 1, k + 1, 0, len(shared))
-                for s, answer in ((2 * k + 1, pair.chosen), (2 * k + 2, pair.rejected)):
-                    at = place(r, at, np.concatenate([last, answer]), None, s, -2 * (k + 1) - (s % 2 == 0),
-                               max(p - 1, 0), 0)
+                branches = ((2 * k + 1, pair.chosen, -2 * (k + 1)), (2 * k + 2, pair.rejected, -2 * (k + 1) - 1))
+                for s, answer, attention_id in branches:
+                    at = place(r, at, np.concatenate([last, answer]), None, s, attention_id, max(p - 1, 0), 0)
                 continue
             for s, answer in ((2 * k + 1, pair.chosen), (2 * k + 2, pair.rejected)):
                 # without a prompt the response's first token has no context to be predicted from
