@@ -52,7 +52,9 @@ class SafetensorsFile:
         encoded += b" " * (-(8 + len(encoded)) % 8)  # the data starts 8-byte aligned
         self._data_start = 8 + len(encoded)
         self.nbytes = offset
-        self._todo = {name: set(range(shape[0])) if shape else {None} for name, (shape, _, _) in self._layout.items()}
+        # what is written: True for a whole tensor, else one flag per leading index (made on the first slice
+        # written: a packed NF4 tensor has millions of rows and must not cost a Python object each)
+        self._written: dict[str, bool | np.ndarray] = dict.fromkeys(self._layout, False)
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         self._pwrite(len(encoded).to_bytes(8, "little") + encoded, 0)
         os.ftruncate(self._fd, self._data_start + offset)
@@ -75,17 +77,21 @@ class SafetensorsFile:
         if value.shape != want:
             raise ValueError(f"{name}{'' if index is None else f'[{index}]'}: shape {value.shape}, expected {want}")
         if index is None:
-            self._todo[name].clear()
+            self._written[name] = True
         else:
             if not 0 <= index < shape[0]:
                 raise IndexError(f"{name}: index {index} outside the leading axis of {shape[0]}")
             start += index * value.nbytes
-            self._todo[name].discard(index)
+            flags = self._written[name]
+            if flags is False:
+                flags = self._written[name] = np.zeros(shape[0], bool)
+            if flags is not True:
+                flags[index] = True
         if value.nbytes:
             self._pwrite(value.reshape(-1).view(np.uint8), self._data_start + start)
 
     def missing(self) -> list[str]:
-        return [name for name, left in self._todo.items() if left]
+        return [name for name, done in self._written.items() if not np.all(done)]
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -84,6 +84,22 @@ def test_planned_writer_refuses_a_missing_layer_or_a_wrong_shape(tmp_path):
         writer.finish()
 
 
+def test_planning_a_file_costs_no_memory_per_row(tmp_path):
+    """A packed NF4 tensor has millions of rows ([n, 1] uint8): planning and writing its file must not keep
+    anything per row (a set of row numbers per tensor took 24 GiB for a 3B checkpoint)."""
+    codes = np.random.default_rng(0).integers(0, 256, (4_000_000, 1), dtype=np.uint8)
+    tracemalloc.start()
+    try:
+        with ShardedSafetensorsWriter(str(tmp_path), [("codes", codes.shape, codes.dtype)],
+                                      metadata={"format": "test"}) as writer:
+            writer.write("codes", codes)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    np.testing.assert_array_equal(_read_all(tmp_path)["codes"], codes)
+
+
 def test_write_shards_streams_a_generator_into_bounded_files(tmp_path):
     rng = np.random.default_rng(1)
     tensors = {f"t{i}": rng.standard_normal((i + 1, 8)).astype(np.float32) for i in range(12)}
