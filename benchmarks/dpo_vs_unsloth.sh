@@ -10,7 +10,7 @@ mkdir -p /tmp/jt
 ckpt=/tmp/bnb4_8b
 out=/tmp/jt/results.jsonl
 here=$PWD
-json() { grep --line-buffered '^{' | tee -a "$out"; }
+json() { grep --line-buffered '^{"' | tee -a "$out"; }
 stage() { echo "=== $1 $(date +%T)" | tee -a /tmp/jt/stages; }
 for s in "$@"; do
   stage "$s"
