@@ -80,17 +80,18 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
     if cfg.qk_norm:
         norms += [(f"self_attn.{norm}.weight", getattr(model.layers.self_attn, norm)) for norm in ("q_norm", "k_norm")]
     yield whole("model.embed_tokens.weight", model.embed_tokens.weight[...])
+    projections = [(name, projection(model, name)) for name in LORA_TARGETS]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}"
         for name, norm in norms:
             yield layer(f"{p}.{name}", norm.weight[...], i)
-        for name in LORA_TARGETS:
-            proj = projection(model, name)
+        for name, proj in projections:
             key = f"{p}.{PARENT_MODULE[name]}.{name}"
-            yield MergedTensor(f"{key}.weight", _weight_shape(proj), functools.partial(merged_weight, f"{key}.weight",
-                                                                                       proj, i))
-            if _base(proj).bias is not None:
-                yield layer(f"{key}.bias", _base(proj).bias[...], i)
+            yield MergedTensor(f"{key}.weight", _weight_shape(proj),
+                               functools.partial(merged_weight, f"{key}.weight", proj, i))
+            bias = _base(proj).bias
+            if bias is not None:
+                yield layer(f"{key}.bias", bias[...], i)
     yield whole("model.norm.weight", model.norm.weight[...])
     if model.lm_head is not None:
         yield whole("lm_head.weight", model.lm_head.weight[...])

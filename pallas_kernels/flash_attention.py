@@ -30,6 +30,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.attention_segments import prefix_gap, prefix_ids, segments_visible, visible_bounds
+
 _LOG2E = math.log2(math.e)
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -100,50 +102,6 @@ def attention_reference(
 # ------------------------------------------------------------------------------------------ shared pieces
 
 
-def prefix_ids(segment_ids: jax.Array) -> jax.Array:
-    """The id of the run each token may see besides its own: (-s) // 2 for a branch (s < 0), else s itself."""
-    return jnp.where(segment_ids < 0, (-segment_ids) // 2, segment_ids)
-
-
-def segments_visible(q_seg: jax.Array, k_seg: jax.Array, shared_prefix: bool) -> jax.Array:
-    """Whether keys of segment k_seg are visible to queries of segment q_seg (broadcasting): the same segment,
-    or, with shared prefixes, the prefix run of a branch."""
-    same = q_seg == k_seg
-    return same | (prefix_ids(q_seg) == k_seg) if shared_prefix else same
-
-
-def _visible_bounds(segment_ids: jax.Array, shared_prefix: bool) -> tuple[jax.Array, jax.Array]:
-    """Per token, the first key index its query may see and the last query index that may see its key, [B, T]
-    int32 each: its own run's bounds, widened to the prefix run (queries) and to the prefix's branches (keys)."""
-    start, end = _segment_bounds(segment_ids)
-    if not shared_prefix:
-        return start, end
-    b, t = segment_ids.shape
-    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    rows = jnp.arange(b, dtype=jnp.int32)[:, None] * (t + 1)
-    branch = segment_ids < 0
-    prefix = jnp.clip(prefix_ids(segment_ids), 0, t)  # prefix ids are below T (the contract above)
-    # first index of each prefix id, and the last index of any branch that sees it
-    first = jax.ops.segment_min(idx.reshape(-1), (rows + jnp.clip(segment_ids, 0, t)).reshape(-1),
-                                num_segments=b * (t + 1))
-    last = jax.ops.segment_max(jnp.where(branch, idx, -1).reshape(-1), (rows + prefix).reshape(-1),
-                               num_segments=b * (t + 1))
-    start = jnp.where(branch, jnp.minimum(start, first[(rows + prefix).reshape(-1)].reshape(b, t)), start)
-    end = jnp.where(branch, end, jnp.maximum(end, last[(rows + prefix).reshape(-1)].reshape(b, t)))
-    return start, end
-
-
-def _segment_bounds(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """First and last index of each token's segment run, [B, T] int32 each (O(T), no [T, T])."""
-    b, t = segment_ids.shape
-    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    new_run = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    run_end = jnp.concatenate([segment_ids[:, 1:] != segment_ids[:, :-1], jnp.ones((b, 1), bool)], axis=1)
-    start = jax.lax.cummax(jnp.where(new_run, idx, 0), axis=1)
-    end = jax.lax.cummin(jnp.where(run_end, idx, t - 1), axis=1, reverse=True)
-    return start, end
-
-
 def _tile_mask(q_pos, k_pos, q_seg, k_seg, causal: bool, window: int | None, q_pre=None):
     """[len(q_pos), len(k_pos)] visibility of keys to queries inside one tile, or None if all visible; `q_pre`:
     the queries' prefix ids (shared prefixes)."""
@@ -193,25 +151,11 @@ def _query_segment_specs(bq: int, t: int, shared_prefix: bool) -> list:
 
 
 def _query_segment_args(segment_ids: jax.Array, shared_prefix: bool) -> list:
-    start, _ = _visible_bounds(segment_ids, shared_prefix)
+    start, _ = visible_bounds(segment_ids, shared_prefix)
     if not shared_prefix:
         return [segment_ids, start, segment_ids]
-    own_start, prefix_end = _prefix_gap(segment_ids)
+    own_start, prefix_end = prefix_gap(segment_ids)
     return [segment_ids, prefix_ids(segment_ids), start, own_start, prefix_end, segment_ids]
-
-
-def _prefix_gap(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per token, the start of its own run and the last index of its prefix run (a branch), or its own start - 1:
-    the keys strictly between are invisible to it (the other branch of its pair)."""
-    b, t = segment_ids.shape
-    own_start, _ = _segment_bounds(segment_ids)
-    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    rows = jnp.arange(b, dtype=jnp.int32)[:, None] * (t + 1)
-    last = jax.ops.segment_max(idx.reshape(-1), (rows + jnp.clip(segment_ids, 0, t)).reshape(-1),
-                               num_segments=b * (t + 1))
-    prefix = jnp.clip(prefix_ids(segment_ids), 0, t)
-    prefix_end = last[(rows + prefix).reshape(-1)].reshape(b, t)
-    return own_start, jnp.where(segment_ids < 0, jnp.minimum(prefix_end, own_start - 1), own_start - 1)
 
 
 def _skipped_key_tiles(q_own_ref, q_pend_ref, block_k):
@@ -227,28 +171,48 @@ def _key_loops(lo, hi, gap):
     return ((lo, jnp.minimum(jnp.minimum(gap_lo, gap_hi), hi)), (jnp.maximum(gap_hi, lo), hi))
 
 
+def _query_tile_plan(refs, n_out, i, n_k, *, block_q, block_k, causal, window, has_segments, shared_prefix):
+    """What a query tile's kernel (forward, dq) needs from its segment operands: the mask of key tile j (None:
+    all visible), the key-tile loops to run as (start, stop, masked), and its output refs (the last `n_out`)."""
+    seg_refs, out_refs = refs[:len(refs) - n_out], refs[len(refs) - n_out:]
+    q_pos = i * block_q + jnp.arange(block_q)
+    q_seg = k_seg_ref = q_pre = gap = q_start = None
+    if shared_prefix:
+        q_seg_ref, q_pre_ref, q_start_ref, q_own_ref, q_pend_ref, k_seg_ref = seg_refs
+        q_pre, gap = q_pre_ref[...], _skipped_key_tiles(q_own_ref, q_pend_ref, block_k)
+    elif has_segments:
+        q_seg_ref, q_start_ref, k_seg_ref = seg_refs
+    if has_segments:
+        q_seg, q_start = q_seg_ref[...], jnp.min(q_start_ref[...])
+    lo, hi = _key_tile_range(i, block_q, block_k, n_k, causal, window, q_start)
+    if causal and not has_segments and window is None:
+        # tiles wholly below the diagonal need no mask; only the diagonal band does
+        mid = jnp.minimum((i * block_q + 1) // block_k, hi)
+        loops = ((lo, mid, False), (mid, hi, True))
+    else:
+        masked = causal or has_segments or window is not None
+        loops = tuple((start, stop, masked) for start, stop in _key_loops(lo, hi, gap))
+
+    def tile_mask(j):
+        k_pos = j * block_k + jnp.arange(block_k)
+        k_seg = None if k_seg_ref is None else k_seg_ref[pl.ds(j * block_k, block_k)]
+        return _tile_mask(q_pos, k_pos, q_seg, k_seg, causal, window, q_pre)
+
+    return tile_mask, loops, out_refs
+
+
 # ------------------------------------------------------------------------------------------------ forward
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qk_scale, causal, window, block_q, block_k, has_segments,
                 shared_prefix=False):
-    q_pre = gap = None
-    if shared_prefix:
-        q_seg_ref, q_pre_ref, q_start_ref, q_own_ref, q_pend_ref, k_seg_ref, o_ref, lse_ref = refs
-        q_pre, gap = q_pre_ref[...], _skipped_key_tiles(q_own_ref, q_pend_ref, block_k)
-    elif has_segments:
-        q_seg_ref, q_start_ref, k_seg_ref, o_ref, lse_ref = refs
-    else:
-        o_ref, lse_ref = refs
     i = pl.program_id(0)
     n_k = k_ref.shape[0] // block_k
+    tile_mask, loops, (o_ref, lse_ref) = _query_tile_plan(
+        refs, 2, i, n_k, block_q=block_q, block_k=block_k, causal=causal, window=window, has_segments=has_segments,
+        shared_prefix=shared_prefix)
     d = q_ref.shape[-1]
     q = q_ref[...]
-    q_pos = i * block_q + jnp.arange(block_q)
-    q_seg = q_seg_ref[...] if has_segments else None
-    lo, hi = _key_tile_range(
-        i, block_q, block_k, n_k, causal, window, jnp.min(q_start_ref[...]) if has_segments else None
-    )
 
     def step(j, carry, masked):
         acc, m, l = carry
@@ -256,9 +220,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qk_scale, causal, window, block_q, b
         k = k_ref[ks, :]
         s = pltriton.dot(q, k, trans_b=True) * qk_scale
         if masked:
-            k_pos = j * block_k + jnp.arange(block_k)
-            mask = _tile_mask(q_pos, k_pos, q_seg, k_seg_ref[ks] if has_segments else None, causal, window, q_pre)
-            s = jnp.where(mask, s, _MASKED)
+            s = jnp.where(tile_mask(j), s, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
@@ -272,15 +234,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qk_scale, causal, window, block_q, b
         jnp.full((block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
-    if causal and not has_segments and window is None:
-        # tiles wholly below the diagonal need no mask; only the diagonal band does
-        mid = jnp.minimum((i * block_q + 1) // block_k, hi)
-        carry = jax.lax.fori_loop(lo, mid, functools.partial(step, masked=False), carry)
-        carry = jax.lax.fori_loop(mid, hi, functools.partial(step, masked=True), carry)
-    else:
-        masked = causal or has_segments or window is not None
-        for start, stop in _key_loops(lo, hi, gap):
-            carry = jax.lax.fori_loop(start, stop, functools.partial(step, masked=masked), carry)
+    for start, stop, masked in loops:
+        carry = jax.lax.fori_loop(start, stop, functools.partial(step, masked=masked), carry)
     acc, m, l = carry
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log2(l)
@@ -327,25 +282,15 @@ def _forward(q, k, v, segment_ids, *, scale, causal, window, tiles: AttentionTil
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, qk_scale, scale, causal, window,
                block_q, block_k, has_segments, shared_prefix=False):
-    q_pre = gap = None
-    if shared_prefix:
-        q_seg_ref, q_pre_ref, q_start_ref, q_own_ref, q_pend_ref, k_seg_ref, dq_ref = refs
-        q_pre, gap = q_pre_ref[...], _skipped_key_tiles(q_own_ref, q_pend_ref, block_k)
-    elif has_segments:
-        q_seg_ref, q_start_ref, k_seg_ref, dq_ref = refs
-    else:
-        (dq_ref,) = refs
     i = pl.program_id(0)
     n_k = k_ref.shape[0] // block_k
+    tile_mask, loops, (dq_ref,) = _query_tile_plan(
+        refs, 1, i, n_k, block_q=block_q, block_k=block_k, causal=causal, window=window, has_segments=has_segments,
+        shared_prefix=shared_prefix)
     q = q_ref[...]
     do = do_ref[...]
     lse = lse_ref[...]
     delta = delta_ref[...]
-    q_pos = i * block_q + jnp.arange(block_q)
-    q_seg = q_seg_ref[...] if has_segments else None
-    lo, hi = _key_tile_range(
-        i, block_q, block_k, n_k, causal, window, jnp.min(q_start_ref[...]) if has_segments else None
-    )
 
     def step(j, dq, masked):
         ks = pl.ds(j * block_k, block_k)
@@ -353,23 +298,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, qk_scale,
         v = v_ref[ks, :]
         s = pltriton.dot(q, k, trans_b=True) * qk_scale
         if masked:
-            k_pos = j * block_k + jnp.arange(block_k)
-            mask = _tile_mask(q_pos, k_pos, q_seg, k_seg_ref[ks] if has_segments else None, causal, window, q_pre)
-            s = jnp.where(mask, s, _MASKED)
+            s = jnp.where(tile_mask(j), s, _MASKED)
         p = jnp.exp2(s - lse[:, None])
         dp = pltriton.dot(do, v, trans_b=True)
         ds = p * (dp - delta[:, None])
         return dq + pltriton.dot(ds.astype(k.dtype), k)
 
     dq = jnp.zeros(q.shape, jnp.float32)
-    if causal and not has_segments and window is None:
-        mid = jnp.minimum((i * block_q + 1) // block_k, hi)
-        dq = jax.lax.fori_loop(lo, mid, functools.partial(step, masked=False), dq)
-        dq = jax.lax.fori_loop(mid, hi, functools.partial(step, masked=True), dq)
-    else:
-        masked = causal or has_segments or window is not None
-        for start, stop in _key_loops(lo, hi, gap):
-            dq = jax.lax.fori_loop(start, stop, functools.partial(step, masked=masked), dq)
+    for start, stop, masked in loops:
+        dq = jax.lax.fori_loop(start, stop, functools.partial(step, masked=masked), dq)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
@@ -482,7 +419,7 @@ def _backward(q, k, v, segment_ids, out, lse, do, *, scale, causal, window, tile
     ]
     args = [q, k, v, do, lse, delta]
     if has_segments:
-        _, end = _visible_bounds(segment_ids, shared_prefix)
+        _, end = visible_bounds(segment_ids, shared_prefix)
         full = pl.BlockSpec((None, t), lambda j, bi, h: (bi, 0))
         in_specs += [full] * (2 if shared_prefix else 1) + [
             pl.BlockSpec((None, bk), lambda j, bi, h: (bi, j)),

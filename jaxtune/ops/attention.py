@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxtune.ops import dispatch
 from jaxtune.ops.context import segments_share_prefixes
 from jaxtune.ops.sharded import per_batch_shard
+from pallas_kernels.attention_segments import segments_visible  # the flash kernel's own rule
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -30,12 +31,7 @@ def attention_mask(
         mask = mask & ((q_idx - kv_idx) < sliding_window)[None]
     if q_segment_ids is not None:
         kv_seg = q_segment_ids if kv_segment_ids is None else kv_segment_ids
-        if segments_share_prefixes():
-            from pallas_kernels.flash_attention import segments_visible  # the kernel's own rule
-
-            mask = mask & segments_visible(q_segment_ids[:, :, None], kv_seg[:, None, :], True)
-        else:
-            mask = mask & (q_segment_ids[:, :, None] == kv_seg[:, None, :])
+        mask = mask & segments_visible(q_segment_ids[:, :, None], kv_seg[:, None, :], segments_share_prefixes())
     return mask
 
 

@@ -64,7 +64,7 @@ def fp8_inputs_seen() -> list | None:
 @contextlib.contextmanager
 def shared_prefix_segments() -> Iterator[None]:
     """Within the block, a negative segment id -2p or -2p-1 marks a branch that also attends to the run of id p
-    before it (a preference pair's prompt, run once for both responses); see `pallas_kernels.flash_attention`."""
+    before it (a preference pair's prompt, run once for both responses); see `pallas_kernels.attention_segments`."""
     token = _shared_prefix.set(True)
     try:
         yield
