@@ -7,12 +7,13 @@
 #   JT_PROFILE=B       also trace two jaxtune bf16 steps at batch B and summarize GPU time by kernel class
 #   UNSLOTH_PROFILE=B  Unsloth's GPU time by kernel class at batch B (no checkpointing; .bench/unsloth_profile.py)
 #   KEEP_CKPT=1        keep the checkpoint after the rung (the default deletes it: the disk holds ~64 GB)
-# JSON lines (tagged with the model) go to /tmp/jt/results.jsonl. Unsloth needs .bench/ and .site/ carried.
+# JSON lines (tagged with the model) go to /tmp/jt/results.jsonl, each run's whole output to /tmp/jt/runs.log. Unsloth needs .bench/ and .site/ carried.
 set -u
 mkdir -p /tmp/jt
 out=/tmp/jt/results.jsonl
 here=$PWD
-tag() { grep --line-buffered '^{"' | sed -u "s/^{/{\"model\": \"$1\", $2/" | tee -a "$out"; }
+# every run's whole output goes to /tmp/jt/runs.log (a run that fails leaves its error there), its JSON lines to $out
+tag() { tee -a /tmp/jt/runs.log | grep --line-buffered '^{"' | sed -u "s/^{/{\"model\": \"$1\", $2/" | tee -a "$out"; }
 for m in "$@"; do
   ckpt=/tmp/bnb4_$m
   echo "=== $m $(date +%T)" | tee -a /tmp/jt/stages

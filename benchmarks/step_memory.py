@@ -1,0 +1,132 @@
+"""What a compiled QLoRA step keeps in device memory at its peak, without a checkpoint (abstract weights).
+
+On the GPU machine, from the repository root:
+    PYTHONPATH=. python3 benchmarks/step_memory.py --model llama3-70b --batch 1 --remat per-layer offload
+Compiles the single-device training step (as `jaxtune.train` runs it) for each remat policy given, from the
+shapes of a 4-bit model only (nothing is loaded or run), and prints one JSON line per policy: XLA's memory plan
+(arguments, temporaries, host temporaries) and the largest buffers live at the planned peak (XLA's buffer
+assignment), each with its shape and the operation that makes it. Where the peak goes is then named, not guessed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+SHAPES = {
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=512),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                      vocab_size=128256),
+    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
+                       vocab_size=128256),
+}
+_BREAKDOWN = re.compile(r"[─└├│ ]*(.*?) \(([\d.]+)%, total: ([\d ]+) bytes, current: ([\d ]+) bytes")
+
+
+def peak_buffers(dump_dir: str, top: int) -> list[dict]:
+    """The largest values live at the step's planned peak, by the operation that makes them (the "Stack trace
+    breakdown for peak usage" of XLA's live-range dump; on GPU, Pallas and cuBLAS outputs included)."""
+    paths = sorted(glob.glob(os.path.join(dump_dir, "*step*live-range.txt")), key=os.path.getsize)
+    if not paths:
+        return []
+    text = open(paths[-1]).read()
+    start = text.find("Stack trace breakdown for peak usage")
+    out = []
+    for line in text[start:].splitlines()[1:] if start >= 0 else []:
+        m = _BREAKDOWN.match(line)
+        current = int(m[4].replace(" ", "")) if m else 0
+        if current and m[1].strip() != "value":  # "value": a parameter (weights, LoRA, optimizer state)
+            out.append({"gib": round(current / 2**30, 3), "op": m[1].strip()[-160:]})
+    return sorted(out, key=lambda b: -b["gib"])[:top]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama3-70b", choices=list(SHAPES))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--compute", default="bf16", choices=["bf16", "fp8"])
+    ap.add_argument("--remat", nargs="+", default=["per-layer"])
+    ap.add_argument("--top", type=int, default=25, help="how many of the peak's buffers to print")
+    args = ap.parse_args()
+
+    for remat in args.remat:  # one process per policy: the dump folder and XLA's flags are per process
+        dump = tempfile.mkdtemp(prefix="step_memory_")
+        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
+                                          + f" --xla_dump_to={dump} --xla_dump_hlo_module_re=.*step.*").strip())
+        cmd = [sys.executable, __file__, "--_one", remat, *sys.argv[1:]]
+        pid = os.fork()
+        if pid == 0:
+            os.execve(sys.executable, cmd, env)
+        os.waitpid(pid, 0)
+
+
+def compile_one(argv: list[str]) -> None:
+    remat = argv[argv.index("--_one") + 1]
+    rest = [a for i, a in enumerate(argv) if a != "--_one" and (i == 0 or argv[i - 1] != "--_one")]
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama3-70b")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--compute", default="bf16")
+    ap.add_argument("--remat", nargs="+")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args(rest)
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import jaxtune
+    from jaxtune.config import ModelConfig
+    from jaxtune.model import CausalLM
+    from jaxtune.qlora import quantize_layers
+    from jaxtune.training.step import REMAT_POLICIES, make_optimizer, make_train_step, split_model
+
+    cfg = ModelConfig(model_type="llama", head_dim=128, rope_theta=500000.0,
+                      **SHAPES[args.model])
+    model = nnx.eval_shape(lambda: quantize_layers(CausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
+    jaxtune.get_peft_model(model, r=args.rank, lora_alpha=args.rank)
+    model.remat_policy = REMAT_POLICIES[remat]
+    model.single_sequence_rows = True  # one sequence per row: how train() attends unpacked rows
+    model.compute = args.compute
+    model.offload_group, model.offload_device_layers = 1, 0
+    tcfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch, max_steps=1000, learning_rate=1e-4,
+                               remat=remat, compute=args.compute)
+    graphdef, lora, frozen = split_model(model)
+    optimizer, schedule = make_optimizer(tcfg)
+    opt_state = jax.eval_shape(optimizer.init, lora)
+    lora = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), lora)
+    step_fn = make_train_step(graphdef, optimizer, schedule, tcfg)
+    batch = {k: jax.ShapeDtypeStruct((1, args.batch, args.seq), jnp.int32)
+             for k in ("input_ids", "labels", "segment_ids", "positions")}
+    t0 = time.perf_counter()
+    compiled = step_fn.lower(lora, opt_state, frozen, batch, jnp.int32(0)).compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    gib = lambda b: round(b / 2**30, 3)  # noqa: E731
+    flags = os.environ.get("XLA_FLAGS", "")
+    dump = re.search(r"--xla_dump_to=(\S+)", flags)[1]
+    print(json.dumps({
+        "model": args.model, "batch": args.batch, "seq": args.seq, "rank": args.rank, "compute": args.compute,
+        "remat": remat, "device": jax.local_devices()[0].device_kind, "compile_s": round(compile_s, 1),
+        "planned_device_gib": gib(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+                                  - mem.alias_size_in_bytes),
+        "planned_argument_gib": gib(mem.argument_size_in_bytes), "planned_temp_gib": gib(mem.temp_size_in_bytes),
+        "planned_host_gib": gib(getattr(mem, "host_temp_size_in_bytes", 0)),
+        "peak_buffers": peak_buffers(dump, args.top)}), flush=True)
+
+
+if __name__ == "__main__":
+    if "--_one" in sys.argv:
+        compile_one(sys.argv[1:])
+    else:
+        main()
