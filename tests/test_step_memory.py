@@ -1,0 +1,52 @@
+"""benchmarks/step_memory.py names what a compiled step holds at its peak: its reading of XLA's live-range dump
+gives back a buffer of known size, and the script's plan adds up for a small model compiled from shapes only."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "step_memory.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("step_memory", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_peak_reading_finds_a_temporary_of_known_size(tmp_path):
+    # a jitted function whose only large temporary is a float32 [2048, 4096] product (32 MiB), live while its
+    # row sums are taken
+    code = ("import jax, jax.numpy as jnp\n"
+            "f = jax.jit(lambda a, b: jnp.sum(jnp.tanh(a @ b), axis=1) + jnp.sum(jnp.tanh(a @ b) ** 2, axis=0)[:2048])\n"
+            "f.lower(jax.ShapeDtypeStruct((2048, 256), jnp.float32), jax.ShapeDtypeStruct((256, 4096), jnp.float32))"
+            ".compile()\n")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_module_re=.*lambda.*",
+               JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=ROOT)
+    for path in tmp_path.glob("*lambda*live-range.txt"):  # the reader looks for the step's module by name
+        path.rename(path.with_name(path.name.replace("lambda", "step")))
+    buffers = _script().peak_buffers(str(tmp_path), top=5)
+    assert buffers, "no buffers read from the live-range dump"
+    assert buffers[0]["gib"] == round(2048 * 4096 * 4 / 2**30, 3)  # 32 MiB, the product
+    assert all(b["gib"] <= buffers[0]["gib"] for b in buffers)
+
+
+def test_the_plan_of_a_small_step_compiled_from_shapes(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
+    out = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--seq", "1024", "--remat", "per-layer",
+                          "none", "--top", "5"], check=True, env=env, cwd=ROOT, capture_output=True, text=True).stdout
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [line["remat"] for line in lines] == ["per-layer", "none"]
+    for line in lines:
+        assert line["planned_device_gib"] >= line["planned_argument_gib"] > 0
+        assert 0 < len(line["peak_buffers"]) <= 5
+    # keeping every layer's activations (none) plans more temporaries than recomputing them (per-layer)
+    assert lines[1]["planned_temp_gib"] > lines[0]["planned_temp_gib"]
