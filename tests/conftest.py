@@ -31,6 +31,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def benchmark_script(name: str):
+    """A script of benchmarks/ loaded as a module (they are scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def build_hf_model(config, out_dir, *, seed: int = 0, max_shard_size: str | None = None):
     """Saves a random HF model for `config` (weights perturbed so biases and norms are non-trivial)."""
     import torch

@@ -4,22 +4,16 @@ loads, and transformers on bnb's dequantization gives jaxtune's logits."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 
 import jaxtune
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "make_bnb4_checkpoint.py"
+from conftest import benchmark_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("make_bnb4_checkpoint", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("make_bnb4_checkpoint")
 
 
 def test_a_random_bnb4_checkpoint_reads_the_same_in_bitsandbytes_transformers_and_jaxtune(tmp_path):

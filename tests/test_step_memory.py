@@ -3,22 +3,20 @@ gives back a buffer of known size, and the script's plan adds up for a small mod
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from conftest import benchmark_script
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "step_memory.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("step_memory", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("step_memory")
 
 
 def test_the_peak_reading_finds_a_temporary_of_known_size(tmp_path):
