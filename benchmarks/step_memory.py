@@ -15,17 +15,11 @@ import glob
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
 
-SHAPES = {
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=512),
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-                      vocab_size=128256),
-    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
-                       vocab_size=128256),
-}
 _BREAKDOWN = re.compile(r"[─└├│ ]*(.*?) \(([\d.]+)%, total: ([\d ]+) bytes, current: ([\d ]+) bytes")
 
 
@@ -46,53 +40,47 @@ def peak_buffers(dump_dir: str, top: int) -> list[dict]:
     return sorted(out, key=lambda b: -b["gib"])[:top]
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
+    from benchmarks.make_bnb4_checkpoint import MODELS
+
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="llama3-70b", choices=list(SHAPES))
+    ap.add_argument("--model", default="llama3-70b", choices=list(MODELS))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--compute", default="bf16", choices=["bf16", "fp8"])
     ap.add_argument("--remat", nargs="+", default=["per-layer"])
     ap.add_argument("--top", type=int, default=25, help="how many of the peak's buffers to print")
-    args = ap.parse_args()
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # set for the child process that compiles one policy
+    return ap
 
+
+def main() -> None:
+    args = _parser().parse_args()
+    if args.one:
+        compile_one(args, args.one)
+        return
     for remat in args.remat:  # one process per policy: the dump folder and XLA's flags are per process
         dump = tempfile.mkdtemp(prefix="step_memory_")
-        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
-                                          + f" --xla_dump_to={dump} --xla_dump_hlo_module_re=.*step.*").strip())
-        cmd = [sys.executable, __file__, "--_one", remat, *sys.argv[1:]]
-        pid = os.fork()
-        if pid == 0:
-            os.execve(sys.executable, cmd, env)
-        os.waitpid(pid, 0)
+        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_module_re=.*step.*".strip()
+        subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", remat], check=True,
+                       env=dict(os.environ, XLA_FLAGS=flags))
 
 
-def compile_one(argv: list[str]) -> None:
-    remat = argv[argv.index("--_one") + 1]
-    rest = [a for i, a in enumerate(argv) if a != "--_one" and (i == 0 or argv[i - 1] != "--_one")]
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="llama3-70b")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--compute", default="bf16")
-    ap.add_argument("--remat", nargs="+")
-    ap.add_argument("--top", type=int, default=25)
-    args = ap.parse_args(rest)
-
+def compile_one(args: argparse.Namespace, remat: str) -> None:
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     import jaxtune
+    from benchmarks.make_bnb4_checkpoint import hf_config
+    from benchmarks.train_qlora import memory_plan
     from jaxtune.config import ModelConfig
     from jaxtune.model import CausalLM
     from jaxtune.qlora import quantize_layers
     from jaxtune.training.step import REMAT_POLICIES, make_optimizer, make_train_step, split_model
 
-    cfg = ModelConfig(model_type="llama", head_dim=128, rope_theta=500000.0,
-                      **SHAPES[args.model])
+    cfg = ModelConfig.from_hf(hf_config(args.model))
     model = nnx.eval_shape(lambda: quantize_layers(CausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
     jaxtune.get_peft_model(model, r=args.rank, lora_alpha=args.rank)
     model.remat_policy = REMAT_POLICIES[remat]
@@ -111,22 +99,12 @@ def compile_one(argv: list[str]) -> None:
     t0 = time.perf_counter()
     compiled = step_fn.lower(lora, opt_state, frozen, batch, jnp.int32(0)).compile()
     compile_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    gib = lambda b: round(b / 2**30, 3)  # noqa: E731
-    flags = os.environ.get("XLA_FLAGS", "")
-    dump = re.search(r"--xla_dump_to=(\S+)", flags)[1]
+    dump = re.search(r"--xla_dump_to=(\S+)", os.environ["XLA_FLAGS"])[1]
     print(json.dumps({
         "model": args.model, "batch": args.batch, "seq": args.seq, "rank": args.rank, "compute": args.compute,
         "remat": remat, "device": jax.local_devices()[0].device_kind, "compile_s": round(compile_s, 1),
-        "planned_device_gib": gib(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-                                  - mem.alias_size_in_bytes),
-        "planned_argument_gib": gib(mem.argument_size_in_bytes), "planned_temp_gib": gib(mem.temp_size_in_bytes),
-        "planned_host_gib": gib(getattr(mem, "host_temp_size_in_bytes", 0)),
-        "peak_buffers": peak_buffers(dump, args.top)}), flush=True)
+        **memory_plan(compiled), "peak_buffers": peak_buffers(dump, args.top)}), flush=True)
 
 
 if __name__ == "__main__":
-    if "--_one" in sys.argv:
-        compile_one(sys.argv[1:])
-    else:
-        main()
+    main()

@@ -1,5 +1,5 @@
 """benchmarks/step_memory.py names what a compiled step holds at its peak: its reading of XLA's live-range dump
-gives back a buffer of known size, and the script's plan adds up for a small model compiled from shapes only."""
+gives back a buffer of known size, and the script's plan adds up for a 1B model compiled from shapes only."""
 
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ def test_the_peak_reading_finds_a_temporary_of_known_size(tmp_path):
     assert all(b["gib"] <= buffers[0]["gib"] for b in buffers)
 
 
-def test_the_plan_of_a_small_step_compiled_from_shapes(tmp_path):
+def test_the_plan_of_a_1b_step_compiled_from_shapes(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
-    out = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--seq", "1024", "--remat", "per-layer",
+    out = subprocess.run([sys.executable, str(SCRIPT), "--model", "llama3.2-1b", "--seq", "1024", "--remat", "per-layer",
                           "none", "--top", "5"], check=True, env=env, cwd=ROOT, capture_output=True, text=True).stdout
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert [line["remat"] for line in lines] == ["per-layer", "none"]
