@@ -303,7 +303,9 @@ class CausalLM(nnx.Module):
             state, layer_cache, rng = xs
             layer = nnx.merge(graphdef, state)
             h = checkpoint_name(h, "layer_input")  # what the "offload" policy moves to host memory
-            return layer(h, *constants, layer_cache, cache_seg, cache_index, rng, mlp_token_tile)
+            # memory-first training keeps one dequantized weight alive at a time, not a layer's worth
+            with ops.dequantize_at_use(per_layer_scales):
+                return layer(h, *constants, layer_cache, cache_seg, cache_index, rng, mlp_token_tile)
 
         if group > 1 or on_device:
             return self.norm(self._split_offload_scan(body, h, layer_state, layer_rngs, group, on_device)), None

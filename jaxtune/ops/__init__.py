@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from jaxtune.ops import dispatch
 from jaxtune.ops.attention import attention, attention_mask
 from jaxtune.ops.context import (COMPUTE_MODES, frozen_compute, frozen_compute_mode, segments_share_prefixes,
-                                 shared_prefix_segments, stacked_layer, stacked_layer_index)
+                                 dequantize_at_use, dequantizing_at_use, shared_prefix_segments, stacked_layer,
+                                 stacked_layer_index)
 from jaxtune.ops.dense import dot_out, linear, rows
 from jaxtune.ops.fp8_linear import FP8_GRAD_FORMAT, fp8_dx_nf4_matmul, fp8_input, fp8_nf4_matmul
 from jaxtune.ops.kernel_operands import kernel_shaped, kernels_read_prepared_scales, prepare_kernel_scales
@@ -32,13 +33,14 @@ def nf4_linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array
     on the bf16 path.
     """
     impl, mode, interpret = dispatch.nf4_impl(rows(x)), frozen_compute_mode(), dispatch.interpret()
+    at_use = dequantizing_at_use()
     fp8 = dispatch.fp8_impl() if mode != "bf16" and kernel_shaped(weight) else None
     if fp8 and mode == "fp8":
-        y = fp8_nf4_matmul(x, *fp8_input(x, fp8, interpret), weight, fp8, interpret)
+        y = fp8_nf4_matmul(x, *fp8_input(x, fp8, interpret), weight, fp8, interpret, at_use)
     elif fp8:  # "fp8-dx"
-        y = fp8_dx_nf4_matmul(x, weight, impl, fp8, interpret)
+        y = fp8_dx_nf4_matmul(x, weight, impl, fp8, interpret, at_use)
     else:
-        y = bf16_nf4_matmul(x, weight, impl, interpret)
+        y = bf16_nf4_matmul(x, weight, impl, interpret, at_use)
     return y if bias is None else (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
@@ -47,6 +49,7 @@ __all__ = [
     "FP8_GRAD_FORMAT",
     "attention",
     "attention_mask",
+    "dequantize_at_use",
     "dispatch",
     "dot_out",
     "frozen_compute",

@@ -1,5 +1,6 @@
 """Trace-time context the model sets around its layers: which layer of a stacked scan runs, in which
-precision the frozen projections compute, and whether segment ids carry shared prefixes."""
+precision the frozen projections compute, whether their weights are dequantized at use, and whether segment ids
+carry shared prefixes."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ _frozen_compute: contextvars.ContextVar[str] = contextvars.ContextVar("frozen_co
 # (gate and up, q/k/v) quantize it once
 _fp8_inputs: contextvars.ContextVar[list | None] = contextvars.ContextVar("fp8_inputs", default=None)
 _shared_prefix: contextvars.ContextVar[bool] = contextvars.ContextVar("shared_prefix", default=False)
+_at_use: contextvars.ContextVar[bool] = contextvars.ContextVar("dequantize_at_use", default=False)
 
 
 @contextlib.contextmanager
@@ -74,3 +76,26 @@ def shared_prefix_segments() -> Iterator[None]:
 
 def segments_share_prefixes() -> bool:
     return _shared_prefix.get()
+
+
+@contextlib.contextmanager
+def dequantize_at_use(on: bool = True) -> Iterator[None]:
+    """Within the block, a frozen projection dequantizes its weight only once its input (forward) or output
+    gradient (backward) exists, and the backward pass dequantizes again rather than keep the forward's copy: one
+    dequantized weight alive at a time instead of a layer's worth (memory-first training: per-layer recompute and
+    offload), for one more dequantization per projection in the backward pass."""
+    token = _at_use.set(on)
+    try:
+        yield
+    finally:
+        _at_use.reset(token)
+
+
+def dequantizing_at_use() -> bool:
+    return _at_use.get()
+
+
+def barrier(on: bool, *arrays):
+    """`arrays` as they are, or (`on`) through one optimization barrier, so that what is computed from them
+    afterwards waits for all of them and is not merged with the same computation on the unbarriered arrays."""
+    return jax.lax.optimization_barrier(arrays) if on else arrays

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxtune.ops.context import fp8_inputs_seen
 from jaxtune.ops.kernel_operands import dequantized, fp8_scales
 from jaxtune.ops.dense import zero_cotangent
+from jaxtune.ops.context import barrier
 from jaxtune.ops.nf4_linear import bf16_nf4_matmul
 from jaxtune.ops.sharded import per_batch_shard, per_batch_shard_with
 
@@ -96,21 +97,24 @@ def _input_gradient(weight, dy: jax.Array, impl: str, interpret: bool) -> jax.Ar
     return _fp8_gemm(gq, g_scale, wtq, wt_scale, dy.dtype, impl, interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def fp8_nf4_matmul(x, xq, x_scale, weight, impl: str, interpret: bool):
-    """y = x @ dequant(W)ᵀ from x's FP8 rows (xq, x_scale: `fp8_input(x)`); x is there for its gradient."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def fp8_nf4_matmul(x, xq, x_scale, weight, impl: str, interpret: bool, at_use: bool = False):
+    """y = x @ dequant(W)ᵀ from x's FP8 rows (xq, x_scale: `fp8_input(x)`); x is there for its gradient.
+    `at_use`: dequantize at use (`context.dequantize_at_use`)."""
+    xq, weight = barrier(at_use, xq, weight)
     wq, w_scale = fp8_weight(weight, impl != "xla", interpret)
     return _fp8_gemm(xq, x_scale, wq, w_scale, x.dtype, impl, interpret)
 
 
-def _fp8_nf4_matmul_fwd(x, xq, x_scale, weight, impl, interpret):
+def _fp8_nf4_matmul_fwd(x, xq, x_scale, weight, impl, interpret, at_use):
     # like the bf16 path: only the 4-bit arrays are kept; the FP8 weight is re-derived in the backward pass
-    return fp8_nf4_matmul(x, xq, x_scale, weight, impl, interpret), weight
+    return fp8_nf4_matmul(x, xq, x_scale, weight, impl, interpret, at_use), weight
 
 
-def _fp8_nf4_matmul_bwd(impl, interpret, weight, dy):
+def _fp8_nf4_matmul_bwd(impl, interpret, at_use, weight, dy):
     from pallas_kernels.fp8_quantize import E4M3
 
+    weight, dy = barrier(at_use, weight, dy)
     dx = _input_gradient(weight, dy, impl, interpret)
     # xq and its scales come from x through stop_gradient: their cotangents are dropped
     lead = dy.shape[:-1]
@@ -121,18 +125,19 @@ def _fp8_nf4_matmul_bwd(impl, interpret, weight, dy):
 fp8_nf4_matmul.defvjp(_fp8_nf4_matmul_fwd, _fp8_nf4_matmul_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def fp8_dx_nf4_matmul(x, weight, impl: str, fp8: str, interpret: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def fp8_dx_nf4_matmul(x, weight, impl: str, fp8: str, interpret: bool, at_use: bool = False):
     """y = x @ dequant(W)ᵀ in x's dtype (`impl`: the bf16 path's), its input gradient an FP8 GEMM (`fp8`: that
     GEMM's implementation)."""
-    return bf16_nf4_matmul(x, weight, impl, interpret)
+    return bf16_nf4_matmul(x, weight, impl, interpret, at_use)
 
 
-def _fp8_dx_nf4_matmul_fwd(x, weight, impl, fp8, interpret):
-    return fp8_dx_nf4_matmul(x, weight, impl, fp8, interpret), weight
+def _fp8_dx_nf4_matmul_fwd(x, weight, impl, fp8, interpret, at_use):
+    return fp8_dx_nf4_matmul(x, weight, impl, fp8, interpret, at_use), weight
 
 
-def _fp8_dx_nf4_matmul_bwd(impl, fp8, interpret, weight, dy):
+def _fp8_dx_nf4_matmul_bwd(impl, fp8, interpret, at_use, weight, dy):
+    weight, dy = barrier(at_use, weight, dy)
     return _input_gradient(weight, dy, fp8, interpret), jax.tree.map(zero_cotangent, weight)
 
 

@@ -8,6 +8,7 @@ import functools
 
 import jax
 
+from jaxtune.ops.context import barrier
 from jaxtune.ops.dense import input_gradient, linear, rows, zero_cotangent
 from jaxtune.ops.kernel_operands import dequantized, kernel_shaped, with_codes
 
@@ -35,43 +36,47 @@ def kernel_tiles(m: int, direction: str, shape: tuple[int, int] | None = None):
     return MatmulTiles(256, 128, 64, 1, 8, 3) if direction == "fwd" else MatmulTiles(128, 128, 64, 1, 8, 3)
 
 
-@jax.custom_vjp
-def _xla_nf4_matmul(x: jax.Array, weight) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _xla_nf4_matmul(x: jax.Array, weight, at_use: bool) -> jax.Array:
     from jaxtune.nf4 import dequantize
 
+    x, weight = barrier(at_use, x, weight)
     return linear(x, dequantize(weight, x.dtype))
 
 
-def _xla_nf4_matmul_fwd(x, weight):
-    return _xla_nf4_matmul(x, weight), weight
+def _xla_nf4_matmul_fwd(x, weight, at_use):
+    return _xla_nf4_matmul(x, weight, at_use), weight
 
 
-def _xla_nf4_matmul_bwd(weight, dy):
+def _xla_nf4_matmul_bwd(at_use, weight, dy):
     from jaxtune.nf4 import dequantize
 
+    weight, dy = barrier(at_use, weight, dy)
     return input_gradient(dy, dequantize(weight, dy.dtype)), jax.tree.map(zero_cotangent, weight)
 
 
 _xla_nf4_matmul.defvjp(_xla_nf4_matmul_fwd, _xla_nf4_matmul_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _kernel_nf4_matmul(x, weight, impl: str, interpret: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _kernel_nf4_matmul(x, weight, impl: str, interpret: bool, at_use: bool):
     from pallas_kernels import nf4_matmul as kernels
 
+    x, weight = barrier(at_use, x, weight)
     if impl == "fused":
         tiles = kernel_tiles(rows(x), "fwd", weight.shape)
         return with_codes(weight, functools.partial(kernels.nf4_matmul_forward, tiles=tiles, interpret=interpret), x)
     return linear(x, dequantized(weight, x.dtype, interpret))
 
 
-def _kernel_nf4_matmul_fwd(x, weight, impl, interpret):
-    return _kernel_nf4_matmul(x, weight, impl, interpret), weight
+def _kernel_nf4_matmul_fwd(x, weight, impl, interpret, at_use):
+    return _kernel_nf4_matmul(x, weight, impl, interpret, at_use), weight
 
 
-def _kernel_nf4_matmul_bwd(impl, interpret, weight, dy):
+def _kernel_nf4_matmul_bwd(impl, interpret, at_use, weight, dy):
     from pallas_kernels import nf4_matmul as kernels
 
+    weight, dy = barrier(at_use, weight, dy)
     if impl == "fused":
         tiles = kernel_tiles(rows(dy), "dx")
         dx = with_codes(weight, functools.partial(kernels.nf4_matmul_dx, tiles=tiles, interpret=interpret), dy)
@@ -83,9 +88,9 @@ def _kernel_nf4_matmul_bwd(impl, interpret, weight, dy):
 _kernel_nf4_matmul.defvjp(_kernel_nf4_matmul_fwd, _kernel_nf4_matmul_bwd)
 
 
-def bf16_nf4_matmul(x: jax.Array, weight, impl: str, interpret: bool) -> jax.Array:
+def bf16_nf4_matmul(x: jax.Array, weight, impl: str, interpret: bool, at_use: bool = False) -> jax.Array:
     """The projection in x's dtype: a Pallas path (`impl` "fused" or "dequant+dot") where the weight's shape
-    suits the kernels, else dequantize then dot."""
+    suits the kernels, else dequantize then dot. `at_use`: dequantize at use (`context.dequantize_at_use`)."""
     if impl != "xla" and kernel_shaped(weight):
-        return _kernel_nf4_matmul(x, weight, impl, interpret)
-    return _xla_nf4_matmul(x, weight)
+        return _kernel_nf4_matmul(x, weight, impl, interpret, at_use)
+    return _xla_nf4_matmul(x, weight, at_use)
