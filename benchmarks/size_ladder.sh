@@ -9,11 +9,14 @@
 #   KEEP_CKPT=1        keep the checkpoint after the rung (the default deletes it: the disk holds ~64 GB)
 # JSON lines (tagged with the model) go to /tmp/jt/results.jsonl, each run's whole output to /tmp/jt/runs.log. Unsloth needs .bench/ and .site/ carried.
 set -u
+export PYTHONFAULTHANDLER=1  # a crash leaves its Python stack in runs.log
 mkdir -p /tmp/jt
 out=/tmp/jt/results.jsonl
 here=$PWD
 # every run's whole output goes to /tmp/jt/runs.log (a run that fails leaves its error there), its JSON lines to $out
 tag() { tee -a /tmp/jt/runs.log | grep --line-buffered '^{"' | sed -u "s/^{/{\"model\": \"$1\", $2/" | tee -a "$out"; }
+# a run's exit status (128 + N: killed by signal N, e.g. 137 SIGKILL from the host's OOM killer, 139 SIGSEGV)
+status() { echo "--- $1 exit $2" | tee -a /tmp/jt/stages /tmp/jt/runs.log; }
 for m in "$@"; do
   ckpt=/tmp/bnb4_$m
   echo "=== $m $(date +%T)" | tee -a /tmp/jt/stages
@@ -22,8 +25,10 @@ for m in "$@"; do
     prof=()
     [ "$b" = "${JT_PROFILE:-}" ] && prof=(--profile /tmp/jt/trace_$m)
     PYTHONPATH=. python3 benchmarks/train_qlora.py "$ckpt" --batch $b --remat selective "${prof[@]}" 2>&1 | tag "$m" ""
+    status "$m jaxtune bf16 batch $b" "${PIPESTATUS[0]}"
   done
   PYTHONPATH=. python3 benchmarks/train_qlora.py "$ckpt" --batch ${FP8_BATCH:-16} --remat selective --compute fp8 2>&1 | tag "$m" ""
+  status "$m jaxtune fp8 batch ${FP8_BATCH:-16}" "${PIPESTATUS[0]}"
   if [ -n "${JT_PROFILE:-}" ] && [ -d /tmp/jt/trace_$m ]; then
     python3 benchmarks/trace_summary.py /tmp/jt/trace_$m 2 25 2>&1 | tag "$m" "\"profile\": \"jaxtune\", \"batch\": $JT_PROFILE, "
   fi
@@ -31,6 +36,7 @@ for m in "$@"; do
     PYTHONPATH=$here/.site:$here/.bench python3 -c "
 import sys; from unsloth_baseline import run
 ck = sys.argv[3]; run(sys.argv[1], int(sys.argv[2]), 2048, False if ck == 'False' else ck)" "$ckpt" ${cfg%%:*} ${cfg#*:} 2>&1 | tag "$m" ""
+    status "$m unsloth $cfg" "${PIPESTATUS[0]}"
   done
   if [ -n "${UNSLOTH_PROFILE:-}" ]; then
     PYTHONPATH=$here/.site python3 .bench/unsloth_profile.py "$ckpt" "$UNSLOTH_PROFILE" 2>&1 | tag "$m" "\"profile\": \"unsloth\", \"batch\": $UNSLOTH_PROFILE, "
