@@ -11,7 +11,7 @@ ckpt=/tmp/bnb4_8b
 out=/tmp/jt/results.jsonl
 here=$PWD
 # each run's whole output goes to /tmp/jt/runs.log (a failed run leaves its error there), its JSON lines to $out
-json() { tee -a /tmp/jt/runs.log | grep --line-buffered '^{"' | tee -a "$out"; }
+json() { tee -a /tmp/jt/runs.log | sed -u 's/.*\r//' | grep --line-buffered '^{"' | tee -a "$out"; }
 stage() { echo "=== $1 $(date +%T)" | tee -a /tmp/jt/stages; }
 for s in "$@"; do
   stage "$s"

@@ -14,7 +14,7 @@ mkdir -p /tmp/jt
 out=/tmp/jt/results.jsonl
 here=$PWD
 # every run's whole output goes to /tmp/jt/runs.log (a run that fails leaves its error there), its JSON lines to $out
-tag() { tee -a /tmp/jt/runs.log | grep --line-buffered '^{"' | sed -u "s/^{/{\"model\": \"$1\", $2/" | tee -a "$out"; }
+tag() { tee -a /tmp/jt/runs.log | sed -u 's/.*\r//' | grep --line-buffered '^{"' | sed -u "s/^{/{\"model\": \"$1\", $2/" | tee -a "$out"; }
 # a run's exit status (128 + N: killed by signal N, e.g. 137 SIGKILL from the host's OOM killer, 139 SIGSEGV)
 status() { echo "--- $1 exit $2" | tee -a /tmp/jt/stages /tmp/jt/runs.log; }
 for m in "$@"; do

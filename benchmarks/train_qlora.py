@@ -72,6 +72,12 @@ def memory_plan(compiled) -> dict:
             "planned_host_gib": gib(getattr(mem, "host_temp_size_in_bytes", 0))}
 
 
+def _peak_gib() -> float:
+    """The device's peak bytes in use so far, in GiB: read after loading and after compiling (the GEMM autotuner
+    allocates while the weights are resident), it tells which phase sets a run's peak."""
+    return round((jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30, 2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -93,6 +99,7 @@ def main() -> None:
     model, _ = jaxtune.from_pretrained(args.model, load_in_4bit=True)
     jax.block_until_ready(nnx.state(model))
     load_s = time.perf_counter() - t0
+    peak_after_load = _peak_gib()
     jaxtune.get_peft_model(model, r=16, lora_alpha=16)
     model.remat_policy = REMAT_POLICIES[args.remat]
     model.single_sequence_rows = args.data == "dense"
@@ -113,7 +120,8 @@ def main() -> None:
     abstract = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("input_ids", "labels", "segment_ids", "positions")}
     t0 = time.perf_counter()
     compiled = step_fn.lower(lora, opt_state, frozen, abstract, jnp.int32(0)).compile()
-    base.update(compile_s=round(time.perf_counter() - t0, 1), **memory_plan(compiled))
+    base.update(compile_s=round(time.perf_counter() - t0, 1), **memory_plan(compiled),
+                peak_after_load_gib=peak_after_load, peak_after_compile_gib=_peak_gib())
     if args.compile_only:
         print(json.dumps({**base, "device_limit_gib": round(
             (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit", 0) / 2**30, 2)}), flush=True)
@@ -141,12 +149,11 @@ def main() -> None:
     dt = (time.perf_counter() - t0) / args.steps
     real = sum(int((b["segment_ids"] > 0).sum()) for b in batches[args.warmup:]) / args.steps
     slot_tok_s = micro * args.seq / dt
-    stats = jax.local_devices()[0].memory_stats() or {}
     print(json.dumps({
         **base, "step_s": round(dt, 4), "tok_s": round(real / dt), "slot_tok_s": round(slot_tok_s),
         "packing_efficiency": round(efficiency, 4),
         "mfu": round(real / dt * flops_per_token(model, args.seq) / PEAK_BF16_FLOPS, 3),
-        "peak_gib": round(stats.get("peak_bytes_in_use", 0) / 2**30, 2), "load_s": round(load_s, 1),
+        "peak_gib": _peak_gib(), "load_s": round(load_s, 1),
         "first_step_s": round(first_s, 1), "auto_batch_s": round(choose_s, 1), "loss": float(m["loss"]),
     }), flush=True)
 
