@@ -5,13 +5,11 @@
 #     > /tmp/jt/log 2>&1 < /dev/null &
 # JSON lines go to /tmp/jt/results.jsonl, stage marks to /tmp/jt/stages. Unsloth needs .bench/ and .site/ carried.
 set -u
-export PYTHONFAULTHANDLER=1
-mkdir -p /tmp/jt
+. "$(dirname "$0")/run_log.sh"
 ckpt=/tmp/bnb4_8b
 out=/tmp/jt/results.jsonl
 here=$PWD
-# each run's whole output goes to /tmp/jt/runs.log (a failed run leaves its error there), its JSON lines to $out
-json() { tee -a /tmp/jt/runs.log | sed -u 's/.*\r//' | grep --line-buffered '^{"' | tee -a "$out"; }
+json() { json_lines | tee -a "$out"; }
 stage() { echo "=== $1 $(date +%T)" | tee -a /tmp/jt/stages; }
 for s in "$@"; do
   stage "$s"

@@ -7,16 +7,14 @@
 # JSON lines, tagged with the XLA flags of the run, go to /tmp/jt/results.jsonl, each run's whole output and exit
 # status to /tmp/jt/runs.log. FSDP efficiency = tok/s on two GPUs / (2 x tok/s on one at the same rows per GPU).
 set -u
-export PYTHONFAULTHANDLER=1
-mkdir -p /tmp/jt
+. "$(dirname "$0")/run_log.sh"
 out=/tmp/jt/results.jsonl
 PIPELINED="--xla_gpu_enable_pipelined_all_gather=true --xla_gpu_enable_pipelined_reduce_scatter=true --xla_gpu_enable_while_loop_double_buffering=true"
 run() {  # run NAME XLA_FLAGS scale_qlora-arguments...
   local name=$1 flags=$2; shift 2
   echo "=== $name $(date +%T)" | tee -a /tmp/jt/stages
   XLA_FLAGS="$flags" PYTHONPATH=. python3 benchmarks/scale_qlora.py --model llama3-70b --remat per-layer "$@" 2>&1 \
-    | tee -a /tmp/jt/runs.log | sed -u 's/.*\r//' | grep --line-buffered '^{"' | sed -u "s/^{/{\"run\": \"$name\", \"xla_flags\": \"$flags\", /" \
-    | tee -a "$out"
+    | json_lines | sed -u "s/^{/{\"run\": \"$name\", \"xla_flags\": \"$flags\", /" | tee -a "$out"
   echo "--- $name exit ${PIPESTATUS[0]}" | tee -a /tmp/jt/stages /tmp/jt/runs.log
 }
 for b in 1 2; do

@@ -8,13 +8,11 @@
 # /tmp/jt/results.jsonl, everything else to the log.
 # Unsloth needs .bench/ and .site/ carried (../shared/bench).
 set -u
-export PYTHONFAULTHANDLER=1  # a crash in native code leaves its Python stack in the log
-mkdir -p /tmp/jt
+. "$(dirname "$0")/run_log.sh"
 ckpt=/tmp/bnb4_70b
 out=/tmp/jt/results.jsonl
 here=$PWD
-# each run's whole output goes to /tmp/jt/runs.log (a failed run leaves its error there), its JSON lines to $out
-json() { tee -a /tmp/jt/runs.log | sed -u 's/.*\r//' | grep --line-buffered '^{' | tee -a "$out"; }
+json() { json_lines | tee -a "$out"; }
 stage() { echo "=== $1 $(date +%T)" | tee -a /tmp/jt/stages; }
 for s in "$@"; do
   stage "$s"

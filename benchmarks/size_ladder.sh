@@ -9,12 +9,10 @@
 #   KEEP_CKPT=1        keep the checkpoint after the rung (the default deletes it: the disk holds ~64 GB)
 # JSON lines (tagged with the model) go to /tmp/jt/results.jsonl, each run's whole output to /tmp/jt/runs.log. Unsloth needs .bench/ and .site/ carried.
 set -u
-export PYTHONFAULTHANDLER=1  # a crash leaves its Python stack in runs.log
-mkdir -p /tmp/jt
+. "$(dirname "$0")/run_log.sh"
 out=/tmp/jt/results.jsonl
 here=$PWD
-# every run's whole output goes to /tmp/jt/runs.log (a run that fails leaves its error there), its JSON lines to $out
-tag() { tee -a /tmp/jt/runs.log | sed -u 's/.*\r//' | grep --line-buffered '^{"' | sed -u "s/^{/{\"model\": \"$1\", $2/" | tee -a "$out"; }
+tag() { json_lines | sed -u "s/^{/{\"model\": \"$1\", $2/" | tee -a "$out"; }
 # a run's exit status (128 + N: killed by signal N, e.g. 137 SIGKILL from the host's OOM killer, 139 SIGSEGV)
 status() { echo "--- $1 exit $2" | tee -a /tmp/jt/stages /tmp/jt/runs.log; }
 for m in "$@"; do

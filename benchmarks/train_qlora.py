@@ -26,6 +26,7 @@ from flax import nnx
 import jaxtune
 from jaxtune.data.formats import Example
 from jaxtune.data.packing import pack_examples
+from jaxtune.distributed import peak_memory_gib
 from jaxtune.training.autobatch import choose_micro_batch
 from jaxtune.training.loop import PEAK_BF16_FLOPS, flops_per_token
 from jaxtune.training.step import REMAT_POLICIES, make_optimizer, make_train_step, split_model
@@ -75,7 +76,7 @@ def memory_plan(compiled) -> dict:
 def _peak_gib() -> float:
     """The device's peak bytes in use so far, in GiB: read after loading and after compiling (the GEMM autotuner
     allocates while the weights are resident), it tells which phase sets a run's peak."""
-    return round((jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30, 2)
+    return round(peak_memory_gib() or 0.0, 2)
 
 
 def main() -> None:

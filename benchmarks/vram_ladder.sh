@@ -10,14 +10,12 @@
 # JSON lines go to /tmp/jt/results.jsonl (host memory left during each step included). Unsloth needs .bench/ and
 # .site/ carried (../shared/bench).
 set -u
-export PYTHONFAULTHANDLER=1
-mkdir -p /tmp/jt
+. "$(dirname "$0")/run_log.sh"
 ckpt=${CKPT:-/tmp/bnb4_8b}
 out=/tmp/jt/results.jsonl
 here=$PWD
 declare -A published=([8]=2972 [12]=21848 [16]=40724 [24]=78475 [40]=153977 [48]=191728 [80]=342733)
-# each run's whole output goes to /tmp/jt/runs.log (a failed run leaves its error there), its JSON lines to $out
-json() { tee -a /tmp/jt/runs.log | sed -u 's/.*\r//' | grep --line-buffered '^{"' | tee -a "$out"; }
+json() { json_lines | tee -a "$out"; }
 stage() { echo "=== $1 $(date +%T)" | tee -a /tmp/jt/stages; }
 # lengths: `published` x each percentage, rounded up
 ladder() { local p=$1 f s=(); shift; for f in "$@"; do s+=($(( (p * f + 99) / 100 ))); done; local IFS=,; echo "${s[*]}"; }

@@ -21,6 +21,14 @@ from jaxtune.training.step import REMAT_POLICIES, loss_and_grads, make_optimizer
 BATCH_KEYS = ("input_ids", "labels", "segment_ids", "positions")
 
 
+@contextlib.contextmanager
+def _weights_kept_between_uses(monkeypatch):
+    """The model's `dequantize_at_use` made a no-op: the step as XLA schedules it without the barriers."""
+    with monkeypatch.context() as m:
+        m.setattr(ops, "dequantize_at_use", lambda on=True: contextlib.nullcontext())
+        yield
+
+
 def _step(model, remat: str, seq: int, compute: str = "bf16"):
     jaxtune.get_peft_model(model, r=8, lora_alpha=8)
     model.remat_policy = REMAT_POLICIES[remat]
@@ -46,8 +54,7 @@ def _planned_temp_bytes(remat: str) -> int:
 @pytest.mark.parametrize("remat", ["per-layer", "offload"])
 def test_the_memory_first_step_plans_fewer_dequantized_weights(remat, monkeypatch):
     at_use = _planned_temp_bytes(remat)
-    with monkeypatch.context() as m:
-        m.setattr(ops, "dequantize_at_use", lambda on=True: contextlib.nullcontext())
+    with _weights_kept_between_uses(monkeypatch):
         forward_copies = _planned_temp_bytes(remat)
     one_weight = 8192 * 1024 * 2
     assert forward_copies - at_use >= one_weight // 2, (at_use, forward_copies)
@@ -81,8 +88,7 @@ def test_dequantizing_at_use_leaves_the_gradients_unchanged(kernels, monkeypatch
     jaxtune.set_kernels(kernels)
     try:
         loss, grads = _loss_and_grads("per-layer", "bf16")
-        with monkeypatch.context() as m:
-            m.setattr(ops, "dequantize_at_use", lambda on=True: contextlib.nullcontext())
+        with _weights_kept_between_uses(monkeypatch):
             ref_loss, ref_grads = _loss_and_grads("per-layer", "bf16")
     finally:
         jaxtune.set_kernels(None)
@@ -97,8 +103,7 @@ def test_fp8_gradients_stay_as_close_to_bf16_when_dequantized_at_use(monkeypatch
     the other way: the test is the distance to the bf16 gradients, not equality."""
     _, bf16 = _loss_and_grads("per-layer", "bf16")
     _, at_use = _loss_and_grads("per-layer", "fp8")
-    with monkeypatch.context() as m:
-        m.setattr(ops, "dequantize_at_use", lambda on=True: contextlib.nullcontext())
+    with _weights_kept_between_uses(monkeypatch):
         _, forward_copies = _loss_and_grads("per-layer", "fp8")
 
     def distance(grads):

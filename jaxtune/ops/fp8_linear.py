@@ -9,10 +9,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxtune.ops.context import fp8_inputs_seen
+from jaxtune.ops.context import barrier, fp8_inputs_seen
 from jaxtune.ops.kernel_operands import dequantized, fp8_scales
 from jaxtune.ops.dense import zero_cotangent
-from jaxtune.ops.context import barrier
 from jaxtune.ops.nf4_linear import bf16_nf4_matmul
 from jaxtune.ops.sharded import per_batch_shard, per_batch_shard_with
 
