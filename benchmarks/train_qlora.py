@@ -6,6 +6,7 @@ On the GPU machine, from the repository root, after benchmarks/convert_llama8b.p
     PYTHONPATH=. python3 benchmarks/train_qlora.py /tmp/jt8b --data varlen --batch 8 --remat selective
     PYTHONPATH=. python3 benchmarks/train_qlora.py /tmp/jt8b --batch 1 --seq 131072 --remat offload --compile-only
     PYTHONPATH=. python3 benchmarks/train_qlora.py /tmp/jt8b --batch 4 --remat selective --profile /tmp/trace
+    PYTHONPATH=. python3 benchmarks/train_qlora.py /tmp/bnb4_70b --batch 1 --remat offload --compile-first
 Prints one JSON line per run: load and first-step seconds, tokens/s (real tokens only for --data varlen, which
 packs instruction-like lengths, benchmarks/varlen.py, into rows), MFU (31.6 GFLOP/token-style count over
 989 TFLOP/s), peak GiB. Each line carries XLA's memory plan of the step (arguments, temporaries, outputs); --compile-only
@@ -79,6 +80,25 @@ def _peak_gib() -> float:
     return round(peak_memory_gib() or 0.0, 2)
 
 
+def configure(model, args: argparse.Namespace):
+    """LoRA r=16 on all projections and the step's flags, the same on the loaded and on the abstract model."""
+    jaxtune.get_peft_model(model, r=16, lora_alpha=16)
+    model.remat_policy = REMAT_POLICIES[args.remat]
+    model.single_sequence_rows = args.data == "dense"
+    model.compute = args.compute
+    return model
+
+
+def abstract_model(path: str):
+    """The 4-bit model a checkpoint fills, from its config alone (no weights on the device)."""
+    from convert.load import load_hf_config
+    from jaxtune.model import CausalLM
+    from jaxtune.qlora import quantize_layers
+
+    cfg = load_hf_config(path)
+    return nnx.eval_shape(lambda: quantize_layers(CausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -94,35 +114,52 @@ def main() -> None:
     ap.add_argument("--compute", default="bf16", choices=["bf16", "fp8"], help="frozen projections in bf16 or FP8")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--profile", help="write a jax.profiler trace of 2 steps to this folder")
+    ap.add_argument("--compile-first", action="store_true",
+                    help="compile the step from the checkpoint's shapes before its weights reach the device, so "
+                         "the GEMM autotuner's buffers and the weights are never resident together")
     args = ap.parse_args()
+    if args.compile_first and args.batch == "auto":
+        ap.error("--compile-first needs a fixed --batch")
+    cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch if args.batch == "auto" else int(args.batch),
+                              max_steps=1000, learning_rate=1e-4, remat=args.remat, compute=args.compute)
+    optimizer, schedule = make_optimizer(cfg)
+
+    def compile_step(graphdef, lora, opt_state, frozen, micro: int):
+        step_fn = make_train_step(graphdef, optimizer, schedule, cfg)
+        shape = (1, micro, args.seq)
+        batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("input_ids", "labels", "segment_ids", "positions")}
+        t0 = time.perf_counter()
+        compiled = step_fn.lower(lora, opt_state, frozen, batch, jnp.int32(0)).compile()
+        return compiled, time.perf_counter() - t0
+
+    compiled = None
+    if args.compile_first:
+        graphdef, lora, frozen = split_model(configure(abstract_model(args.model), args))
+        lora = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), lora)
+        compiled, compile_s = compile_step(graphdef, lora, jax.eval_shape(optimizer.init, lora), frozen, int(args.batch))
+    peak_after_compile = _peak_gib()
 
     t0 = time.perf_counter()
     model, _ = jaxtune.from_pretrained(args.model, load_in_4bit=True)
     jax.block_until_ready(nnx.state(model))
     load_s = time.perf_counter() - t0
     peak_after_load = _peak_gib()
-    jaxtune.get_peft_model(model, r=16, lora_alpha=16)
-    model.remat_policy = REMAT_POLICIES[args.remat]
-    model.single_sequence_rows = args.data == "dense"
-    model.compute = args.compute
-    cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch if args.batch == "auto" else int(args.batch),
-                              max_steps=1000, learning_rate=1e-4, remat=args.remat, compute=args.compute)
-    graphdef, lora, frozen = split_model(model)
-    optimizer, schedule = make_optimizer(cfg)
+    graphdef, lora, frozen = split_model(configure(model, args))
     opt_state = optimizer.init(lora)
-    step_fn = make_train_step(graphdef, optimizer, schedule, cfg)
     t0 = time.perf_counter()
-    micro = choose_micro_batch(cfg, step_fn, lora, opt_state, frozen) if args.batch == "auto" else int(args.batch)
+    if args.batch == "auto":
+        micro = choose_micro_batch(cfg, make_train_step(graphdef, optimizer, schedule, cfg), lora, opt_state, frozen)
+    else:
+        micro = int(args.batch)
     choose_s = time.perf_counter() - t0
     base = {"system": "jaxtune", "device": jax.local_devices()[0].device_kind, "batch": micro, "batch_arg": args.batch,
-            "seq": args.seq, "remat": args.remat, "data": args.data, "compute": args.compute}
-
-    shape = (1, micro, args.seq)
-    abstract = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("input_ids", "labels", "segment_ids", "positions")}
-    t0 = time.perf_counter()
-    compiled = step_fn.lower(lora, opt_state, frozen, abstract, jnp.int32(0)).compile()
-    base.update(compile_s=round(time.perf_counter() - t0, 1), **memory_plan(compiled),
-                peak_after_load_gib=peak_after_load, peak_after_compile_gib=_peak_gib())
+            "seq": args.seq, "remat": args.remat, "data": args.data, "compute": args.compute,
+            "compile_first": args.compile_first}
+    if compiled is None:
+        compiled, compile_s = compile_step(graphdef, lora, opt_state, frozen, micro)
+        peak_after_compile = _peak_gib()
+    base.update(compile_s=round(compile_s, 1), **memory_plan(compiled),
+                peak_after_load_gib=peak_after_load, peak_after_compile_gib=peak_after_compile)
     if args.compile_only:
         print(json.dumps({**base, "device_limit_gib": round(
             (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit", 0) / 2**30, 2)}), flush=True)
