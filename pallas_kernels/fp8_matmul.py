@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.addressing import addressable, addressable_rows
 from pallas_kernels.fp8_quantize import FP8_FORMATS, dequantize_blocks
 
 
@@ -104,6 +105,13 @@ def fp8_matmul(aq: jax.Array, a_scale: jax.Array, bq: jax.Array, b_scale: jax.Ar
     n = bq.shape[0]
     a2, s2 = aq.reshape(-1, k), a_scale.reshape(-1, k // block)
     m = a2.shape[0]
+    if not addressable(bq.shape, bq.dtype):
+        raise ValueError(f"fp8 matmul: b {bq.shape} has more than 2^31 elements; split its rows (N) over calls")
+    per_call = addressable_rows(m, (k,), aq.dtype)
+    if per_call < m:  # a of 2^31+ elements: rows in calls the kernel addresses correctly
+        y = jnp.concatenate([fp8_matmul(a2[i:i + per_call], s2[i:i + per_call], bq, b_scale, tiles=tiles,
+                                        out_dtype=out_dtype, interpret=interpret) for i in range(0, m, per_call)])
+        return y.reshape(*lead, n)
     bm = min(tiles.block_m, max(16, pl.next_power_of_2(m)))
     bn = tiles.block_n
     while n % bn:

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.addressing import addressable_rows
+
 FP8_FORMATS = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 E4M3 = jnp.float8_e4m3fn
 _MIN_EXPONENT = -126
@@ -130,6 +132,12 @@ def quantize_rows(a: jax.Array, fmt: str = "e4m3", *,
         raise ValueError(f"quantize_rows needs the last axis a multiple of 16, got {k}")
     a2 = a.reshape(-1, k)
     m = a2.shape[0]
+    per_call = addressable_rows(m, (k,), dtype)
+    if per_call < m:  # an output of 2^31+ bytes: rows in calls the kernel addresses correctly
+        parts = [quantize_rows(a2[i:i + per_call], fmt, max_chunk=max_chunk, max_elements=max_elements,
+                               num_warps=num_warps, interpret=interpret) for i in range(0, m, per_call)]
+        q = jnp.concatenate([p[0] for p in parts])
+        return q.reshape(a.shape), jnp.concatenate([p[1] for p in parts]).reshape(*lead, 1)
     chunk = _largest_power_of_two_dividing(k, max_chunk)
     rows = _largest_power_of_two_dividing(m, max(1, max_elements // k))
     q, scale = pl.pallas_call(

@@ -28,6 +28,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.addressing import addressable
+
 NF4_VALUES = (
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
     -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
@@ -310,6 +312,17 @@ def _dequant_e4m3_kernel(codes_ref, absmax_ref, *refs, block_bytes, stacked, row
 # ---------------------------------------------------------------------------------------------- wrappers
 
 
+def _layer_codes(codes: jax.Array, layer: jax.Array | None) -> tuple[jax.Array, int | None]:
+    """(codes as the kernels read them, layers in the stack or None). A stack the kernels cannot address whole
+    (pallas_kernels/addressing.py: 32-bit offsets) gives its layer as a copy; the other stacked operands are
+    still read at the layer in place."""
+    if layer is None or codes.ndim != 3:
+        return codes, None
+    if addressable(codes.shape, codes.dtype):
+        return codes, codes.shape[0]
+    return jax.lax.dynamic_index_in_dim(codes, layer, keepdims=False), codes.shape[0]
+
+
 def _check(codes: jax.Array, absmax: jax.Array, k: int | None = None,
            layer: jax.Array | None = None) -> tuple[int, int]:
     if codes.ndim != (2 if layer is None else 3) or codes.dtype != jnp.uint8:
@@ -408,6 +421,7 @@ def nf4_matmul_forward(x: jax.Array, codes: jax.Array, absmax: jax.Array, *, til
     is a stack [layers, N, K/2] read at that layer in place."""
     lead, k = x.shape[:-1], x.shape[-1]
     n, _ = _check(codes, absmax, k, layer)
+    codes, _ = _layer_codes(codes, layer)
     half = k // 2
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -447,6 +461,7 @@ def nf4_matmul_dx(dy: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: 
                   layer: jax.Array | None = None, interpret: bool = False) -> jax.Array:
     """dx [..., K] = dy [..., N] @ dequant(W), fused (with `layer`: codes stacked, read at that layer)."""
     n, k = _check(codes, absmax, layer=layer)
+    codes, _ = _layer_codes(codes, layer)
     if dy.shape[-1] != n:
         raise ValueError(f"dy has N={dy.shape[-1]} but the NF4 weight has N={n}")
     if tiles.gemv:
@@ -515,6 +530,7 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
     2026-11-24-dequant-launch-order-h200.md (64-row tiles, 4 warps, launched along rows of codes: gate/up 5-13%
     faster than 128-row tiles launched down columns)."""
     n, k = _check(codes, absmax, layer=layer)
+    codes, layers = _layer_codes(codes, layer)
     half = k // 2
     tiles = _fit(MatmulTiles(block_n=block_n, block_bytes=block_bytes), n, half, "k")
     bn, bb = tiles.block_n, tiles.block_bytes
@@ -525,7 +541,6 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
     # the index maps below take (row block i, byte block j); `by_tile` adapts them to the grid's axis order
     grid, by_tile = ((half // bb, n // bn), lambda f: lambda j, i: f(i, j)) if columns_first else (
         (n // bn, half // bb), lambda f: f)
-    layers = None if layer is None else codes.shape[0]
     row_specs, row_args = _vector_args("row_scale", row_scale, n, "N", layers, bn, by_tile(lambda i, j: (i,)))
     block_specs, block_args = _vector_args("block_scale", block_scale, k // BLOCK, f"K/{BLOCK}", layers, k // BLOCK,
                                            lambda *g: (0,))

@@ -1,0 +1,158 @@
+"""Kernel operands past 32-bit offsets (pallas_kernels/addressing.py): a 2-4 GiB stack of NF4 codes is read one
+layer at a time, 1-byte FP8 arrays of more than 2^31 elements are split over calls; the results equal the
+in-place / whole-array ones and float64 numpy."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas.triton import CUSTOM_CALL_TARGET_NAME as CUSTOM_CALL
+
+from jaxtune import nf4
+from pallas_kernels import addressing
+from pallas_kernels.fp8_matmul import fp8_matmul
+from pallas_kernels.fp8_quantize import quantize_blocks, quantize_rows, quantize_rows_reference
+from pallas_kernels.nf4_matmul import (
+    MatmulTiles, nf4_dequantize, nf4_matmul_dx, nf4_matmul_forward, nf4_dequantize_reference,
+)
+
+
+def test_which_operands_are_addressable():
+    """Signed 32-bit element offsets reach 2^31 elements; the lowering widens them past 4 GiB."""
+    u8, bf16 = jnp.uint8, jnp.bfloat16
+    assert addressing.addressable((32, 4096, 2048), u8)  # Llama-3-8B's q/o codes stack: 256 MiB
+    assert not addressing.addressable((80, 8192, 4096), u8)  # Llama-3-70B's q/o codes stack: 2.5 GiB
+    assert not addressing.addressable((64, 25600, 2560), u8)  # Qwen3-32B's gate/up codes stack: 3.9 GiB
+    assert addressing.addressable((80, 28672, 4096), u8)  # Llama-3-70B's gate codes stack: 8.75 GiB, 64-bit
+    assert addressing.addressable((2**31,), u8) and not addressing.addressable((2**31 + 1,), u8)
+    assert addressing.addressable((2**31,), bf16)  # a 2-byte array past 2^31 elements is past 4 GiB
+    assert addressing.addressable_rows(100, (4096,), u8) == 100
+    rows = addressing.addressable_rows(600_000, (8192,), u8)  # 4.9e9 bytes: 64-bit offsets, one call
+    assert rows == 600_000
+    rows = addressing.addressable_rows(400_000, (8192,), u8)
+    assert rows * 8192 <= 2**31 < (rows + 1) * 8192
+
+
+def _custom_call_operands(text: str) -> list[str]:
+    """The operand types of each Pallas custom call in an exported module."""
+    return [line.split(" : (")[-1] for line in text.splitlines() if f"@{CUSTOM_CALL}(" in line]
+
+
+@pytest.mark.parametrize("layers, n, half, whole", [
+    (32, 4096, 2048, True),  # 8B q/o: read in place
+    (80, 8192, 4096, False),  # 70B q/o (2.5 GiB): its layer sliced out
+    (80, 28672, 4096, True),  # 70B gate (8.75 GiB): 64-bit offsets, in place
+])
+def test_a_stack_past_32_bit_offsets_reaches_the_kernels_one_layer_at_a_time(cuda_export, layers, n, half, whole):
+    """Lowered for CUDA from shapes only (nothing allocated): which codes operand each kernel gets."""
+    codes = jax.ShapeDtypeStruct((layers, n, half), jnp.uint8)
+    absmax = jax.ShapeDtypeStruct((n, 2 * half // 64), jnp.float32)
+    layer = jax.ShapeDtypeStruct((), jnp.int32)
+    stack_type, layer_type = f"tensor<{layers}x{n}x{half}xui8>", f"tensor<{n}x{half}xui8>"
+    calls = {
+        "dequantize": (lambda c, a, i: nf4_dequantize(c, a, layer=i), ()),
+        "forward": (lambda x, c, a, i: nf4_matmul_forward(x, c, a, tiles=MatmulTiles(16, 64, 32, 4, gemv=True),
+                                                           layer=i), (jax.ShapeDtypeStruct((4, 2 * half), jnp.bfloat16),)),
+        "dx": (lambda x, c, a, i: nf4_matmul_dx(x, c, a, layer=i), (jax.ShapeDtypeStruct((64, n), jnp.bfloat16),)),
+    }
+    for name, (fn, extra) in calls.items():
+        (operands,) = _custom_call_operands(cuda_export(fn, *extra, codes, absmax, layer))
+        assert (stack_type in operands) == whole, name
+        assert (layer_type in operands) == (not whole), name
+
+
+def _stack(layers: int, n: int, k: int):
+    parts = [nf4.quantize(np.random.default_rng(s).standard_normal((n, k)).astype(np.float32) * 0.05)
+             for s in range(layers)]
+    absmax = [jnp.asarray(np.asarray(nf4.dequantize_absmax(q)).reshape(n, k // 64)) for q in parts]
+    return jnp.stack([jnp.asarray(q.codes) for q in parts]), absmax, jnp.stack([a.T for a in absmax])
+
+
+def _numpy_weight(codes, absmax) -> np.ndarray:
+    codes = np.asarray(codes)
+    idx = np.stack([codes >> 4, codes & 15], axis=-1).reshape(codes.shape[0], -1)
+    return nf4.NF4_CODE.astype(np.float64)[idx] * np.repeat(np.asarray(absmax, np.float64), 64, axis=1)
+
+
+def test_layer_sliced_out_of_an_unaddressable_stack_gives_the_layers_results(monkeypatch):
+    """With the limit lowered so a small stack is past it, every kernel reads the layer sliced out: bitwise the
+    results of the stack read in place (limit as it is), and float64 numpy's."""
+    stack, absmax, prepared = _stack(3, 128, 192)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((5, 192)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((70, 128)), jnp.float32)
+    tiles = MatmulTiles(16, 64, 32, 1)
+
+    def run(layer, scales):
+        i = jnp.int32(layer)
+        return (nf4_dequantize(stack, scales, jnp.float32, layer=i, interpret=True),
+                nf4_dequantize(stack, scales, jnp.bfloat16, transpose=True, layer=i, interpret=True),
+                nf4_matmul_forward(x, stack, scales, tiles=tiles, layer=i, interpret=True),
+                nf4_matmul_dx(dy, stack, scales, tiles=tiles, layer=i, interpret=True))
+
+    for layer in (0, 2):
+        for scales in (absmax[layer], prepared):
+            in_place = run(layer, scales)
+            with monkeypatch.context() as patch:
+                patch.setattr(addressing, "OFFSET_LIMIT", 1000)
+                jaxpr = str(jax.make_jaxpr(lambda c, a: nf4_dequantize(c, a, layer=jnp.int32(layer),
+                                                                       interpret=True))(stack, scales))
+                assert "dynamic_slice" in jaxpr  # the layer is sliced out of the stack
+                sliced = run(layer, scales)
+            for got, want in zip(sliced, in_place):
+                np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        w = _numpy_weight(stack[layer], absmax[layer])
+        np.testing.assert_allclose(np.asarray(sliced[0], np.float64), w, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(sliced[2], np.float64), np.asarray(x, np.float64) @ w.T,
+                                   atol=2e-6 * np.abs(w).sum(1).max() * float(jnp.abs(x).max()))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_row_quantizer_splits_an_unaddressable_output_over_calls(monkeypatch, fmt):
+    """100 rows of 64 with at most 30 rows' elements per call (30, 30, 30, 10): the reference's bits."""
+    a = jnp.asarray(np.random.default_rng(1).standard_normal((4, 25, 64)) * 3, jnp.float32)
+    monkeypatch.setattr(addressing, "OFFSET_LIMIT", 30 * 64 + 5)
+    q, scale = quantize_rows(a, fmt, interpret=True)
+    q_ref, scale_ref = quantize_rows_reference(a, fmt)
+    assert q.shape == a.shape and scale.shape == (4, 25, 1)
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(q_ref).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(scale), np.asarray(scale_ref))
+
+
+def test_fp8_matmul_splits_an_unaddressable_input_over_calls(monkeypatch):
+    """a of 130 x 128 e4m3 at 64 rows per call (64, 64, 2): the whole-call result, and float64 numpy's within
+    rounding; a b past the limit is refused."""
+    rng = np.random.default_rng(2)
+    aq, sa = quantize_blocks(jnp.asarray(rng.standard_normal((130, 128)), jnp.float32), 64)
+    bq, sb = quantize_blocks(jnp.asarray(rng.standard_normal((64, 128)) * 0.05, jnp.float32), 64)
+    whole = fp8_matmul(aq, sa, bq, sb, out_dtype=jnp.float32, interpret=True)
+    monkeypatch.setattr(addressing, "OFFSET_LIMIT", 64 * 128)
+    split = fp8_matmul(aq, sa, bq, sb, out_dtype=jnp.float32, interpret=True)
+    np.testing.assert_array_equal(np.asarray(split), np.asarray(whole))
+    a64 = np.asarray(aq, np.float64) * np.repeat(np.asarray(sa, np.float64), 64, axis=1)
+    b64 = np.asarray(bq, np.float64) * np.repeat(np.asarray(sb, np.float64), 64, axis=1)
+    np.testing.assert_allclose(np.asarray(split, np.float64), a64 @ b64.T, atol=1e-5 * np.abs(a64 @ b64.T).max())
+    with pytest.raises(ValueError, match="2\\^31"):
+        fp8_matmul(aq, sa, jnp.concatenate([bq] * 2), jnp.concatenate([sb] * 2), interpret=True)
+
+
+@pytest.mark.gpu
+def test_last_layer_of_a_70b_sized_stack_on_gpu():
+    """Llama-3-70B's q_proj codes stacked over 80 layers (2.5 GiB): the last layer through the dequant and fused
+    kernels equals the jnp reference on that layer's own codes."""
+    n, half, layers = 8192, 4096, 80
+    key = jax.random.key(0)
+    stack = jax.random.randint(key, (layers, n, half), 0, 256, jnp.int32).astype(jnp.uint8)
+    absmax = jax.random.uniform(jax.random.key(1), (n, 2 * half // 64), jnp.float32, 0.01, 0.1)
+    x = jax.random.normal(jax.random.key(2), (4, 2 * half), jnp.bfloat16)
+    for layer in (layers - 1, layers // 2):
+        want = nf4_dequantize_reference(stack[layer], absmax)
+        got = jax.jit(lambda s, a, i: nf4_dequantize(s, a, layer=i))(stack, absmax, jnp.int32(layer))
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        y = jax.jit(lambda x, s, a, i: nf4_matmul_forward(x, s, a, tiles=MatmulTiles(16, 64, 32, 4, gemv=True),
+                                                          layer=i))(x, stack, absmax, jnp.int32(layer))
+        y_want = jnp.dot(x.astype(jnp.float32), want.astype(jnp.float32).T)
+        np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_want), rtol=2e-2,
+                                   atol=2e-2 * float(jnp.abs(y_want).max()))
