@@ -55,7 +55,6 @@ def test_an_unwritable_cache_dir_warns_and_trains_without_the_cache(tmp_path, mo
     assert jax.config.jax_compilation_cache_dir is None
 
 
-def test_fp8_steps_on_gpu_tune_their_gemms_without_the_reference_check_and_bf16_keeps_the_default():
-    assert step_compiler_options("fp8", "gpu") == {"xla_gpu_autotune_level": 3}
-    assert step_compiler_options("bf16", "gpu") is None
-    assert step_compiler_options("fp8", "cpu") is None
+def test_steps_on_gpu_tune_their_gemms_without_the_reference_check():
+    assert step_compiler_options("gpu") == {"xla_gpu_autotune_level": 3}
+    assert step_compiler_options("cpu") is None

@@ -7,20 +7,22 @@ import warnings
 
 import jax
 
-# FP8 GEMMs: XLA tunes each one over its Triton candidates and cuBLASLt. At the default level (4) it also checks
-# every candidate's output against a reference GEMM; that check reports a disagreeing candidate and drops it only
-# at level 5 (XLA's flag documentation), and for the 8B FP8 step on an H200 it made compilation take 28 / 52 /
-# 100 s at batch 1 / 4 / 8. Level 3 (candidates timed on initialized buffers, re-initialized between runs)
-# compiles the step in 11-14 s and runs it at the same speed with the same losses
-# (benchmarks/results/2026-11-24-fp8-compile-h200.md)
-FP8_AUTOTUNE_LEVEL = 3
+# XLA tunes each GEMM of a step over its candidates (Triton, cuBLAS / cuBLASLt). At the default level (4) it also
+# checks every candidate's output against a reference GEMM; that check reports a disagreeing candidate and drops it
+# only at level 5 (XLA's flag documentation), so it changes no choice, but it costs compile time and device memory
+# while the weights are resident. Level 3 (candidates timed on initialized buffers, re-initialized between runs):
+# the 8B FP8 step compiles in 11-14 s instead of 28 / 52 / 100 s at batch 1 / 4 / 8, at the same speed with the
+# same losses (benchmarks/results/2026-11-24-fp8-compile-h200.md); the 8B bf16 per-layer step's compile-time peak
+# falls from 7.84 to 7.30 GiB at the same speed (benchmarks/results/2026-11-26-offsets-autotuner-fsdp-32b-h200.md)
+AUTOTUNE_LEVEL = 3
 
 
-def step_compiler_options(compute: str, backend: str | None = None) -> dict[str, int] | None:
-    """XLA compiler options for a step whose frozen projections compute in `compute` ("bf16" / "fp8")."""
+def step_compiler_options(backend: str | None = None) -> dict[str, int] | None:
+    """XLA compiler options for a training, evaluation or reference step: on GPU the GEMM autotuner without its
+    reference check (bf16 and FP8 alike)."""
     backend = backend or jax.default_backend()
-    if backend == "gpu" and compute == "fp8":
-        return {"xla_gpu_autotune_level": FP8_AUTOTUNE_LEVEL}
+    if backend == "gpu":
+        return {"xla_gpu_autotune_level": AUTOTUNE_LEVEL}
     return None
 
 
