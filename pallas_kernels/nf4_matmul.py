@@ -513,7 +513,8 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
 
     With `layer` (an int32 scalar), `codes` is a stack [layers, N, K/2] read in place at that layer: inside a
     layer scan a slice of the stack handed to a custom call is a copy of the whole weight's codes (`absmax`
-    then either this layer's [N, K/64] or the prepared stack [layers, K/64, N]). `row_scale` [N] (or [layers, N]
+    then either this layer's [N, K/64] or the prepared stack [layers, K/64, N]); a stack the kernel cannot
+    address whole (pallas_kernels/addressing.py) is sliced at the layer instead. `row_scale` [N] (or [layers, N]
     with `layer`): W's rows divided by it, as `NF4[code] * (absmax / row_scale)` (FP8's power-of-two scales);
     `block_scale` [K/64] (or [layers, K/64]): each 64-block of W's columns divided by its entry the same way (FP8's
     scales per input block, which leave Wᵀ's contraction axis unscaled).

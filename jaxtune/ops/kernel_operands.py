@@ -83,7 +83,8 @@ def kernels_read_prepared_scales() -> bool:
 
 def with_codes(weight, kernel: Callable[..., jax.Array], *args: jax.Array, fp8_kind: str | None = None) -> jax.Array:
     """kernel(*args, codes, absmax[, layer=][, row_scale= | block_scale=]) for a Pallas kernel: a layer of a stack
-    is read in place from the stack, with its prepared scales when the weight carries them; on a mesh the
+    is read in place from the stack (unless the stack is past the kernels' 32-bit offsets: then the kernel slices
+    the layer), with its prepared scales when the weight carries them; on a mesh the
     weight's own codes are gathered whole on every device first. `fp8_kind` ("rows" / "blocks"): the kernel
     also takes FP8's scales of that kind."""
     keyword = FP8_SCALES[fp8_kind].keyword if fp8_kind else None
