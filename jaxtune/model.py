@@ -154,7 +154,11 @@ class MLP(nnx.Module):
 
     def _swiglu(self, x: jax.Array, rng: jax.Array | None) -> jax.Array:
         gate = checkpoint_name(self.gate_proj(x, fold_rng(rng, 4)), "gate_proj")
-        h = jax.nn.silu(gate) * checkpoint_name(self.up_proj(x, fold_rng(rng, 5)), "up_proj")
+        # gate and up read the same input, so dequantizing at use alone lets XLA dequantize both weights before
+        # either GEMM; up's input waiting for gate's output keeps one alive at a time (gate's value itself does
+        # not pass the barrier, so no rounding moves: the same gradients)
+        x_up, _ = ops.barrier(ops.dequantizing_at_use(), x, gate)
+        h = jax.nn.silu(gate) * checkpoint_name(self.up_proj(x_up, fold_rng(rng, 5)), "up_proj")
         return self.down_proj(h, fold_rng(rng, 6))
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jaxtune.ops import dispatch
 from jaxtune.ops.attention import attention, attention_mask
-from jaxtune.ops.context import (COMPUTE_MODES, frozen_compute, frozen_compute_mode, segments_share_prefixes,
+from jaxtune.ops.context import (COMPUTE_MODES, barrier, frozen_compute, frozen_compute_mode, segments_share_prefixes,
                                  dequantize_at_use, dequantizing_at_use, shared_prefix_segments, stacked_layer,
                                  stacked_layer_index)
 from jaxtune.ops.dense import dot_out, linear, rows
@@ -49,6 +49,7 @@ __all__ = [
     "FP8_GRAD_FORMAT",
     "attention",
     "attention_mask",
+    "barrier",
     "dequantize_at_use",
     "dispatch",
     "dot_out",
