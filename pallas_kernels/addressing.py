@@ -25,9 +25,8 @@ def addressable(shape: tuple[int, ...], dtype) -> bool:
     return size <= OFFSET_LIMIT or size * jnp.dtype(dtype).itemsize > WIDE_OFFSETS_ABOVE
 
 
-def addressable_rows(rows: int, row_shape: tuple[int, ...], dtype, multiple: int = 1) -> int:
-    """The most rows (a multiple of `multiple`, at most `rows`) of [rows, *row_shape] one call can address."""
+def addressable_rows(rows: int, row_shape: tuple[int, ...], dtype) -> int:
+    """The most rows (at most `rows`, at least one) of [rows, *row_shape] that one call can address."""
     if addressable((rows, *row_shape), dtype):
         return rows
-    per_call = OFFSET_LIMIT // math.prod(row_shape)
-    return max(multiple, per_call // multiple * multiple)
+    return max(1, OFFSET_LIMIT // math.prod(row_shape))
