@@ -70,18 +70,16 @@ def main() -> None:
 def compile_one(args: argparse.Namespace, remat: str) -> None:
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
     import jaxtune
     from benchmarks.make_bnb4_checkpoint import hf_config
     from benchmarks.train_qlora import memory_plan
+    from convert.load import abstract_model
     from jaxtune.config import ModelConfig
-    from jaxtune.model import CausalLM
-    from jaxtune.qlora import quantize_layers
     from jaxtune.training.step import REMAT_POLICIES, make_optimizer, make_train_step, split_model
 
     cfg = ModelConfig.from_hf(hf_config(args.model))
-    model = nnx.eval_shape(lambda: quantize_layers(CausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
+    model = abstract_model(cfg)
     jaxtune.get_peft_model(model, r=args.rank, lora_alpha=args.rank)
     model.remat_policy = REMAT_POLICIES[remat]
     model.single_sequence_rows = True  # one sequence per row: how train() attends unpacked rows

@@ -89,16 +89,6 @@ def configure(model, args: argparse.Namespace):
     return model
 
 
-def abstract_model(path: str):
-    """The 4-bit model a checkpoint fills, from its config alone (no weights on the device)."""
-    from convert.load import load_hf_config
-    from jaxtune.model import CausalLM
-    from jaxtune.qlora import quantize_layers
-
-    cfg = load_hf_config(path)
-    return nnx.eval_shape(lambda: quantize_layers(CausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -134,7 +124,9 @@ def main() -> None:
 
     compiled = None
     if args.compile_first:
-        graphdef, lora, frozen = split_model(configure(abstract_model(args.model), args))
+        from convert.load import abstract_model, load_hf_config
+
+        graphdef, lora, frozen = split_model(configure(abstract_model(load_hf_config(args.model)), args))
         lora = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), lora)
         compiled, compile_s = compile_step(graphdef, lora, jax.eval_shape(optimizer.init, lora), frozen, int(args.batch))
     peak_after_compile = _peak_gib()

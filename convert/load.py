@@ -103,14 +103,20 @@ def _plan(source, cfg: ModelConfig, slots: dict[Path, tuple[tuple[int, ...], boo
     return plan
 
 
-def abstract_state(cfg: ModelConfig, dtype: jnp.dtype, load_in_4bit: bool):
-    """(graphdef, abstract state, pure dict, {path: ShapeDtypeStruct}) of the model a checkpoint fills."""
+def abstract_model(cfg: ModelConfig, dtype: jnp.dtype = jnp.bfloat16, load_in_4bit: bool = True) -> CausalLM:
+    """The model a checkpoint of `cfg` fills, with shapes and dtypes only (nothing allocated): what a step can be
+    planned and compiled from before any weight is read."""
 
     def build() -> CausalLM:
         model = CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))
         return quantize_layers(model) if load_in_4bit else model
 
-    graphdef, state = nnx.split(nnx.eval_shape(build))
+    return nnx.eval_shape(build)
+
+
+def abstract_state(cfg: ModelConfig, dtype: jnp.dtype, load_in_4bit: bool):
+    """(graphdef, abstract state, pure dict, {path: ShapeDtypeStruct}) of the model a checkpoint fills."""
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, load_in_4bit))
     pure, expected = expected_arrays(state)
     return graphdef, state, pure, expected
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from jax.experimental.pallas.triton import CUSTOM_CALL_TARGET_NAME as CUSTOM_CALL
 
-from jaxtune import nf4
 from pallas_kernels import addressing
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.fp8_quantize import quantize_blocks, quantize_rows, quantize_rows_reference
 from pallas_kernels.nf4_matmul import (
     MatmulTiles, nf4_dequantize, nf4_matmul_dx, nf4_matmul_forward, nf4_dequantize_reference,
 )
+from test_kernel_nf4 import numpy_weight, stacked_weights
 
 
 def test_which_operands_are_addressable():
@@ -63,23 +63,10 @@ def test_a_stack_past_32_bit_offsets_reaches_the_kernels_one_layer_at_a_time(cud
         assert (layer_type in operands) == (not whole), name
 
 
-def _stack(layers: int, n: int, k: int):
-    parts = [nf4.quantize(np.random.default_rng(s).standard_normal((n, k)).astype(np.float32) * 0.05)
-             for s in range(layers)]
-    absmax = [jnp.asarray(np.asarray(nf4.dequantize_absmax(q)).reshape(n, k // 64)) for q in parts]
-    return jnp.stack([jnp.asarray(q.codes) for q in parts]), absmax, jnp.stack([a.T for a in absmax])
-
-
-def _numpy_weight(codes, absmax) -> np.ndarray:
-    codes = np.asarray(codes)
-    idx = np.stack([codes >> 4, codes & 15], axis=-1).reshape(codes.shape[0], -1)
-    return nf4.NF4_CODE.astype(np.float64)[idx] * np.repeat(np.asarray(absmax, np.float64), 64, axis=1)
-
-
 def test_layer_sliced_out_of_an_unaddressable_stack_gives_the_layers_results(monkeypatch):
     """With the limit lowered so a small stack is past it, every kernel reads the layer sliced out: bitwise the
     results of the stack read in place (limit as it is), and float64 numpy's."""
-    stack, absmax, prepared = _stack(3, 128, 192)
+    stack, absmax, prepared = stacked_weights(128, 192)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((5, 192)), jnp.float32)
     dy = jnp.asarray(rng.standard_normal((70, 128)), jnp.float32)
@@ -103,7 +90,7 @@ def test_layer_sliced_out_of_an_unaddressable_stack_gives_the_layers_results(mon
                 sliced = run(layer, scales)
             for got, want in zip(sliced, in_place):
                 np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-        w = _numpy_weight(stack[layer], absmax[layer])
+        w = numpy_weight(stack[layer], absmax[layer])
         np.testing.assert_allclose(np.asarray(sliced[0], np.float64), w, rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(np.asarray(sliced[2], np.float64), np.asarray(x, np.float64) @ w.T,
                                    atol=2e-6 * np.abs(w).sum(1).max() * float(jnp.abs(x).max()))
