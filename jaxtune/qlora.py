@@ -17,6 +17,7 @@ from flax import nnx
 from jaxtune import nf4, ops
 from jaxtune.errors import ConfigError
 from jaxtune.model import CausalLM, Linear
+from jaxtune.sharding import whole_on_every_device
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PARENT_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -95,8 +96,7 @@ class LoRALinear(nnx.Module):
         if rng is not None and self.dropout > 0.0:
             keep = jax.random.bernoulli(rng, 1.0 - self.dropout, x.shape)
             x = jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
-        a = self.lora_a[...].astype(x.dtype)
-        b = self.lora_b[...].astype(x.dtype)
+        a, b = whole_on_every_device(self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype))
         # the scale goes on the r-wide hidden, and the up-projection is a plain dot + add: a form XLA's GEMM
         # rewriter turns into one cuBLAS call accumulating onto y (no separate [tokens, out] product and add)
         hidden = checkpoint_name(ops.linear(x, a) * jnp.asarray(self.scale, x.dtype), "lora_hidden")

@@ -111,6 +111,16 @@ def current_mesh():
     return None if mesh.empty or mesh.size == 1 else mesh
 
 
+def whole_on_every_device(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """`arrays` gathered whole on every device of the mesh in context (as they are without one): FSDP's
+    all-gather at use. LoRA's matrices left split along their long dimension make XLA split the LoRA matmuls'
+    outputs along the hidden dimension instead, and then move [tokens, hidden] activations between devices to
+    add them to the batch-split base output; gathered, they cost a few MB per layer."""
+    if current_mesh() is None:
+        return arrays
+    return tuple(jax.lax.with_sharding_constraint(x, P()) for x in arrays)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """[accum, micro_batch, T] batches: the micro-batch split over every device."""
     return NamedSharding(mesh, P(None, BATCH_AXES, None))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,7 +50,7 @@ def model(vocab: int = 320):
 def grads_on(mesh, graphdef, lora, frozen, batch):
     if mesh is None:
         fn = jax.jit(lambda l, f, b: loss_and_grads(graphdef, l, f, b, None, 64)[:2])
-        return (*fn(lora, frozen, {k: jnp.asarray(v) for k, v in batch.items()}), 0)
+        return (*fn(lora, frozen, {k: jnp.asarray(v) for k, v in batch.items()}), 0, [])
     lora, frozen = sharding.shard_state(mesh, lora), sharding.shard_state(mesh, frozen)
     spread = [str(a.sharding.spec) for a in jax.tree.leaves(frozen) if "fsdp" in str(a.sharding.spec)]
     assert mesh.shape["fsdp"] == 1 or spread, "no frozen array was sharded over fsdp"
@@ -57,10 +58,18 @@ def grads_on(mesh, graphdef, lora, frozen, batch):
         fn = jax.jit(lambda l, f, b: loss_and_grads(graphdef, l, f, b, None, 64)[:2])
         gbatch = sharding.global_batch(mesh, batch)
         kernels_per_shard = str(fn.trace(lora, frozen, gbatch).jaxpr).count("shard_map[")
+        hlo = fn.lower(lora, frozen, gbatch).compile().as_text()
         if mesh.shape["fsdp"] == 1:  # pure data parallel: nothing may be gathered (each device its own rows)
-            hlo = fn.lower(lora, frozen, gbatch).compile().as_text()
             assert "all-gather(" not in hlo, "a data-parallel step gathers activations across devices"
-        return (*fn(lora, frozen, gbatch), kernels_per_shard)
+        return (*fn(lora, frozen, gbatch), kernels_per_shard, moved_activations(hlo, batch["input_ids"].shape[-1]))
+
+
+def moved_activations(hlo: str, seq_len: int) -> list[list[int]]:
+    """Shapes of the arrays of `seq_len` tokens (activations) that a collective other than an all-reduce moves
+    between devices in a compiled step (FSDP should move weights, not activations)."""
+    shapes = re.findall(r"= \w+\[([\d,]*)\][^ ]* (?:all-gather|all-to-all|collective-permute)(?:-start)?\(", hlo)
+    dims = [[int(d) for d in s.split(",") if d] for s in shapes]
+    return [d for d in dims if seq_len in d]
 
 
 def report(grads, ref_grads, **fields) -> None:
@@ -82,27 +91,27 @@ def check_grads() -> None:
     batch = {"input_ids": rng.integers(0, 320, shape).astype(np.int32), "labels": labels, "segment_ids": seg,
              "positions": jaxtune.model.segment_positions(jnp.asarray(seg.reshape(-1, 48))).reshape(shape)}
     batch["positions"] = np.asarray(batch["positions"])
-    ref_loss, ref_grads, _ = grads_on(None, graphdef, lora, frozen, batch)
+    ref_loss, ref_grads, _, _ = grads_on(None, graphdef, lora, frozen, batch)
     runs = [("data=8", "xla"), ("fsdp=8", "xla"), ("data=2,fsdp=4", "xla"), ("data=4,fsdp=2", "xla"),
             ("data=2,fsdp=2", "pallas-interpret")]
     for spec, kernels in runs:
         jaxtune.set_kernels(kernels)
         devices = jax.devices()[:4] if spec == "data=2,fsdp=2" else None
         mesh = sharding.make_mesh(spec, devices)
-        loss, grads, shard_maps = grads_on(mesh, graphdef, lora, frozen, batch)
+        loss, grads, shard_maps, moved = grads_on(mesh, graphdef, lora, frozen, batch)
         report(grads, ref_grads, mesh=spec, kernels=kernels, loss=float(loss), ref_loss=float(ref_loss),
-               shard_maps=shard_maps)
+               shard_maps=shard_maps, moved_activations=moved)
     # FP8 on a mesh: the row quantizer and the FP8 GEMM (Pallas, interpreted) run per shard and reproduce the
     # single-device FP8 step, whose loss is not the float32 one (the FP8 path ran)
     jaxtune.set_kernels("pallas-interpret")
     fp8 = model()
     fp8.compute = "fp8"
     graphdef, lora, frozen = split_model(fp8)
-    fp8_loss, fp8_grads, _ = grads_on(None, graphdef, lora, frozen, batch)
-    loss, grads, shard_maps = grads_on(sharding.make_mesh("data=2,fsdp=2", jax.devices()[:4]), graphdef, lora, frozen,
-                                       batch)
+    fp8_loss, fp8_grads, _, _ = grads_on(None, graphdef, lora, frozen, batch)
+    mesh = sharding.make_mesh("data=2,fsdp=2", jax.devices()[:4])
+    loss, grads, shard_maps, moved = grads_on(mesh, graphdef, lora, frozen, batch)
     report(grads, fp8_grads, mesh="data=2,fsdp=2", kernels="pallas-interpret", compute="fp8", loss=float(loss),
-           ref_loss=float(fp8_loss), float32_loss=float(ref_loss), shard_maps=shard_maps)
+           ref_loss=float(fp8_loss), float32_loss=float(ref_loss), shard_maps=shard_maps, moved_activations=moved)
 
 
 def train(tokenizer_dir: str, out_dir: str, mesh: str | None = None, options: str = "{}") -> None:

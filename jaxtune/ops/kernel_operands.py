@@ -3,6 +3,7 @@ scales, and a layer of a stacked scan read in place (a slice handed to a custom 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -10,8 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.ops import dispatch
-from jaxtune.ops.sharded import replicated
-from jaxtune.sharding import current_mesh
+from jaxtune.ops.sharded import per_batch_shard_with, replicated
+from jaxtune.sharding import current_mesh, whole_on_every_device
 
 
 class Fp8ScaleKind(NamedTuple):
@@ -81,12 +82,23 @@ def kernels_read_prepared_scales() -> bool:
     return current_mesh() is None and dispatch.nf4_impl(1) != "xla"
 
 
+def layer_on_every_device(weight):
+    """On a mesh, this weight's own codes and absmax codes (one layer of a stack) gathered whole on every device,
+    1 byte each, so XLA dequantizes it and multiplies each device's rows locally, instead of splitting the
+    matmul along the weight's FSDP split and moving activations between devices; as it is without a mesh."""
+    if current_mesh() is None:
+        return weight
+    codes, absmax_codes = whole_on_every_device(weight.own_codes(), weight.absmax_codes)
+    return dataclasses.replace(weight, codes=codes, absmax_codes=absmax_codes, layer=None, kernel_absmax=None,
+                               fp8_scale=None, fp8_block_scale=None)
+
+
 def with_codes(weight, kernel: Callable[..., jax.Array], *args: jax.Array, fp8_kind: str | None = None) -> jax.Array:
     """kernel(*args, codes, absmax[, layer=][, row_scale= | block_scale=]) for a Pallas kernel: a layer of a stack
     is read in place from the stack (unless the stack is past the kernels' 32-bit offsets: then the kernel slices
-    the layer), with its prepared scales when the weight carries them; on a mesh the
-    weight's own codes are gathered whole on every device first. `fp8_kind` ("rows" / "blocks"): the kernel
-    also takes FP8's scales of that kind."""
+    the layer), with its prepared scales when the weight carries them; on a mesh the weight's own codes are
+    gathered whole on every device and the kernel runs on each device's rows of `args`. `fp8_kind` ("rows" /
+    "blocks"): the kernel also takes FP8's scales of that kind."""
     keyword = FP8_SCALES[fp8_kind].keyword if fp8_kind else None
     if weight.layer is not None and current_mesh() is None:
         absmax = weight.kernel_absmax if weight.kernel_absmax is not None else kernel_absmax(weight)
@@ -95,11 +107,19 @@ def with_codes(weight, kernel: Callable[..., jax.Array], *args: jax.Array, fp8_k
             prepared = getattr(weight, FP8_SCALES[fp8_kind].field)
             scales[keyword] = prepared if prepared is not None else fp8_scales(weight, fp8_kind)
         return kernel(*args, jnp.asarray(weight.codes), absmax, layer=weight.layer, **scales)
-    absmax = kernel_absmax(weight)
-    if not keyword:
-        return replicated(kernel, *args, weight.own_codes(), absmax)
-    own = lambda *a: kernel(*a[:-1], **{keyword: a[-1]})  # noqa: E731
-    return replicated(own, *args, weight.own_codes(), absmax, fp8_scales(weight, fp8_kind, absmax))
+    gathered = layer_on_every_device(weight)  # 1-byte arrays gathered; the float32 scales made on every device
+    absmax = kernel_absmax(gathered)
+    whole = (gathered.codes, absmax)
+    if keyword:
+        whole, kernel = (*whole, fp8_scales(weight, fp8_kind, absmax)), _scales_last(kernel, keyword)
+    if args:  # each device's own rows (activations never move), the weight whole on every device
+        return per_batch_shard_with(kernel, args, whole)
+    return replicated(kernel, *whole)
+
+
+def _scales_last(kernel: Callable[..., jax.Array], keyword: str) -> Callable[..., jax.Array]:
+    """kernel taking its last positional operand by `keyword` (shard_map passes operands by position)."""
+    return lambda *a: kernel(*a[:-1], **{keyword: a[-1]})
 
 
 def dequantized(weight, dtype, interpret: bool, transpose: bool = False, fp8_kind: str | None = None,

@@ -10,7 +10,7 @@ import jax
 
 from jaxtune.ops.context import barrier
 from jaxtune.ops.dense import input_gradient, linear, rows, zero_cotangent
-from jaxtune.ops.kernel_operands import dequantized, kernel_shaped, with_codes
+from jaxtune.ops.kernel_operands import dequantized, kernel_shaped, layer_on_every_device, with_codes
 
 # decoding's few rows on the CUDA cores: (block_n, block_bytes, split, num_warps) by rows and by the weight's N (at
 # least), the fastest tile of each Llama-3-8B shape on the H200 (benchmarks/results/2026-11-24-decode-gemv-h200.md)
@@ -41,7 +41,7 @@ def _xla_nf4_matmul(x: jax.Array, weight, at_use: bool) -> jax.Array:
     from jaxtune.nf4 import dequantize
 
     x, weight = barrier(at_use, x, weight)
-    return linear(x, dequantize(weight, x.dtype))
+    return linear(x, dequantize(layer_on_every_device(weight), x.dtype))
 
 
 def _xla_nf4_matmul_fwd(x, weight, at_use):
@@ -52,7 +52,7 @@ def _xla_nf4_matmul_bwd(at_use, weight, dy):
     from jaxtune.nf4 import dequantize
 
     weight, dy = barrier(at_use, weight, dy)
-    return input_gradient(dy, dequantize(weight, dy.dtype)), jax.tree.map(zero_cotangent, weight)
+    return input_gradient(dy, dequantize(layer_on_every_device(weight), dy.dtype)), jax.tree.map(zero_cotangent, weight)
 
 
 _xla_nf4_matmul.defvjp(_xla_nf4_matmul_fwd, _xla_nf4_matmul_bwd)
