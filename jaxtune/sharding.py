@@ -2,8 +2,10 @@
 
 The batch is split over both axes; frozen 4-bit weights, LoRA params and optimizer state are split over
 `fsdp` (each array along its largest dimension that divides evenly; the stacked-layer axis never, so the
-layer scan slices locally). XLA inserts the all-gathers and reduce-scatters; the Pallas kernels, which it
-cannot partition, run per shard under `shard_map` (see `jaxtune.ops`).
+layer scan slices locally). Each layer's LoRA matrices and NF4 arrays are gathered whole where they are used
+(`whole_on_every_device`), so every device computes its own rows and only weights move; XLA inserts those
+all-gathers and the gradients' reduce-scatters. The Pallas kernels, which it cannot partition, run per shard
+under `shard_map` (see `jaxtune.ops`).
 """
 
 from __future__ import annotations
