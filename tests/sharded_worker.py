@@ -58,10 +58,12 @@ def grads_on(mesh, graphdef, lora, frozen, batch):
         fn = jax.jit(lambda l, f, b: loss_and_grads(graphdef, l, f, b, None, 64)[:2])
         gbatch = sharding.global_batch(mesh, batch)
         kernels_per_shard = str(fn.trace(lora, frozen, gbatch).jaxpr).count("shard_map[")
-        hlo = fn.lower(lora, frozen, gbatch).compile().as_text()
+        compiled = fn.lower(lora, frozen, gbatch).compile()
+        hlo = compiled.as_text()
         if mesh.shape["fsdp"] == 1:  # pure data parallel: nothing may be gathered (each device its own rows)
             assert "all-gather(" not in hlo, "a data-parallel step gathers activations across devices"
-        return (*fn(lora, frozen, gbatch), kernels_per_shard, moved_activations(hlo, batch["input_ids"].shape[-1]))
+        moved = moved_activations(hlo, batch["input_ids"].shape[-1])
+        return (*compiled(lora, frozen, gbatch), kernels_per_shard, moved)
 
 
 def moved_activations(hlo: str, seq_len: int) -> list[list[int]]:
