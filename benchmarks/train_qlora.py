@@ -86,6 +86,7 @@ def configure(model, args: argparse.Namespace):
     model.remat_policy = REMAT_POLICIES[args.remat]
     model.single_sequence_rows = args.data == "dense"
     model.compute = args.compute
+    model.unroll_layers = args.unroll_layers
     return model
 
 
@@ -102,6 +103,8 @@ def main() -> None:
                          "(cuDNN); dense-segmented: the same rows through the segment-aware Pallas kernel; "
                          "varlen: packed variable-length samples")
     ap.add_argument("--compute", default="bf16", choices=["bf16", "fp8"], help="frozen projections in bf16 or FP8")
+    ap.add_argument("--unroll-layers", action="store_true",
+                    help="one traced layer per decoder layer (no stacks of saved activations) instead of a loop")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--profile", help="write a jax.profiler trace of 2 steps to this folder")
     ap.add_argument("--compile-first", action="store_true",
@@ -152,7 +155,7 @@ def main() -> None:
     choose_s = time.perf_counter() - t0
     base = {"system": "jaxtune", "device": jax.local_devices()[0].device_kind, "batch": micro, "batch_arg": args.batch,
             "seq": args.seq, "remat": args.remat, "data": args.data, "compute": args.compute,
-            "compile_first": args.compile_first, "warm_autotune": args.warm_autotune, "warm_compile_s": warm_s}
+            "unroll_layers": args.unroll_layers, "compile_first": args.compile_first, "warm_autotune": args.warm_autotune, "warm_compile_s": warm_s}
     if compiled is None:
         compiled, compile_s = compile_step(graphdef, lora, opt_state, frozen, micro)
         peak_after_compile = _peak_gib()

@@ -231,6 +231,9 @@ class CausalLM(nnx.Module):
         # "fp8": the frozen NF4 projections run as FP8 GEMMs (forward and input gradient; q/k's forward
         # excepted); set by train() in the step's graphdef only, like the two flags above
         self.compute: str = "bf16"
+        # training traces one layer per decoder layer instead of a loop: no stacks of saved activations to copy
+        # into and out of (faster), a compile time that grows with the layer count
+        self.unroll_layers: bool = False
 
     def __call__(
         self,
@@ -327,16 +330,19 @@ class CausalLM(nnx.Module):
         def rematerialized(fn):
             if self.remat_policy == "none":
                 return fn
-            return jax.checkpoint(fn, policy=remat_policy(self.remat_policy), prevent_cse=False)
+            # unrolled, nothing keeps the compiler from merging the backward's recomputation into the forward
+            return jax.checkpoint(fn, policy=remat_policy(self.remat_policy), prevent_cse=unrolled)
 
-        if cache is None and self.remat_policy != "offload":  # training: residuals written in place
+        training = cache is None and self.remat_policy != "offload"
+        unrolled = training and self.unroll_layers
+        if training:  # residuals written in place
             # the loop's constants are arguments of the layer: the loop tells them from per-layer values by identity
             def layer_fn(h, per_layer, invariant, index):
                 (sliced, rng), (codes, *constants) = per_layer, invariant
                 return stacked_body(h, (sliced, None, rng, index), codes, tuple(constants))[0]
 
             h = layer_loop(rematerialized(layer_fn), h, (sliced_state, layer_rngs),
-                           (codes_state, cos, sin, segment_ids), self.config.num_layers)
+                           (codes_state, cos, sin, segment_ids), self.config.num_layers, unrolled=unrolled)
             return self.norm(h), None
         layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
         h, new_cache = jax.lax.scan(rematerialized(stacked_body), h, (sliced_state, cache, layer_rngs, layers))

@@ -217,24 +217,27 @@ def scan_body_eqns(jaxpr, inside: bool = False):
                 yield from scan_body_eqns(inner, inside or e.primitive.name == "scan")
 
 
+@pytest.mark.parametrize("unrolled", [False, True], ids=["loop", "unrolled"])
 @pytest.mark.parametrize("policy", ["selective", "full"])
-def test_remat_policies_keep_gradients_and_selective_redoes_no_kernel(policy):
+def test_remat_policies_keep_gradients_and_selective_redoes_no_kernel(policy, unrolled):
     """Remat changes what the backward pass keeps, never the gradients; "selective" keeps projection outputs
-    and the attention residuals, so its backward pass re-runs no attention forward and no matmul."""
+    and the attention residuals, so its backward pass re-runs no attention forward and no matmul. The same
+    with the layers unrolled (one traced layer each, no stacks)."""
     model = kernel_model()
     ids = jax.random.randint(jax.random.key(0), (2, 64), 0, 320)
     seg = jnp.asarray(np.array([[1] * 40 + [2] * 24, [1] * 64]), jnp.int32)
     jaxtune.set_kernels("pallas-interpret")
     _, ref_grads, _ = logits_and_grads(model, ids, seg)
     none_bytes, none_jaxpr = residuals_and_grad_jaxpr(model, ids, seg)
-    model.remat_policy = policy
+    model.remat_policy, model.unroll_layers = policy, unrolled
     _, grads, _ = logits_and_grads(model, ids, seg)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-5)
     nbytes, jaxpr = residuals_and_grad_jaxpr(model, ids, seg)
     assert nbytes < 0.7 * none_bytes
     assert live_calls(none_jaxpr, "flash_attention_fwd") == 1
-    assert live_calls(jaxpr, "flash_attention_fwd") == (1 if policy == "selective" else 2)
+    per_layer = model.config.num_layers if unrolled else 1  # a call per traced layer
+    assert live_calls(jaxpr, "flash_attention_fwd") == per_layer * (1 if policy == "selective" else 2)
 
 
 @pytest.mark.gpu

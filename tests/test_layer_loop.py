@@ -33,19 +33,20 @@ def _unrolled(h, params, invariant):
     return h
 
 
+@pytest.mark.parametrize("unrolled", [False, True], ids=["loop", "unrolled"])
 @pytest.mark.parametrize("policy", [None, "nothing", "mid"])
-def test_gradients_match_autodiff_of_the_unrolled_layers(policy):
+def test_gradients_match_autodiff_of_the_unrolled_layers(policy, unrolled):
     h, params, invariant = _inputs()
     policies = {"nothing": jax.checkpoint_policies.nothing_saveable,
                 "mid": jax.checkpoint_policies.save_only_these_names("mid")}
-    layer = _layer if policy is None else jax.checkpoint(_layer, policy=policies[policy], prevent_cse=False)
+    layer = _layer if policy is None else jax.checkpoint(_layer, policy=policies[policy], prevent_cse=unrolled)
     trained = {k: v for k, v in params.items() if k != "b"}  # "b" frozen: it gets no gradient
 
     def loss(fn, h, trained):
         out = fn(h, {**trained, "b": params["b"]}, invariant)
         return jnp.sum(jnp.sin(out) * out)
 
-    looped = lambda h, p, inv: layer_loop(layer, h, p, inv, LAYERS)  # noqa: E731
+    looped = lambda h, p, inv: layer_loop(layer, h, p, inv, LAYERS, unrolled=unrolled)  # noqa: E731
     float_part = lambda t: {k: v for k, v in t.items() if k != "key"}  # noqa: E731
     want = jax.grad(lambda h, t: loss(_unrolled, h, {**t, "key": params["key"]}), argnums=(0, 1))(
         h, float_part(trained))
@@ -88,3 +89,34 @@ def test_an_output_outside_the_loss_gives_zero_gradients_through_the_loop():
         return jnp.sum(jax.lax.stop_gradient(out)) + jnp.sum(w ** 2)
 
     np.testing.assert_allclose(np.asarray(jax.grad(loss)(params["w"])), 2 * np.asarray(params["w"]), rtol=1e-6)
+
+
+def test_unrolled_layers_keep_residuals_without_stacks():
+    """Unrolled, each layer's saved values are buffers of their own: no stack is allocated, written or sliced
+    (the only slices left are each layer's read of the loop constant at its index, as in the loop)."""
+    h, params, invariant = _inputs()
+    layer = jax.checkpoint(_layer, policy=jax.checkpoint_policies.save_only_these_names("mid"), prevent_cse=True)
+
+    def stack_work(unrolled: bool) -> set[str]:
+        loss = lambda w: jnp.sum(layer_loop(layer, h, {**params, "w": w}, invariant, LAYERS, unrolled=unrolled) ** 2)  # noqa: E731
+        eqns = _equations(jax.make_jaxpr(jax.grad(loss))(params["w"]).jaxpr)
+        table_read = lambda e: e.primitive.name == "dynamic_slice" and e.invars[0].aval.shape == invariant[0].shape  # noqa: E731
+        return {e.primitive.name for e in eqns if e.primitive.name in STACK_WORK and not table_read(e)}
+
+    STACK_WORK = {"empty", "scan", "dynamic_update_slice", "dynamic_slice"}
+    # the loop's stacks, as a contrast (the check sees them): filled in place, read as the scan's slices
+    assert stack_work(False) == {"empty", "scan", "dynamic_update_slice"}
+    assert stack_work(True) == set()
+
+
+def _equations(jaxpr) -> list:
+    """Every equation of a jaxpr and of the jaxprs nested in its equations."""
+    found = []
+    for eqn in jaxpr.eqns:
+        found.append(eqn)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _equations(inner)
+    return found
