@@ -104,6 +104,8 @@ def _train_config(args: argparse.Namespace):
         overrides["packing"] = False
     if args.no_compile_cache:
         overrides["compile_cache"] = False
+    if args.unroll_layers:
+        overrides["unroll_layers"] = True
     if args.precompute_reference:
         overrides["precompute_reference"] = True
     if args.drop_long_prompts:
@@ -219,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--compute", choices=["bf16", "fp8"],
                     help="fp8: the frozen projections as FP8 GEMMs on Ada/Hopper, but q/k's forward "
                          "(opt-in; default bf16)")
+    tr.add_argument("--unroll-layers", action="store_true",
+                    help="trace each decoder layer on its own instead of looping over them: ~2%% faster steps, "
+                         "a longer compile (~1 min at 80 layers)")
     tr.add_argument("--report-to", help="also log metrics to: tensorboard (RUN/tb/), wandb, or both "
                                         "(comma-separated; needs pip install 'jaxtune[tensorboard]' / '[wandb]')")
     tr.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=4 (default: every device on data)")

@@ -83,6 +83,23 @@ def test_loss_decreases(tiny_tokenizer):
     assert not any("collapsed" in r for r in records)  # a healthy run is never flagged
 
 
+@pytest.mark.parametrize("remat", ["none", "selective"])
+def test_unrolled_layers_train_as_the_layer_loop_does(tiny_tokenizer, tmp_path, remat):
+    """unroll_layers changes how the step is compiled, not what it computes: the same losses as the loop, and the
+    run's config records it."""
+    def run(unroll: bool):
+        cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=4, learning_rate=3e-3, lora_r=8,
+                                  lora_dropout=0.1, remat=remat, unroll_layers=unroll)
+        out = tmp_path / f"{remat}-{unroll}"
+        losses = jaxtune.train(_model(tiny_tokenizer), tiny_tokenizer, ROWS, cfg, out_dir=out, progress=False).losses
+        return losses, json.loads((out / "config.json").read_text())["train"]["unroll_layers"]
+
+    (looped, flag_off), (unrolled, flag_on) = run(False), run(True)
+    assert (flag_off, flag_on) == (False, True)
+    np.testing.assert_allclose(unrolled, looped, rtol=2e-5)
+    assert looped[-1] < looped[0]
+
+
 def test_a_collapsed_run_says_so(tiny_tokenizer):
     """An absurd learning rate: uniform predictions (loss = log vocab) and zero gradients, flagged and warned."""
     cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=6, learning_rate=1e9, schedule="constant",

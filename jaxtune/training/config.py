@@ -59,6 +59,9 @@ class TrainConfig:
     # "fp8": the frozen projections (forward and input gradient, but q/k's forward) as FP8 GEMMs; LoRA, norms,
     # attention and the loss keep the model's dtype. Opt-in: see benchmarks/results for speed and accuracy
     compute: str = "bf16"
+    # one traced layer per decoder layer instead of a loop over them: ~2% faster steps (no stacks of saved
+    # activations to copy), a compile time that grows with the depth (~1 min at 80 layers instead of ~10 s)
+    unroll_layers: bool = False
     # GPU: keep compiled steps in JAX's persistent compilation cache (jaxtune.training.compilation), so a rerun
     # or a resumed run loads its step in seconds instead of compiling it again
     compile_cache: bool = True
@@ -237,6 +240,7 @@ _RULES: dict[str, _Rule] = {
     "ce_chunk_size": _Rule("int", 1),
     "compute": _Rule("choice", choices=COMPUTE_MODES),
     "compile_cache": _Rule("bool"),
+    "unroll_layers": _Rule("bool"),
     "logging_steps": _Rule("int", 1),
     "eval_steps": _Rule("int", 0),
     "save_steps": _Rule("int", 0),

@@ -190,11 +190,13 @@ def train(
         """The step's graphdef carries these flags; the user's model gets its defaults back."""
         model.single_sequence_rows, model.compute = single_sequence_rows, cfg.compute
         model.offload_device_layers, model.offload_group = layout
+        model.unroll_layers = cfg.unroll_layers
         try:
             return split_model(model)
         finally:
             model.single_sequence_rows, model.compute, model.offload_device_layers, model.offload_group = (
                 False, "bf16", 0, 1)
+            model.unroll_layers = False
 
     def first_layouts(remat: str) -> tuple[Any, list[tuple[int, int]]]:
         """(host budget or None, remat "offload"'s (layers whose inputs stay on device, offload group) to try)."""
