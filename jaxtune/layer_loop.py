@@ -32,7 +32,8 @@ LayerFn = Callable[[jax.Array, Any, Any, jax.Array], jax.Array]
 
 @dataclasses.dataclass
 class _ResidualLayout:
-    """Where each leaf of a layer's VJP comes from in the backward pass: its own stack ("stacked", k), an input
+    """Where each leaf of a layer's VJP comes from in the backward pass: what the layer saved ("stacked", k: its
+    own stack in the loop, its own buffer unrolled), an input
     of the loop ("trainable" / "frozen" / "invariant", k; "index"), or a constant of the trace ("static", value)."""
 
     treedef: Any = None
@@ -179,7 +180,7 @@ def layer_loop(layer_fn: LayerFn, h: jax.Array, per_layer: Any, invariant: Any, 
         return jax.tree.unflatten(layout.treedef, leaves)
 
     def run_bwd(residuals, dh):
-        stacks, t_stack, f_stack, inv_leaves = residuals
+        saved, t_stack, f_stack, inv_leaves = residuals  # stacks, or unrolled each layer's own list
         trained = traced["trained"]
         if isinstance(dh, jax.custom_derivatives.SymbolicZero):  # the output takes no part in the loss
             dh = jnp.zeros(dh.shape, dh.dtype)
@@ -187,14 +188,14 @@ def layer_loop(layer_fn: LayerFn, h: jax.Array, per_layer: Any, invariant: Any, 
             grads = [None] * num_layers
             for i in reversed(range(num_layers)):
                 dh, t_i, f_i, index = layer_slices(t_stack, f_stack, i, dh)
-                dh, grads[i] = layer_vjp(traced["layouts"][i], stacks[i], t_i, f_i, inv_leaves, index)(dh)
+                dh, grads[i] = layer_vjp(traced["layouts"][i], saved[i], t_i, f_i, inv_leaves, index)(dh)
             dt_stack = [jnp.stack(g) for g in zip(*grads)] if t_stack else []
         else:
             def body(dh, xs):
                 t_i, f_i, i, stacked_i = xs
                 return layer_vjp(traced["layout"], stacked_i, t_i, f_i, inv_leaves, i)(dh)
 
-            dh, dt_stack = jax.lax.scan(body, dh, (t_stack, f_stack, indices, stacks), reverse=True)
+            dh, dt_stack = jax.lax.scan(body, dh, (t_stack, f_stack, indices, saved), reverse=True)
         it = iter(dt_stack)
         return dh, [next(it) if d else None for d in trained], [None] * len(inv_leaves)
 
