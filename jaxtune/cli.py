@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(opt-in; default bf16)")
     tr.add_argument("--unroll-layers", action="store_true",
                     help="trace each decoder layer on its own instead of looping over them: ~2%% faster steps, "
-                         "a longer compile (~1 min at 80 layers)")
+                         "a longer compile (~1 min at 80 layers); not with --remat offload")
     tr.add_argument("--report-to", help="also log metrics to: tensorboard (RUN/tb/), wandb, or both "
                                         "(comma-separated; needs pip install 'jaxtune[tensorboard]' / '[wandb]')")
     tr.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=4 (default: every device on data)")

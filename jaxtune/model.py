@@ -232,7 +232,8 @@ class CausalLM(nnx.Module):
         # excepted); set by train() in the step's graphdef only, like the two flags above
         self.compute: str = "bf16"
         # training traces one layer per decoder layer instead of a loop: no stacks of saved activations to copy
-        # into and out of (faster), a compile time that grows with the layer count
+        # into and out of (faster), a compile time that grows with the layer count; remat "offload" keeps its
+        # own loops
         self.unroll_layers: bool = False
 
     def __call__(
@@ -327,14 +328,15 @@ class CausalLM(nnx.Module):
             with ops.stacked_layer(index):
                 return body(h, (nnx.merge_state(codes, sliced), layer_cache, rng), constants)
 
+        training = cache is None and self.remat_policy != "offload"
+        unrolled = training and self.unroll_layers
+
         def rematerialized(fn):
             if self.remat_policy == "none":
                 return fn
             # unrolled, nothing keeps the compiler from merging the backward's recomputation into the forward
             return jax.checkpoint(fn, policy=remat_policy(self.remat_policy), prevent_cse=unrolled)
 
-        training = cache is None and self.remat_policy != "offload"
-        unrolled = training and self.unroll_layers
         if training:  # residuals written in place
             # the loop's constants are arguments of the layer: the loop tells them from per-layer values by identity
             def layer_fn(h, per_layer, invariant, index):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxtune.layer_loop import layer_loop
+from test_kernel_dispatch import all_eqns
 
 LAYERS = 3
 
@@ -99,7 +100,7 @@ def test_unrolled_layers_keep_residuals_without_stacks():
 
     def stack_work(unrolled: bool) -> set[str]:
         loss = lambda w: jnp.sum(layer_loop(layer, h, {**params, "w": w}, invariant, LAYERS, unrolled=unrolled) ** 2)  # noqa: E731
-        eqns = _equations(jax.make_jaxpr(jax.grad(loss))(params["w"]).jaxpr)
+        eqns = all_eqns(jax.make_jaxpr(jax.grad(loss))(params["w"]).jaxpr)
         table_read = lambda e: e.primitive.name == "dynamic_slice" and e.invars[0].aval.shape == invariant[0].shape  # noqa: E731
         return {e.primitive.name for e in eqns if e.primitive.name in STACK_WORK and not table_read(e)}
 
@@ -108,15 +109,3 @@ def test_unrolled_layers_keep_residuals_without_stacks():
     assert stack_work(False) == {"empty", "scan", "dynamic_update_slice"}
     assert stack_work(True) == set()
 
-
-def _equations(jaxpr) -> list:
-    """Every equation of a jaxpr and of the jaxprs nested in its equations."""
-    found = []
-    for eqn in jaxpr.eqns:
-        found.append(eqn)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += _equations(inner)
-    return found

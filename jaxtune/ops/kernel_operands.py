@@ -111,7 +111,7 @@ def with_codes(weight, kernel: Callable[..., jax.Array], *args: jax.Array, fp8_k
     absmax = kernel_absmax(gathered)
     whole = (gathered.codes, absmax)
     if keyword:
-        whole, kernel = (*whole, fp8_scales(weight, fp8_kind, absmax)), _scales_last(kernel, keyword)
+        whole, kernel = (*whole, fp8_scales(gathered, fp8_kind, absmax)), _scales_last(kernel, keyword)
     if args:  # each device's own rows (activations never move), the weight whole on every device
         return per_batch_shard_with(kernel, args, whole)
     return replicated(kernel, *whole)

@@ -60,7 +60,8 @@ class TrainConfig:
     # attention and the loss keep the model's dtype. Opt-in: see benchmarks/results for speed and accuracy
     compute: str = "bf16"
     # one traced layer per decoder layer instead of a loop over them: ~2% faster steps (no stacks of saved
-    # activations to copy), a compile time that grows with the depth (~1 min at 80 layers instead of ~10 s)
+    # activations to copy), a compile time that grows with the depth (~1 min at 80 layers instead of ~10 s);
+    # remat "offload" keeps its own loops
     unroll_layers: bool = False
     # GPU: keep compiled steps in JAX's persistent compilation cache (jaxtune.training.compilation), so a rerun
     # or a resumed run loads its step in seconds instead of compiling it again
