@@ -48,9 +48,12 @@ def rope_tables(cfg: ModelConfig, positions: jnp.ndarray) -> tuple[jnp.ndarray, 
 
 
 def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-    """Rotates x [B, T, H, D] by cos/sin [B, T, D]; computed in float32, returned in x's dtype."""
-    xf = x.astype(jnp.float32)
+    """Rotates x [B, T, H, D] by cos/sin [B, T, D]; computed in float32, returned in x's dtype.
+
+    Each half is rotated on its own and the halves joined once, in x's dtype: a rotate_half copy of x (a float32
+    concatenation that XLA runs as its own kernel, fed to the multiply-add) is never formed. The tables' halves are
+    equal (`rope_tables`), so the first half of each is used for both."""
     half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    out = xf * cos[:, :, None, :] + rotated * sin[:, :, None, :]
-    return out.astype(x.dtype)
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    c, s = cos[:, :, None, :half], sin[:, :, None, :half]
+    return jnp.concatenate([(x1 * c - x2 * s).astype(x.dtype), (x2 * c + x1 * s).astype(x.dtype)], axis=-1)

@@ -13,7 +13,7 @@ from transformers import LlamaConfig
 
 from jaxtune.config import ModelConfig
 from jaxtune.model import init_model, segment_positions
-from jaxtune.rope import inverse_frequencies
+from jaxtune.rope import apply_rope, inverse_frequencies, rope_tables
 
 SMALL = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
                     num_heads=4, num_kv_heads=2, head_dim=8)
@@ -52,6 +52,29 @@ def test_rope_frequencies_match_transformers(rope):
     else:
         ref, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, "cpu")
     np.testing.assert_allclose(inverse_frequencies(cfg), ref.double().numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 5, 3, 8), (2, 17, 4, 64), (3, 9, 1, 128)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rope_rotation_matches_float64_rotate_half(shape, dtype):
+    """x * cos + rotate_half(x) * sin (HF's convention) in float64, at several head sizes and ragged lengths; the
+    tables' halves are equal, as `apply_rope` assumes."""
+    b, t, _, d = shape
+    cfg = dataclasses.replace(SMALL, head_dim=d, rope_theta=10000.0)
+    rng = np.random.default_rng(d + t)
+    x = rng.standard_normal(shape).astype(np.float32)
+    positions = rng.integers(0, 5000, (b, t))
+    cos, sin = rope_tables(cfg, jnp.asarray(positions))
+    np.testing.assert_array_equal(cos[..., : d // 2], cos[..., d // 2:])
+    out = apply_rope(jnp.asarray(x, dtype), cos, sin)
+    assert out.dtype == dtype
+    got = np.asarray(out.astype(jnp.float32), np.float64)
+    xr = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)  # the input as the kernel sees it
+    c, s = (np.asarray(a, np.float64)[:, :, None, :] for a in (cos, sin))  # the tables (frequencies: test above)
+    rotated = np.concatenate([-xr[..., d // 2:], xr[..., :d // 2]], axis=-1)
+    want = xr * c + rotated * s
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2  # bf16 output: an 8-bit mantissa
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 4)
 
 
 def test_config_round_trips_through_hf_dict():
