@@ -27,6 +27,10 @@ scale() {  # scale NAME scale_qlora-arguments...: the 70B-shaped step with per-l
 ckpt() {  # ckpt MODEL DIR: a random bitsandbytes-4bit checkpoint
   stage "ckpt-$1"; PYTHONPATH=. python3 benchmarks/make_bnb4_checkpoint.py --model "$1" "$2" 2>&1 | tagged "ckpt-$1"
 }
+rung() {  # rung STAGE [VAR=LENGTHS]: one stage of benchmarks/vram_ladder.sh (jaxtune-GB, unsloth-GB) on the 8B checkpoint
+  local s=$1; shift
+  env CKPT=/tmp/bnb4_8b "$@" bash benchmarks/vram_ladder.sh "$s" > "/tmp/jt/ladder-$s.log" 2>&1
+}
 gpu_tests() {  # the GPU-only tests (from the files that hold them: some import what the GPU machine lacks)
   stage gpu-tests
   JAX_PLATFORMS=cuda python3 -m pytest -q -m gpu -p no:cacheprovider $(grep -l mark.gpu tests/test_*.py) 2>&1 \
