@@ -30,6 +30,7 @@ from jaxtune.data.packing import pack_examples
 from jaxtune.distributed import peak_memory_gib
 from jaxtune.training.autobatch import choose_micro_batch
 from jaxtune.training.loop import PEAK_BF16_FLOPS, flops_per_token
+from jaxtune.training.optimizer_offload import place_on_host
 from jaxtune.training.step import REMAT_POLICIES, make_optimizer, make_train_step, split_model
 
 
@@ -105,6 +106,8 @@ def main() -> None:
     ap.add_argument("--compute", default="bf16", choices=["bf16", "fp8"], help="frozen projections in bf16 or FP8")
     ap.add_argument("--unroll-layers", action="store_true",
                     help="one traced layer per decoder layer (no stacks of saved activations) instead of a loop")
+    ap.add_argument("--offload-optimizer", action="store_true",
+                    help="AdamW's state in host memory between steps (TrainConfig.offload_optimizer)")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--profile", help="write a jax.profiler trace of 2 steps to this folder")
     ap.add_argument("--compile-first", action="store_true",
@@ -117,8 +120,11 @@ def main() -> None:
     args = ap.parse_args()
     if (args.compile_first or args.warm_autotune) and args.batch == "auto":
         ap.error("--compile-first and --warm-autotune need a fixed --batch")
+    if (args.compile_first or args.warm_autotune) and args.offload_optimizer:
+        ap.error("--compile-first and --warm-autotune plan the optimizer state on the device: not with --offload-optimizer")
     cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch if args.batch == "auto" else int(args.batch),
-                              max_steps=1000, learning_rate=1e-4, remat=args.remat, compute=args.compute)
+                              max_steps=1000, learning_rate=1e-4, remat=args.remat, compute=args.compute,
+                              offload_optimizer=args.offload_optimizer)
     optimizer, schedule = make_optimizer(cfg)
 
     def compile_step(graphdef, lora, opt_state, frozen, micro: int):
@@ -147,6 +153,8 @@ def main() -> None:
     peak_after_load = _peak_gib()
     graphdef, lora, frozen = split_model(configure(model, args))
     opt_state = optimizer.init(lora)
+    if args.offload_optimizer:
+        opt_state = place_on_host(opt_state)
     t0 = time.perf_counter()
     if args.batch == "auto":
         micro = choose_micro_batch(cfg, make_train_step(graphdef, optimizer, schedule, cfg), lora, opt_state, frozen)
@@ -155,7 +163,8 @@ def main() -> None:
     choose_s = time.perf_counter() - t0
     base = {"system": "jaxtune", "device": jax.local_devices()[0].device_kind, "batch": micro, "batch_arg": args.batch,
             "seq": args.seq, "remat": args.remat, "data": args.data, "compute": args.compute,
-            "unroll_layers": args.unroll_layers, "compile_first": args.compile_first, "warm_autotune": args.warm_autotune, "warm_compile_s": warm_s}
+            "unroll_layers": args.unroll_layers, "offload_optimizer": args.offload_optimizer,
+            "compile_first": args.compile_first, "warm_autotune": args.warm_autotune, "warm_compile_s": warm_s}
     if compiled is None:
         compiled, compile_s = compile_step(graphdef, lora, opt_state, frozen, micro)
         peak_after_compile = _peak_gib()

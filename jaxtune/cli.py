@@ -106,6 +106,8 @@ def _train_config(args: argparse.Namespace):
         overrides["compile_cache"] = False
     if args.unroll_layers:
         overrides["unroll_layers"] = True
+    if args.offload_optimizer:
+        overrides["offload_optimizer"] = True
     if args.precompute_reference:
         overrides["precompute_reference"] = True
     if args.drop_long_prompts:
@@ -224,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--unroll-layers", action="store_true",
                     help="trace each decoder layer on its own instead of looping over them: ~2%% faster steps, "
                          "a longer compile (~1 min at 80 layers); not with --remat offload")
+    tr.add_argument("--offload-optimizer", action="store_true",
+                    help="keep AdamW's state in host memory between steps (GPU: less device memory at the "
+                         "step's peak, one host round trip of that state per step)")
     tr.add_argument("--report-to", help="also log metrics to: tensorboard (RUN/tb/), wandb, or both "
                                         "(comma-separated; needs pip install 'jaxtune[tensorboard]' / '[wandb]')")
     tr.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=4 (default: every device on data)")

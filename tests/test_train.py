@@ -142,6 +142,57 @@ def test_resume_continues_exactly(tiny_tokenizer, tmp_path):
     assert (tmp_path / "b" / "loss.png").stat().st_size > 1000
 
 
+def test_offloaded_optimizer_state_trains_and_resumes_as_on_device(tiny_tokenizer, tmp_path):
+    """offload_optimizer moves AdamW's moments, not what the step computes: the same losses as the state on the
+    device, through a checkpoint and resume of the host-resident state."""
+    cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=6, learning_rate=2e-3, save_steps=3,
+                              lora_r=4)
+    on_device = jaxtune.train(_model(tiny_tokenizer), tiny_tokenizer, ROWS, cfg, progress=False).losses
+
+    def interrupt_at_3(record):
+        if record["step"] == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    offloaded = jaxtune.TrainConfig(**{**cfg.to_dict(), "offload_optimizer": True})
+    first = jaxtune.train(_model(tiny_tokenizer), tiny_tokenizer, ROWS, offloaded, out_dir=tmp_path, progress=False,
+                          callback=interrupt_at_3)
+    rest = jaxtune.train(_model(tiny_tokenizer), tiny_tokenizer, ROWS, offloaded, out_dir=tmp_path, resume=True,
+                         progress=False)
+    assert first.steps == 3 and rest.steps == 6
+    np.testing.assert_allclose(rest.losses, on_device, rtol=1e-6)
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["offload_optimizer"] is True
+
+
+def test_offloaded_optimizer_state_stays_in_host_memory_and_is_copied_in_after_the_gradients(tiny_tokenizer):
+    from jaxtune.training.optimizer_offload import place_on_host
+    from jaxtune.training.step import make_train_step
+
+    cfg = jaxtune.TrainConfig(seq_len=32, micro_batch_size=1, max_steps=2, lora_r=4, offload_optimizer=True)
+    graphdef, lora, frozen = split_model(get_peft_model(_model(tiny_tokenizer), r=4))
+    optimizer, schedule = make_optimizer(cfg)
+    opt_state = place_on_host(optimizer.init(lora))
+    ids = np.arange(32, dtype=np.int32)[None, None] % 50
+    batch = {"input_ids": ids, "labels": ids, "segment_ids": np.ones_like(ids), "positions": ids % 32}
+    step = make_train_step(graphdef, optimizer, schedule, cfg)
+    jaxpr = jax.make_jaxpr(step.fn)(lora, opt_state, frozen, batch, np.int32(0)).jaxpr
+    jaxpr = jaxpr.eqns[0].params["jaxpr"].jaxpr  # inside the step's jit
+    n_lora, n_opt = len(jax.tree.leaves(lora)), len(jax.tree.leaves(opt_state))
+    host_state = set(jaxpr.invars[n_lora:n_lora + n_opt])  # the step's optimizer-state arguments
+    barrier = next(i for i, e in enumerate(jaxpr.eqns)
+                   if e.primitive.name == "optimization_barrier" and host_state <= set(e.invars))
+    # with the state, the barrier holds the gradients: float32 arrays of the LoRA parameters' shapes
+    held = {(v.aval.shape, v.aval.dtype) for v in jaxpr.eqns[barrier].invars if v not in host_state}
+    assert {(x.shape, jnp.dtype(jnp.float32)) for x in jax.tree.leaves(lora)} <= held
+    copies_in = [e for e in jaxpr.eqns[barrier + 1:] if e.primitive.name == "device_put"
+                 and "Device" in str(e.params.get("devices"))]
+    assert copies_in and set(copies_in[0].invars) == {v for v in jaxpr.eqns[barrier].outvars[-n_opt:]}
+    assert not any(e.primitive.name == "device_put" for e in jaxpr.eqns[:barrier])  # nothing copied in before
+    lora, opt_state, m = step(lora, opt_state, frozen, batch, np.int32(0))
+    assert np.isfinite(float(m["loss"]))
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(opt_state)} == {"pinned_host"}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(lora)} == {"device"}
+
+
 def test_nan_guard_stops_with_a_clear_message(tiny_tokenizer, tmp_path):
     model = _model(tiny_tokenizer)
     model.norm.weight.set_value(jnp.full_like(model.norm.weight[...], jnp.nan))

@@ -36,6 +36,7 @@ from jaxtune.training.checkpoint import RunCheckpoints, check_run_dir
 from jaxtune.training.compilation import use_compilation_cache
 from jaxtune.training.config import TrainConfig
 from jaxtune.training.objectives import make_objective, reference_adapters
+from jaxtune.training.optimizer_offload import place_on_host
 from jaxtune.training.reference import reference_logps
 from jaxtune.training.remat_choice import choose_remat
 from jaxtune.training.reporting import MetricsLog, check_reporters
@@ -216,6 +217,8 @@ def train(
     opt_state = optimizer.init(lora)
     if mesh is not None:
         lora, frozen, opt_state = (shard_state(mesh, tree) for tree in (lora, frozen, opt_state))
+    if cfg.offload_optimizer:
+        opt_state = place_on_host(opt_state)
     tried = {}  # remat "auto": each candidate's (graphdef, step), the step compiled once to plan it (jit reuses it)
     if cfg.remat == "auto":
         def build_step(remat: str):
@@ -275,6 +278,8 @@ def train(
         latest = ckpt.latest_step()  # check_run_dir refused checkpoints without resume
         if latest is not None:
             lora, opt_state, meta = ckpt.restore(lora, opt_state)
+            if cfg.offload_optimizer:
+                opt_state = place_on_host(opt_state)
             stream.restore(meta["data"])
             start_step, skipped_total = int(meta["step"]), int(meta["skipped"])
             losses, eval_losses = list(meta["losses"]), [tuple(e) for e in meta["eval_losses"]]

@@ -18,6 +18,7 @@ from jaxtune.sharding import global_batch, state_shardings
 from jaxtune.training.compilation import step_compiler_options
 from jaxtune.training.config import TrainConfig
 from jaxtune.training.objectives import SFT, Objective, make_objective
+from jaxtune.training.optimizer_offload import to_device_after, to_host
 
 REMAT_POLICIES = {"none": "none", "selective": "selective", "per-layer": "full", "offload": "offload"}
 
@@ -116,6 +117,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         key = jax.random.fold_in(base_key, step_index) if cfg.lora_dropout > 0 else None
         loss, grads, objective_metrics = loss_and_grads(graphdef, lora, frozen, batch, key, cfg.ce_chunk_size,
                                                         objective)
+        if cfg.offload_optimizer:
+            grads, opt_state = to_device_after(opt_state, grads)
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt_state = optimizer.update(grads, opt_state, lora)
@@ -128,6 +131,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         if mesh is not None:  # params and optimizer state keep their FSDP layout from step to step
             new_lora = jax.lax.with_sharding_constraint(new_lora, state_shardings(mesh, new_lora))
             new_opt_state = jax.lax.with_sharding_constraint(new_opt_state, state_shardings(mesh, new_opt_state))
+        if cfg.offload_optimizer:
+            new_opt_state = to_host(new_opt_state)
         return new_lora, new_opt_state, metrics
 
     return OnMesh(jax.jit(step, donate_argnums=(0, 1), compiler_options=step_compiler_options()), mesh,
