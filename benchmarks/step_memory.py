@@ -2,10 +2,13 @@
 
 On the GPU machine, from the repository root:
     PYTHONPATH=. python3 benchmarks/step_memory.py --model llama3-70b --batch 1 --remat per-layer offload
+    PYTHONPATH=. python3 benchmarks/step_memory.py --model llama3-70b --remat offload --offload-optimizer --concats 10
 Compiles the single-device training step (as `jaxtune.train` runs it) for each remat policy given, from the
 shapes of a 4-bit model only (nothing is loaded or run), and prints one JSON line per policy: XLA's memory plan
 (arguments, temporaries, host temporaries) and the largest buffers live at the planned peak (XLA's buffer
 assignment), each with its shape and the operation that makes it. Where the peak goes is then named, not guessed.
+`--concats N` adds the N largest concatenations of the optimized step (a join a GPU profile shows as a kernel of
+its own, named by the JAX operation it came from); `--unroll-layers` and `--offload-optimizer` plan those variants.
 """
 
 from __future__ import annotations
@@ -40,6 +43,34 @@ def peak_buffers(dump_dir: str, top: int) -> list[dict]:
     return sorted(out, key=lambda b: -b["gib"])[:top]
 
 
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+          "s64": 8, "u64": 8, "f64": 8}
+_CONCAT = re.compile(r"%(\S+) = (\w+)\[([\d,]*)\]\S* concatenate\(.*?op_name=\"([^\"]*)\"")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?(\S+) .*\{\s*$")
+
+
+def largest_concatenations(dump_dir: str, top: int) -> list[dict]:
+    """The `top` largest concatenations of the optimized step (XLA's after-optimizations HLO): result MiB, shape,
+    the computation holding each (a fusion's, e.g. a GPU `wrapped_concatenate`) and the JAX operation it came from,
+    so a join the GPU profile shows as a kernel of its own can be named."""
+    paths = sorted(glob.glob(os.path.join(dump_dir, "*step*after_optimizations.txt")), key=os.path.getsize)
+    if not paths:
+        return []
+    out, computation = [], ""
+    for line in open(paths[-1]):
+        header = _COMPUTATION.match(line)
+        if header and "=" not in line.split("{")[0]:
+            computation = header[1]
+        m = _CONCAT.search(line)
+        if m:
+            count = 1
+            for d in filter(None, m[3].split(",")):
+                count *= int(d)
+            out.append({"mib": round(count * _BYTES.get(m[2], 4) / 2**20, 2), "shape": f"{m[2]}[{m[3]}]",
+                        "computation": computation, "instruction": m[1], "op": m[4][-160:]})
+    return sorted(out, key=lambda c: -c["mib"])[:top]
+
+
 def _parser() -> argparse.ArgumentParser:
     from benchmarks.make_bnb4_checkpoint import MODELS
 
@@ -51,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--compute", default="bf16", choices=["bf16", "fp8"])
     ap.add_argument("--remat", nargs="+", default=["per-layer"])
     ap.add_argument("--top", type=int, default=25, help="how many of the peak's buffers to print")
+    ap.add_argument("--concats", type=int, default=0, help="also list this many of the largest concatenations")
+    ap.add_argument("--unroll-layers", action="store_true", help="the step with one traced layer per decoder layer")
+    ap.add_argument("--offload-optimizer", action="store_true", help="AdamW's state in host memory between steps")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # set for the child process that compiles one policy
     return ap
 
@@ -85,11 +119,15 @@ def compile_one(args: argparse.Namespace, remat: str) -> None:
     model.single_sequence_rows = True  # one sequence per row: how train() attends unpacked rows
     model.compute = args.compute
     model.offload_group, model.offload_device_layers = 1, 0
+    model.unroll_layers = args.unroll_layers
     tcfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch, max_steps=1000, learning_rate=1e-4,
-                               remat=remat, compute=args.compute)
+                               remat=remat, compute=args.compute, offload_optimizer=args.offload_optimizer)
     graphdef, lora, frozen = split_model(model)
     optimizer, schedule = make_optimizer(tcfg)
     opt_state = jax.eval_shape(optimizer.init, lora)
+    if args.offload_optimizer:  # planned where train() keeps it: the device's pinned host memory
+        host = jax.sharding.SingleDeviceSharding(jax.local_devices()[0], memory_kind="pinned_host")
+        opt_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host), opt_state)
     lora = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), lora)
     step_fn = make_train_step(graphdef, optimizer, schedule, tcfg)
     batch = {k: jax.ShapeDtypeStruct((1, args.batch, args.seq), jnp.int32)
@@ -100,8 +138,10 @@ def compile_one(args: argparse.Namespace, remat: str) -> None:
     dump = re.search(r"--xla_dump_to=(\S+)", os.environ["XLA_FLAGS"])[1]
     print(json.dumps({
         "model": args.model, "batch": args.batch, "seq": args.seq, "rank": args.rank, "compute": args.compute,
-        "remat": remat, "device": jax.local_devices()[0].device_kind, "compile_s": round(compile_s, 1),
-        **memory_plan(compiled), "peak_buffers": peak_buffers(dump, args.top)}), flush=True)
+        "remat": remat, "unroll_layers": args.unroll_layers, "offload_optimizer": args.offload_optimizer,
+        "device": jax.local_devices()[0].device_kind, "compile_s": round(compile_s, 1), **memory_plan(compiled),
+        "peak_buffers": peak_buffers(dump, args.top),
+        **({"concatenations": largest_concatenations(dump, args.concats)} if args.concats else {})}), flush=True)
 
 
 if __name__ == "__main__":

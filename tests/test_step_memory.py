@@ -37,6 +37,24 @@ def test_the_peak_reading_finds_a_temporary_of_known_size(tmp_path):
     assert all(b["gib"] <= buffers[0]["gib"] for b in buffers)
 
 
+def test_the_concatenation_reading_finds_a_join_of_known_size(tmp_path):
+    # a bf16 [512, 1024] join of two tanh halves (1 MiB) and a smaller float32 [256, 64] one (64 KiB)
+    code = ("import jax, jax.numpy as jnp\n"
+            "f = jax.jit(lambda a, b: (jnp.concatenate([jnp.tanh(a), jnp.sin(a)], axis=1).astype(jnp.bfloat16), "
+            "jnp.concatenate([b, b * 2])))\n"
+            "f.lower(jax.ShapeDtypeStruct((512, 512), jnp.float32), jax.ShapeDtypeStruct((128, 64), jnp.float32))"
+            ".compile()\n")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_module_re=.*lambda.*",
+               JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=ROOT)
+    for path in tmp_path.glob("*lambda*after_optimizations.txt"):
+        path.rename(path.with_name(path.name.replace("lambda", "step")))
+    joins = _script().largest_concatenations(str(tmp_path), top=5)
+    assert [j["mib"] for j in joins][:2] in ([2.0, 0.06], [1.0, 0.06])  # float32 or bf16, as XLA orders the cast
+    assert joins[0]["shape"].endswith("[512,1024]") and "concatenate" in joins[0]["op"]
+    assert joins[1]["shape"] == "f32[256,64]" and joins[1]["computation"].startswith("fused_computation")
+
+
 def test_the_plan_of_a_1b_step_compiled_from_shapes(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
     out = subprocess.run([sys.executable, str(SCRIPT), "--model", "llama3.2-1b", "--seq", "1024", "--remat", "per-layer",
