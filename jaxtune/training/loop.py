@@ -277,9 +277,7 @@ def train(
         ckpt = RunCheckpoints(run_dir)
         latest = ckpt.latest_step()  # check_run_dir refused checkpoints without resume
         if latest is not None:
-            lora, opt_state, meta = ckpt.restore(lora, opt_state)
-            if cfg.offload_optimizer:
-                opt_state = place_on_host(opt_state)
+            lora, opt_state, meta = ckpt.restore(lora, opt_state)  # into the live arrays' memory (host, offloaded)
             stream.restore(meta["data"])
             start_step, skipped_total = int(meta["step"]), int(meta["skipped"])
             losses, eval_losses = list(meta["losses"]), [tuple(e) for e in meta["eval_losses"]]
