@@ -62,6 +62,8 @@ def main() -> None:
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--cap-gib", type=float, help="use only this much GPU memory")
     ap.add_argument("--offload-optimizer", action="store_true", help="AdamW's state in host memory between steps")
+    ap.add_argument("--offload-embedding", action="store_true",
+                    help="the frozen input embedding in host memory during training")
     args = ap.parse_args()
     fraction = cap_device_memory(args.cap_gib) if args.cap_gib else None
 
@@ -81,13 +83,14 @@ def main() -> None:
             "device": jax.devices()[0].device_kind, "cap_gib": args.cap_gib, "mem_fraction": fraction,
             "device_limit_gib": round((memory_stats().get("bytes_limit") or 0) / GIB, 2), "batch": 1,
             "lora_r": args.lora_r, "remat": args.remat, "compute": args.compute,
-            "offload_optimizer": args.offload_optimizer,
+            "offload_optimizer": args.offload_optimizer, "offload_embedding": args.offload_embedding,
             "pinned_cap_gib": round(pinned_cap_bytes() / GIB, 1), "load_s": round(time.perf_counter() - t0, 1)}
     for seq in sorted(int(s) for s in args.seqs.split(",")):
         rows = synthetic_rows(seq, 1, model.config.vocab_size)
         cfg = jaxtune.TrainConfig(format="text", seq_len=seq, micro_batch_size=1, max_steps=1, learning_rate=1e-4,
                                   remat=args.remat, compute=args.compute, packing=False, lora_r=args.lora_r,
-                                  lora_alpha=args.lora_r, offload_optimizer=args.offload_optimizer)
+                                  lora_alpha=args.lora_r, offload_optimizer=args.offload_optimizer,
+                                  offload_embedding=args.offload_embedding)
         tokens = int((prepare_data(rows, tokenizer, cfg)[0].segment_ids > 0).sum())
         record = {**base, "seq": seq, "tokens": tokens}
         t0 = time.perf_counter()

@@ -30,6 +30,7 @@ from jaxtune.data.packing import pack_examples
 from jaxtune.distributed import peak_memory_gib
 from jaxtune.training.autobatch import choose_micro_batch
 from jaxtune.training.loop import PEAK_BF16_FLOPS, flops_per_token
+from jaxtune.training.embedding_offload import embedding_to_host
 from jaxtune.training.optimizer_offload import place_on_host
 from jaxtune.training.step import REMAT_POLICIES, make_optimizer, make_train_step, split_model
 
@@ -72,7 +73,10 @@ def memory_plan(compiled) -> dict:
     return {"planned_device_gib": gib(device), "planned_argument_gib": gib(mem.argument_size_in_bytes),
             "planned_temp_gib": gib(mem.temp_size_in_bytes),
             "planned_output_gib": gib(mem.output_size_in_bytes - mem.alias_size_in_bytes),
-            "planned_host_gib": gib(getattr(mem, "host_temp_size_in_bytes", 0))}
+            "planned_host_gib": gib(getattr(mem, "host_temp_size_in_bytes", 0)),
+            # arrays kept in host memory (--offload-optimizer, --offload-embedding), as the plan counts them
+            "planned_host_argument_gib": gib(getattr(mem, "host_argument_size_in_bytes", 0)),
+            "planned_host_output_gib": gib(getattr(mem, "host_output_size_in_bytes", 0))}
 
 
 def _peak_gib() -> float:
@@ -108,6 +112,8 @@ def main() -> None:
                     help="one traced layer per decoder layer (no stacks of saved activations) instead of a loop")
     ap.add_argument("--offload-optimizer", action="store_true",
                     help="AdamW's state in host memory between steps (TrainConfig.offload_optimizer)")
+    ap.add_argument("--offload-embedding", action="store_true",
+                    help="the frozen input embedding in host memory (TrainConfig.offload_embedding)")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--profile", help="write a jax.profiler trace of 2 steps to this folder")
     ap.add_argument("--compile-first", action="store_true",
@@ -120,8 +126,8 @@ def main() -> None:
     args = ap.parse_args()
     if (args.compile_first or args.warm_autotune) and args.batch == "auto":
         ap.error("--compile-first and --warm-autotune need a fixed --batch")
-    if (args.compile_first or args.warm_autotune) and args.offload_optimizer:
-        ap.error("--compile-first and --warm-autotune plan the optimizer state on the device: not with --offload-optimizer")
+    if (args.compile_first or args.warm_autotune) and (args.offload_optimizer or args.offload_embedding):
+        ap.error("--compile-first and --warm-autotune plan every array on the device: not with --offload-*")
     cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch if args.batch == "auto" else int(args.batch),
                               max_steps=1000, learning_rate=1e-4, remat=args.remat, compute=args.compute,
                               offload_optimizer=args.offload_optimizer)
@@ -155,6 +161,8 @@ def main() -> None:
     opt_state = optimizer.init(lora)
     if args.offload_optimizer:
         opt_state = place_on_host(opt_state)
+    if args.offload_embedding:
+        frozen = embedding_to_host(model, frozen)
     t0 = time.perf_counter()
     if args.batch == "auto":
         micro = choose_micro_batch(cfg, make_train_step(graphdef, optimizer, schedule, cfg), lora, opt_state, frozen)
@@ -164,6 +172,7 @@ def main() -> None:
     base = {"system": "jaxtune", "device": jax.local_devices()[0].device_kind, "batch": micro, "batch_arg": args.batch,
             "seq": args.seq, "remat": args.remat, "data": args.data, "compute": args.compute,
             "unroll_layers": args.unroll_layers, "offload_optimizer": args.offload_optimizer,
+            "offload_embedding": args.offload_embedding,
             "compile_first": args.compile_first, "warm_autotune": args.warm_autotune, "warm_compile_s": warm_s}
     if compiled is None:
         compiled, compile_s = compile_step(graphdef, lora, opt_state, frozen, micro)

@@ -50,7 +50,10 @@ class Embed(nnx.Module):
         self.weight = nnx.Param(_INIT_STD * jax.random.normal(rngs.params(), (vocab, dim), dtype))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.weight[...], ids, axis=0)
+        table = self.weight[...]
+        if jax.typeof(table).memory_space == jax.memory.Space.Host:  # training's offload_embedding: copied in for
+            table = jax.device_put(table, jax.memory.Space.Device)  # the lookup only (training/embedding_offload.py)
+        return jnp.take(table, ids, axis=0)
 
 
 class LayerCache(NamedTuple):

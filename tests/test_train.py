@@ -193,6 +193,71 @@ def test_offloaded_optimizer_state_stays_in_host_memory_and_is_copied_in_after_t
     assert {x.sharding.memory_kind for x in jax.tree.leaves(lora)} == {"device"}
 
 
+def test_device_bytes_leaves_out_host_arrays_only_where_the_plan_counts_them():
+    """Arrays kept in host memory are no device memory: taken out where the plan's totals include them (its
+    arguments add up to every argument's bytes), kept where the totals already hold device memory only."""
+    from types import SimpleNamespace
+
+    from jaxtune.training.autobatch import device_bytes
+
+    gib = 2**30
+    plan = dict(output_size_in_bytes=3 * gib, alias_size_in_bytes=2 * gib, temp_size_in_bytes=4 * gib,
+                host_argument_size_in_bytes=1 * gib, host_output_size_in_bytes=gib // 2,
+                host_alias_size_in_bytes=gib // 2)
+    counted = SimpleNamespace(argument_size_in_bytes=6 * gib, **plan)  # 5 GiB on the device + 1 GiB on the host
+    assert device_bytes(counted, argument_bytes=6 * gib) == (5 + 2.5 + 4 - 1.5) * gib
+    device_only = SimpleNamespace(argument_size_in_bytes=5 * gib, **plan)
+    assert device_bytes(device_only, argument_bytes=6 * gib) == (5 + 3 + 4 - 2) * gib
+    no_host = SimpleNamespace(argument_size_in_bytes=6 * gib, **{**plan, "host_argument_size_in_bytes": 0,
+                                                                  "host_output_size_in_bytes": 0,
+                                                                  "host_alias_size_in_bytes": 0})
+    assert device_bytes(no_host, argument_bytes=6 * gib) == (6 + 3 + 4 - 2) * gib
+
+
+def test_offloaded_embedding_trains_and_evaluates_as_on_device_and_comes_back_after(tiny_tokenizer):
+    """offload_embedding moves the frozen table, not what the step computes: the same training and held-out losses
+    as the table on the device; the table is in host memory while training runs and in device memory after."""
+    cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=4, learning_rate=2e-3, lora_r=4,
+                              eval_fraction=0.1, eval_steps=2)
+    on_device = jaxtune.train(_model(tiny_tokenizer), tiny_tokenizer, ROWS, cfg, progress=False)
+    model, kinds = _model(tiny_tokenizer), []
+    table = np.asarray(model.embed_tokens.weight[...])
+    offloaded = jaxtune.train(model, tiny_tokenizer, ROWS,
+                              jaxtune.TrainConfig(**{**cfg.to_dict(), "offload_embedding": True}), progress=False,
+                              callback=lambda r: kinds.append(model.embed_tokens.weight[...].sharding.memory_kind))
+    np.testing.assert_allclose(offloaded.losses, on_device.losses, rtol=1e-6)
+    np.testing.assert_allclose([v for _, v in offloaded.eval_losses], [v for _, v in on_device.eval_losses],
+                               rtol=1e-6)
+    assert kinds == ["pinned_host"] * 4
+    assert model.embed_tokens.weight[...].sharding.memory_kind == "device"
+    np.testing.assert_array_equal(np.asarray(model.embed_tokens.weight[...]), table)
+
+
+def test_embedding_in_host_memory_is_copied_in_for_the_lookup_only():
+    from jaxtune.model import Embed
+
+    embed = Embed(11, 4, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    table = np.asarray(embed.weight[...])
+    embed.weight.set_value(jax.device_put(embed.weight[...], embed.weight[...].sharding.with_memory_kind("pinned_host")))
+    ids = jnp.asarray([[3, 0, 10]], jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda e, i: e(i))(embed, ids).jaxpr
+    table_var = next(v for v in jaxpr.invars if v.aval.shape == (11, 4))
+    assert jax.typeof(embed.weight[...]).memory_space == jax.memory.Space.Host
+    uses = [e for e in jaxpr.eqns if table_var in e.invars]
+    assert [e.primitive.name for e in uses] == ["device_put"] and "Device" in str(uses[0].params["devices"])
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda e, i: e(i))(embed, ids)), table[[[3, 0, 10]]])
+
+
+def test_offload_embedding_refuses_a_tied_model_in_one_line(tiny_tokenizer):
+    cfg = ModelConfig(model_type="llama", vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128,
+                      num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True,
+                      eos_token_id=tiny_tokenizer.eos_token_id)
+    model = quantize_layers(init_model(cfg, dtype="float32"))
+    with pytest.raises(jaxtune.JaxtuneError, match="ties it to the input embedding.*drop --offload-embedding"):
+        jaxtune.train(model, tiny_tokenizer, ROWS, jaxtune.TrainConfig(seq_len=64, max_steps=1,
+                                                                        offload_embedding=True), progress=False)
+
+
 def test_nan_guard_stops_with_a_clear_message(tiny_tokenizer, tmp_path):
     model = _model(tiny_tokenizer)
     model.norm.weight.set_value(jnp.full_like(model.norm.weight[...], jnp.nan))
@@ -593,6 +658,31 @@ def test_offloading_training_keeps_inputs_on_device_or_groups_layers_when_host_m
             else "host memory holds the input of one layer in 2") in out
 
 
+
+
+def test_remat_auto_as_last_resort_also_keeps_optimizer_state_and_embedding_in_host_memory(
+        tiny_tokenizer, monkeypatch, tmp_path, capsys):
+    """When no policy fits (a small card), remat auto's last resort "offload" also moves AdamW's state and the input
+    embedding to host memory, says so in one line, records it, and trains as those options set explicitly."""
+    import jaxtune.training.loop as loop
+    import jaxtune.training.remat_choice as remat_choice
+
+    monkeypatch.setattr(loop, "offloads_to_host", lambda: True)  # the GPU-only planning, on CPU
+    monkeypatch.setattr(remat_choice, "memory_stats", lambda: {"bytes_limit": 1})  # nothing fits
+    base = dict(seq_len=64, micro_batch_size=2, max_steps=3, lora_r=4, learning_rate=2e-3)
+    auto = jaxtune.train(_model(tiny_tokenizer), tiny_tokenizer, ROWS, jaxtune.TrainConfig(**base),
+                         out_dir=tmp_path / "auto", progress=False)
+    said = [line for line in capsys.readouterr().out.splitlines() if "remat auto" in line]
+    assert "none fits, offload is the last resort" in said[0], said
+    assert said[1] == ("remat auto: the optimizer state (offload_optimizer) and the input embedding "
+                       "(offload_embedding) also kept in host memory")
+    recorded = json.loads((tmp_path / "auto" / "config.json").read_text())
+    assert (recorded["remat"], recorded["offload_optimizer"], recorded["offload_embedding"]) == ("offload", True, True)
+    assert recorded["train"]["remat"] == "auto" and auto.remat == "offload"
+    explicit = jaxtune.train(_model(tiny_tokenizer), tiny_tokenizer, ROWS,
+                             jaxtune.TrainConfig(**base, remat="offload", offload_optimizer=True,
+                                                 offload_embedding=True), progress=False)
+    assert auto.losses == explicit.losses
 
 
 @pytest.mark.gpu

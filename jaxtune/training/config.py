@@ -67,6 +67,9 @@ class TrainConfig:
     # between steps, copied in once the backward pass is done and out after the update, so the forward and backward
     # passes, where the peak is, run without it; it costs a host round trip of that state per step
     offload_optimizer: bool = False
+    # the frozen input embedding (vocab x hidden: 1 GiB at 8B) lives in host memory during training, copied in for
+    # each micro-batch's lookup only, so the backward pass (the peak) runs without it; untied models only
+    offload_embedding: bool = False
     # GPU: keep compiled steps in JAX's persistent compilation cache (jaxtune.training.compilation), so a rerun
     # or a resumed run loads its step in seconds instead of compiling it again
     compile_cache: bool = True
@@ -247,6 +250,7 @@ _RULES: dict[str, _Rule] = {
     "compile_cache": _Rule("bool"),
     "unroll_layers": _Rule("bool"),
     "offload_optimizer": _Rule("bool"),
+    "offload_embedding": _Rule("bool"),
     "logging_steps": _Rule("int", 1),
     "eval_steps": _Rule("int", 0),
     "save_steps": _Rule("int", 0),

@@ -35,6 +35,7 @@ from jaxtune.training.autobatch import (MARGIN, choose_micro_batch, refuse_if_to
 from jaxtune.training.checkpoint import RunCheckpoints, check_run_dir
 from jaxtune.training.compilation import use_compilation_cache
 from jaxtune.training.config import TrainConfig
+from jaxtune.training.embedding_offload import check_untied, embedding_to_device, embedding_to_host
 from jaxtune.training.objectives import make_objective, reference_adapters
 from jaxtune.training.optimizer_offload import place_on_host
 from jaxtune.training.reference import reference_logps
@@ -184,6 +185,8 @@ def train(
                                if r is not None)
     if cfg.compute == "fp8":
         check_fp8_device()
+    if cfg.offload_embedding:
+        check_untied(model)
     use_compilation_cache(cfg.compile_cache)
     rows = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else unit  # what the step is planned for
 
@@ -219,6 +222,8 @@ def train(
         lora, frozen, opt_state = (shard_state(mesh, tree) for tree in (lora, frozen, opt_state))
     if cfg.offload_optimizer:
         opt_state = place_on_host(opt_state)
+    if cfg.offload_embedding:  # the model holds the host copy until training ends (the finally below)
+        frozen = embedding_to_host(model, frozen)
     tried = {}  # remat "auto": each candidate's (graphdef, step), the step compiled once to plan it (jit reuses it)
     if cfg.remat == "auto":
         def build_step(remat: str):
@@ -232,6 +237,18 @@ def train(
         if lead:
             print(choice.reason, flush=True)
         cfg = dataclasses.replace(cfg, remat=choice.policy)
+        if choice.policy == "offload" and not choice.fits:  # the last resort: host memory takes what else it can
+            moved = []
+            if not cfg.offload_optimizer:
+                opt_state, cfg = place_on_host(opt_state), dataclasses.replace(cfg, offload_optimizer=True)
+                moved.append("the optimizer state (offload_optimizer)")
+            if not cfg.offload_embedding and model.lm_head is not None:
+                frozen, cfg = embedding_to_host(model, frozen), dataclasses.replace(cfg, offload_embedding=True)
+                moved.append("the input embedding (offload_embedding)")
+            if moved:
+                tried.pop("offload")  # its step kept those arrays on the device
+                if lead:
+                    print(f"remat auto: {' and '.join(moved)} also kept in host memory", flush=True)
     host, layouts = first_layouts(cfg.remat)
     offloading = cfg.remat == "offload" and offloads_to_host()
     if cfg.remat in tried:
@@ -271,6 +288,10 @@ def train(
     stream = BatchStream(train_rows, micro_batch=micro, accum=cfg.grad_accum, seed=cfg.seed)
     eval_fn = make_eval_step(graphdef, cfg, mesh) if eval_rows is not None and len(eval_rows) else None
 
+    # what "auto" resolved to: the remat policy, and whether host memory also holds the optimizer state and the
+    # input embedding
+    resolved = {"remat": cfg.remat, "offload_optimizer": cfg.offload_optimizer,
+                "offload_embedding": cfg.offload_embedding}
     ckpt, start_step, skipped_total, losses, eval_losses = None, 0, 0, [], []
     if run_dir is not None:
         os.makedirs(run_dir, exist_ok=True)
@@ -284,8 +305,8 @@ def train(
         if lead:
             with open(os.path.join(run_dir, "config.json"), "w") as f:
                 json.dump({"train": requested.to_dict(), "model": model.config.to_hf(), "micro_batch_size": micro,
-                           "remat": cfg.remat, "base_model": base_model}, f, indent=2)
-    hparams = {**requested.to_dict(), "micro_batch_size": micro, "remat": cfg.remat}  # what "auto" resolved to
+                           **resolved, "base_model": base_model}, f, indent=2)
+    hparams = {**requested.to_dict(), "micro_batch_size": micro, **resolved}
     metrics = MetricsLog(run_dir, cfg.report_to, hparams, start_step) if lead else None
 
     def save(step: int) -> None:
@@ -371,6 +392,7 @@ def train(
                     break
     finally:
         nnx.update(model, lora)  # the donated originals are gone: the model always holds the live params
+        embedding_to_device(model)
         if metrics is not None:
             metrics.close()
     bar.close()

@@ -26,6 +26,7 @@ AUTO_ORDER = ("selective", "per-layer", "offload")
 class RematChoice:
     policy: str
     reason: str  # one line: what each tried candidate needs and what there is
+    fits: bool = True  # False: none fits, `policy` is the last resort
 
 
 def candidates(offloads_to_host: bool) -> tuple[str, ...]:
@@ -51,4 +52,4 @@ def choose_remat(build_step: Callable[[str], Callable], lora, opt_state, frozen,
             break
     verdict = f"{policy} fits" if fits else f"none fits, {policy} is the last resort"
     return RematChoice(policy, f"remat auto: {policy} ({'; '.join(tried)}; {where} has {budget / GIB:,.1f} GiB "
-                               f"to use: {verdict})")
+                               f"to use: {verdict})", fits)
