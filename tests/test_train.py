@@ -233,6 +233,32 @@ def test_offloaded_embedding_trains_and_evaluates_as_on_device_and_comes_back_af
     np.testing.assert_array_equal(np.asarray(model.embed_tokens.weight[...]), table)
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_host_offloads_train_the_same_and_leave_the_planned_device_bytes(tiny_tokenizer):
+    """On a GPU (pinned host memory for real): the optimizer state and the input embedding in host memory train to
+    the same losses, and the step's planned device bytes drop by at least what moved (so planning sees the gain)."""
+    from jaxtune.training.autobatch import step_bytes
+    from jaxtune.training.embedding_offload import embedding_to_host
+    from jaxtune.training.optimizer_offload import place_on_host
+    from jaxtune.training.step import make_train_step
+
+    cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=4, learning_rate=2e-3, lora_r=4)
+    both = jaxtune.TrainConfig(**{**cfg.to_dict(), "offload_optimizer": True, "offload_embedding": True})
+    on_device = jaxtune.train(_model(tiny_tokenizer), tiny_tokenizer, ROWS, cfg, progress=False).losses
+    offloaded = jaxtune.train(_model(tiny_tokenizer), tiny_tokenizer, ROWS, both, progress=False).losses
+    np.testing.assert_allclose(offloaded, on_device, rtol=1e-5)
+
+    model = get_peft_model(_model(tiny_tokenizer), r=4)
+    graphdef, lora, frozen = split_model(model)
+    optimizer, schedule = make_optimizer(cfg)
+    opt_state = optimizer.init(lora)
+    plain = step_bytes(make_train_step(graphdef, optimizer, schedule, cfg), lora, opt_state, frozen, 2, cfg)
+    moved = sum(x.nbytes for x in jax.tree.leaves(opt_state)) + model.embed_tokens.weight[...].nbytes
+    opt_state, frozen = place_on_host(opt_state), embedding_to_host(model, frozen)
+    planned = step_bytes(make_train_step(graphdef, optimizer, schedule, both), lora, opt_state, frozen, 2, both)
+    assert planned <= plain - 0.9 * moved, (plain, planned, moved)
+
+
 def test_embedding_in_host_memory_is_copied_in_for_the_lookup_only():
     from jaxtune.model import Embed
 
