@@ -99,6 +99,8 @@ def main() -> None:
                 result = jaxtune.train(model, tokenizer, rows, cfg, progress=False)
             record.update(train_s=round(time.perf_counter() - t0, 1), loss=round(result.losses[-1], 4),
                           tok_s=round(result.tokens_per_second), peak_gib=peak_memory_gib(), remat_used=result.remat,
+                          offload_optimizer_used=result.offload_optimizer,
+                          offload_embedding_used=result.offload_embedding,
                           least_host_available_gib=None if host.least is None else round(host.least / GIB, 1))
         except Exception as e:  # noqa: BLE001 (the refusal or failure is the result)
             record.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:400]}",

@@ -65,6 +65,8 @@ class TrainResult:
     run_dir: str | None
     micro_batch_size: int
     remat: str  # the policy the run used ("auto" resolved)
+    offload_optimizer: bool = False  # whether host memory held the optimizer state (set, or remat auto's last resort)
+    offload_embedding: bool = False  # and the input embedding
 
 
 def _rows_from(data: str | os.PathLike | Sequence[dict[str, Any] | Row]) -> list[Row]:
@@ -402,7 +404,7 @@ def train(
     if run_dir is not None and losses and lead:
         _plot_losses(os.path.join(run_dir, "loss.png"), losses, eval_losses)
     return TrainResult(step, losses, eval_losses, train_rows.efficiency, tokens_per_s, skipped_total, interrupted,
-                       run_dir, stream.micro_batch, cfg.remat)
+                       run_dir, stream.micro_batch, cfg.remat, cfg.offload_optimizer, cfg.offload_embedding)
 
 
 def _fits_device(step_fn, lora, opt_state, frozen, cfg: TrainConfig, unit: int) -> bool:
