@@ -8,7 +8,7 @@ shapes of a 4-bit model only (nothing is loaded or run), and prints one JSON lin
 (arguments, temporaries, host temporaries) and the largest buffers live at the planned peak (XLA's buffer
 assignment), each with its shape and the operation that makes it. Where the peak goes is then named, not guessed.
 `--concats N` adds the N largest concatenations of the optimized step (a join a GPU profile shows as a kernel of
-its own, named by the JAX operation it came from); `--unroll-layers`, `--offload-optimizer` and `--offload-embedding` plan those variants.
+its own, named by the JAX operation it came from); `--unroll-layers` and `--offload-optimizer` plan those variants.
 """
 
 from __future__ import annotations
@@ -85,7 +85,6 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--concats", type=int, default=0, help="also list this many of the largest concatenations")
     ap.add_argument("--unroll-layers", action="store_true", help="the step with one traced layer per decoder layer")
     ap.add_argument("--offload-optimizer", action="store_true", help="AdamW's state in host memory between steps")
-    ap.add_argument("--offload-embedding", action="store_true", help="the input embedding in host memory")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # set for the child process that compiles one policy
     return ap
 
@@ -111,7 +110,6 @@ def compile_one(args: argparse.Namespace, remat: str) -> None:
     from benchmarks.train_qlora import memory_plan
     from convert.load import abstract_model
     from jaxtune.config import ModelConfig
-    from jaxtune.training.embedding_offload import is_embedding_table
     from jaxtune.training.step import REMAT_POLICIES, make_optimizer, make_train_step, split_model
 
     cfg = ModelConfig.from_hf(hf_config(args.model))
@@ -127,12 +125,9 @@ def compile_one(args: argparse.Namespace, remat: str) -> None:
     graphdef, lora, frozen = split_model(model)
     optimizer, schedule = make_optimizer(tcfg)
     opt_state = jax.eval_shape(optimizer.init, lora)
-    host = jax.sharding.SingleDeviceSharding(jax.local_devices()[0], memory_kind="pinned_host")
-    on_host = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host)  # noqa: E731
     if args.offload_optimizer:  # planned where train() keeps it: the device's pinned host memory
-        opt_state = jax.tree.map(on_host, opt_state)
-    if args.offload_embedding:
-        frozen = jax.tree_util.tree_map_with_path(lambda p, x: on_host(x) if is_embedding_table(p) else x, frozen)
+        host = jax.sharding.SingleDeviceSharding(jax.local_devices()[0], memory_kind="pinned_host")
+        opt_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host), opt_state)
     lora = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), lora)
     step_fn = make_train_step(graphdef, optimizer, schedule, tcfg)
     batch = {k: jax.ShapeDtypeStruct((1, args.batch, args.seq), jnp.int32)
@@ -144,7 +139,7 @@ def compile_one(args: argparse.Namespace, remat: str) -> None:
     print(json.dumps({
         "model": args.model, "batch": args.batch, "seq": args.seq, "rank": args.rank, "compute": args.compute,
         "remat": remat, "unroll_layers": args.unroll_layers, "offload_optimizer": args.offload_optimizer,
-        "offload_embedding": args.offload_embedding, "device": jax.local_devices()[0].device_kind, "compile_s": round(compile_s, 1), **memory_plan(compiled),
+        "device": jax.local_devices()[0].device_kind, "compile_s": round(compile_s, 1), **memory_plan(compiled),
         "peak_buffers": peak_buffers(dump, args.top),
         **({"concatenations": largest_concatenations(dump, args.concats)} if args.concats else {})}), flush=True)
 
