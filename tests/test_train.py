@@ -386,6 +386,7 @@ def test_out_of_memory_reported_only_when_results_are_read_is_refused_in_one_lin
     msg = str(e.value)
     assert "\n" not in msg and "the device has 1.0 GiB" in msg and "--seq-len (now 64)" in msg, msg
     assert re.search(r"needs \d+\.\d GiB", msg), msg  # planned although the donated arrays are gone
+    assert msg.startswith("the training step ran out of memory"), msg  # its plan is under the 1 GiB it ran out of
 
 
 def test_kill_9_during_checkpointing_leaves_a_loadable_checkpoint(tiny_tokenizer, tmp_path):

@@ -93,6 +93,10 @@ def too_large(cfg: TrainConfig, micro: int, need: int | None, available: int, wh
         fixes.append(f"a smaller --batch-size (now {micro})")
     if cfg.remat != "offload" and where == "the device":  # on CPU the host is the device: offloading saves nothing
         fixes.append("--remat offload (layer inputs in host memory)")
+    if need is not None and need <= available:  # planned to fit, ran out of memory when it ran
+        return StepTooLarge(f"the training step ran out of memory: it needs {need / GIB:,.1f} GiB by its plan and "
+                            f"{where} has {available / GIB:,.1f} GiB, too little beside what the plan leaves out "
+                            f"(allocator, GEMM autotuning); use {', or '.join(fixes)}")
     return StepTooLarge(f"the training step does not fit: it needs {needs} {where} has {available / GIB:,.1f} GiB; "
                         f"use {', or '.join(fixes)}")
 
