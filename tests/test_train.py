@@ -276,6 +276,18 @@ def test_embedding_in_host_memory_is_copied_in_for_the_lookup_only():
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda e, i: e(i))(embed, ids)), table[[[3, 0, 10]]])
 
 
+def test_a_refused_run_gives_the_offloaded_embedding_back_to_the_device(tiny_tokenizer, monkeypatch):
+    from jaxtune.training import autobatch
+    from jaxtune.training.autobatch import StepTooLarge
+
+    monkeypatch.setattr(autobatch, "available_ram_bytes", lambda: 1024)  # refused after the table moved
+    model = _model(tiny_tokenizer)
+    with pytest.raises(StepTooLarge):
+        jaxtune.train(model, tiny_tokenizer, ROWS, jaxtune.TrainConfig(seq_len=64, max_steps=1, micro_batch_size=2,
+                                                                        offload_embedding=True), progress=False)
+    assert model.embed_tokens.weight[...].sharding.memory_kind == "device"
+
+
 def test_offload_embedding_refuses_a_tied_model_in_one_line(tiny_tokenizer):
     cfg = ModelConfig(model_type="llama", vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128,
                       num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True,

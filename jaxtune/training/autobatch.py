@@ -58,7 +58,8 @@ def _step_memory(step_fn, lora, opt_state, frozen, micro: int, cfg: TrainConfig)
     lora, opt_state, frozen = (jax.tree.map(_shape_if_deleted, tree) for tree in (lora, opt_state, frozen))
     compiled = step_fn.lower(lora, opt_state, frozen, batch, jnp.int32(0)).compile(compiler_options=options)
     mem = compiled.memory_analysis()
-    argument_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves((lora, opt_state, frozen, batch)))
+    leaves = jax.tree.leaves((lora, opt_state, frozen, batch))
+    argument_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves)
     return device_bytes(mem, argument_bytes), int(mem.temp_size_in_bytes)
 
 

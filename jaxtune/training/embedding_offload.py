@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+
 from jaxtune.errors import JaxtuneError
 from jaxtune.model import CausalLM
 
@@ -54,4 +55,3 @@ def embedding_to_device(model: CausalLM) -> None:
     table = model.embed_tokens.weight[...]
     if jax.typeof(table).memory_space == jax.memory.Space.Host:
         model.embed_tokens.weight.set_value(jax.device_put(table, table.sharding.with_memory_kind("device")))
-

@@ -168,6 +168,14 @@ def train(
     `callback(record)` sees each step's metrics record; `base_model` (the checkpoint path) is recorded in
     out_dir/config.json so the run can be exported later.
     """
+    try:
+        return _train(model, tokenizer, data, config, out_dir, resume, progress, callback, base_model)
+    finally:  # however the run ends (a refusal included), the table offload_embedding moved comes back
+        embedding_to_device(model)
+
+
+def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, out_dir, resume: bool, progress: bool,
+           callback, base_model: str | None) -> TrainResult:
     cfg = requested = config or TrainConfig()  # cfg: with remat "auto" resolved to the policy chosen
     run_dir = None if out_dir is None else os.fspath(out_dir)
     check_run_dir(run_dir, resume)
@@ -224,7 +232,7 @@ def train(
         lora, frozen, opt_state = (shard_state(mesh, tree) for tree in (lora, frozen, opt_state))
     if cfg.offload_optimizer:
         opt_state = place_on_host(opt_state)
-    if cfg.offload_embedding:  # the model holds the host copy until training ends (the finally below)
+    if cfg.offload_embedding:  # the model holds the host copy until training ends (`train`'s finally)
         frozen = embedding_to_host(model, frozen)
     tried = {}  # remat "auto": each candidate's (graphdef, step), the step compiled once to plan it (jit reuses it)
     if cfg.remat == "auto":
@@ -394,7 +402,6 @@ def train(
                     break
     finally:
         nnx.update(model, lora)  # the donated originals are gone: the model always holds the live params
-        embedding_to_device(model)
         if metrics is not None:
             metrics.close()
     bar.close()
