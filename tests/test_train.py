@@ -193,27 +193,6 @@ def test_offloaded_optimizer_state_stays_in_host_memory_and_is_copied_in_after_t
     assert {x.sharding.memory_kind for x in jax.tree.leaves(lora)} == {"device"}
 
 
-def test_device_bytes_leaves_out_host_arrays_only_where_the_plan_counts_them():
-    """Arrays kept in host memory are no device memory: taken out where the plan's totals include them (its
-    arguments add up to every argument's bytes), kept where the totals already hold device memory only."""
-    from types import SimpleNamespace
-
-    from jaxtune.training.autobatch import device_bytes
-
-    gib = 2**30
-    plan = dict(output_size_in_bytes=3 * gib, alias_size_in_bytes=2 * gib, temp_size_in_bytes=4 * gib,
-                host_argument_size_in_bytes=1 * gib, host_output_size_in_bytes=gib // 2,
-                host_alias_size_in_bytes=gib // 2)
-    counted = SimpleNamespace(argument_size_in_bytes=6 * gib, **plan)  # 5 GiB on the device + 1 GiB on the host
-    assert device_bytes(counted, argument_bytes=6 * gib) == (5 + 2.5 + 4 - 1.5) * gib
-    device_only = SimpleNamespace(argument_size_in_bytes=5 * gib, **plan)
-    assert device_bytes(device_only, argument_bytes=6 * gib) == (5 + 3 + 4 - 2) * gib
-    no_host = SimpleNamespace(argument_size_in_bytes=6 * gib, **{**plan, "host_argument_size_in_bytes": 0,
-                                                                  "host_output_size_in_bytes": 0,
-                                                                  "host_alias_size_in_bytes": 0})
-    assert device_bytes(no_host, argument_bytes=6 * gib) == (6 + 3 + 4 - 2) * gib
-
-
 def test_offloaded_embedding_trains_and_evaluates_as_on_device_and_comes_back_after(tiny_tokenizer):
     """offload_embedding moves the frozen table, not what the step computes: the same training and held-out losses
     as the table on the device; the table is in host memory while training runs and in device memory after."""

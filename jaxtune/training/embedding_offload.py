@@ -15,6 +15,7 @@ import jax
 
 from jaxtune.errors import JaxtuneError
 from jaxtune.model import CausalLM
+from jaxtune.training.optimizer_offload import place_on_host
 
 
 def check_untied(model: CausalLM) -> None:
@@ -24,8 +25,7 @@ def check_untied(model: CausalLM) -> None:
                            "embedding (tie_word_embeddings), which every step reads: drop --offload-embedding")
 
 
-def is_embedding_table(path) -> bool:
-    """Whether a frozen-state leaf at this pytree path is the input embedding's table."""
+def _is_table(path) -> bool:
     names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
     return "embed_tokens" in names and "weight" in names
 
@@ -38,9 +38,9 @@ def embedding_to_host(model: CausalLM, frozen: Any) -> Any:
     found = []
 
     def place(path, x):
-        if not is_embedding_table(path):
+        if not _is_table(path):
             return x
-        found.append(jax.device_put(x, x.sharding.with_memory_kind("pinned_host")))
+        found.append(place_on_host(x))
         return found[-1]
 
     frozen = jax.tree_util.tree_map_with_path(place, frozen)

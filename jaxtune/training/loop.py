@@ -35,12 +35,12 @@ from jaxtune.training.autobatch import (MARGIN, choose_micro_batch, refuse_if_to
 from jaxtune.training.checkpoint import RunCheckpoints, check_run_dir
 from jaxtune.training.compilation import use_compilation_cache
 from jaxtune.training.config import TrainConfig
-from jaxtune.training.embedding_offload import check_untied, embedding_to_device, embedding_to_host
+from jaxtune.training.embedding_offload import embedding_to_device, embedding_to_host
 from jaxtune.training.objectives import make_objective, reference_adapters
 from jaxtune.training.optimizer_offload import place_on_host
 from jaxtune.training.reference import reference_logps
 from jaxtune.training.remat_choice import choose_remat
-from jaxtune.training.reporting import MetricsLog, check_reporters
+from jaxtune.training.reporting import MetricsLog, check_reporters, plot_losses
 from jaxtune.training.host_memory import HostMemoryGuard, offload_plan, offloads_to_host
 from jaxtune.training.step import (REMAT_POLICIES, make_eval_step, make_optimizer, make_train_step, split_model,
                                 to_device_batch)
@@ -131,24 +131,6 @@ class _StopSignal:
         clear_stop_request()
 
 
-def _plot_losses(path: str, losses: list[float], eval_losses: list[tuple[int, float]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.plot(range(1, len(losses) + 1), losses, label="train")
-    if eval_losses:
-        ax.plot([s for s, _ in eval_losses], [v for _, v in eval_losses], "o-", label="eval")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
 def train(
     model: CausalLM,
     tokenizer: Any,
@@ -195,8 +177,6 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
                                if r is not None)
     if cfg.compute == "fp8":
         check_fp8_device()
-    if cfg.offload_embedding:
-        check_untied(model)
     use_compilation_cache(cfg.compile_cache)
     rows = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else unit  # what the step is planned for
 
@@ -230,10 +210,7 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
     opt_state = optimizer.init(lora)
     if mesh is not None:
         lora, frozen, opt_state = (shard_state(mesh, tree) for tree in (lora, frozen, opt_state))
-    if cfg.offload_optimizer:
-        opt_state = place_on_host(opt_state)
-    if cfg.offload_embedding:  # the model holds the host copy until training ends (`train`'s finally)
-        frozen = embedding_to_host(model, frozen)
+    opt_state, frozen = _to_host_memory(model, opt_state, frozen, cfg.offload_optimizer, cfg.offload_embedding)
     tried = {}  # remat "auto": each candidate's (graphdef, step), the step compiled once to plan it (jit reuses it)
     if cfg.remat == "auto":
         def build_step(remat: str):
@@ -248,16 +225,14 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
             print(choice.reason, flush=True)
         cfg = dataclasses.replace(cfg, remat=choice.policy)
         if choice.policy == "offload" and not choice.fits:  # the last resort: host memory takes what else it can
-            moved = []
-            if not cfg.offload_optimizer:
-                opt_state, cfg = place_on_host(opt_state), dataclasses.replace(cfg, offload_optimizer=True)
-                moved.append("the optimizer state (offload_optimizer)")
-            if not cfg.offload_embedding and model.lm_head is not None:
-                frozen, cfg = embedding_to_host(model, frozen), dataclasses.replace(cfg, offload_embedding=True)
-                moved.append("the input embedding (offload_embedding)")
-            if moved:
+            more = {"offload_optimizer": not cfg.offload_optimizer,
+                    "offload_embedding": not cfg.offload_embedding and model.lm_head is not None}
+            if any(more.values()):
+                opt_state, frozen = _to_host_memory(model, opt_state, frozen, *more.values())
+                cfg = dataclasses.replace(cfg, **{k: True for k, v in more.items() if v})
                 tried.pop("offload")  # its step kept those arrays on the device
                 if lead:
+                    moved = [f"{_HOST_OFFLOADS[k]} ({k})" for k, v in more.items() if v]
                     print(f"remat auto: {' and '.join(moved)} also kept in host memory", flush=True)
     host, layouts = first_layouts(cfg.remat)
     offloading = cfg.remat == "offload" and offloads_to_host()
@@ -409,9 +384,22 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
     if ckpt is not None:
         ckpt.close()
     if run_dir is not None and losses and lead:
-        _plot_losses(os.path.join(run_dir, "loss.png"), losses, eval_losses)
+        plot_losses(os.path.join(run_dir, "loss.png"), losses, eval_losses)
     return TrainResult(step, losses, eval_losses, train_rows.efficiency, tokens_per_s, skipped_total, interrupted,
                        run_dir, stream.micro_batch, cfg.remat, cfg.offload_optimizer, cfg.offload_embedding)
+
+
+_HOST_OFFLOADS = {"offload_optimizer": "the optimizer state", "offload_embedding": "the input embedding"}
+
+
+def _to_host_memory(model: CausalLM, opt_state, frozen, optimizer: bool, embedding: bool):
+    """(opt_state, frozen) with the optimizer state and/or the input embedding in pinned host memory; the model
+    holds the embedding's host copy until `train` ends."""
+    if optimizer:
+        opt_state = place_on_host(opt_state)
+    if embedding:
+        frozen = embedding_to_host(model, frozen)
+    return opt_state, frozen
 
 
 def _fits_device(step_fn, lora, opt_state, frozen, cfg: TrainConfig, unit: int) -> bool:

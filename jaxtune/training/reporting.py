@@ -115,3 +115,22 @@ def _truncate_metrics(path: str, last_step: int) -> None:
         kept = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
     with open(path, "w") as f:
         f.writelines(kept)
+
+
+def plot_losses(path: str, losses: list[float], eval_losses: list[tuple[int, float]]) -> None:
+    """The run's loss curve (loss.png): training loss per step, held-out loss where it was evaluated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(range(1, len(losses) + 1), losses, label="train")
+    if eval_losses:
+        ax.plot([s for s, _ in eval_losses], [v for _, v in eval_losses], "o-", label="eval")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
