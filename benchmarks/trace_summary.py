@@ -32,17 +32,29 @@ def classify(name: str) -> str:
     return "other"
 
 
-def main(trace_dir: str, steps: int = 2, top: int = 45) -> None:
+def _gpu_events(trace_dir: str):
+    """(path, the GPU kernel events) of the newest trace under trace_dir."""
     path = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
                   + glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
     events = json.load(gzip.open(path))
     events = events["traceEvents"] if isinstance(events, dict) else events
     gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                 and re.search(r"GPU|gpu|stream", str(e.get("args", {}).get("name", "")))}
+    return path, [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids]
+
+
+def kernel_times(trace_dir: str, steps: int = 2) -> collections.Counter:
+    """GPU ms per step of each kernel name."""
+    times = collections.Counter()
+    for e in _gpu_events(trace_dir)[1]:
+        times[e.get("name", "")] += float(e.get("dur", 0)) / 1e3 / steps
+    return times
+
+
+def main(trace_dir: str, steps: int = 2, top: int = 45) -> None:
+    path, events = _gpu_events(trace_dir)
     by_class, by_kernel = collections.Counter(), collections.Counter()
     for e in events:
-        if e.get("ph") != "X" or e.get("pid") not in gpu_pids:
-            continue
         name = e.get("name", "")
         dur = float(e.get("dur", 0)) / 1e3 / steps  # ms per step
         by_class[classify(name)] += dur
