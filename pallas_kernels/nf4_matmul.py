@@ -265,16 +265,20 @@ def _matmul_t_kernel(dy_ref, codes_ref, absmax_ref, *refs, block_n, block_bytes,
 
 
 def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, transpose, stacked, row_scaled,
-                    block_scaled, column_axis):
+                    block_scaled, column_axis, paired):
     """W tile [bn, 2 * block_bytes] in memory order: the planes go to even/odd columns, either interleaved in
     registers and stored contiguously (`interleave`), or by two strided stores; `transpose`: the Wᵀ tile, whose
     even / odd rows are the planes.
+    `paired`: codes_ref holds the codes as uint16 pairs of bytes (`_as_pairs`), split back into bytes here;
     `stacked`: codes_ref spans every layer of a stack and the first of `refs` holds the layer to read;
     `row_scaled`: each row's block scales are divided by that row's entry of the next ref (FP8's power of two);
     `block_scaled`: each 64-block's by its entry of the ref after that (FP8's scales per input block, for Wᵀ)."""
     layer_ref, row_ref, block_ref, lut_ref, w_ref = _optional_refs(refs, stacked, 1, row_scaled, block_scaled)
     j = pl.program_id(column_axis)
     codes = _at_layer(codes_ref, layer_ref, (slice(None), slice(None)))
+    if paired:  # the first byte of a pair is its low half
+        codes = jnp.stack([(codes & 0xFF).astype(jnp.uint8), (codes >> 8).astype(jnp.uint8)], axis=-1)
+        codes = codes.reshape(codes.shape[0], block_bytes)
     scale = _tile_scale(absmax_ref, layer_ref, j * block_bytes, slice(None), block_bytes, row_ref, block_ref)
     w_hi, w_lo = _planes(codes, scale, w_ref.dtype, lut_ref)
     if transpose:  # each plane's transpose to the even / odd rows: no interleave before the transpose (e4m3
@@ -310,6 +314,23 @@ def _dequant_e4m3_kernel(codes_ref, absmax_ref, *refs, block_bytes, stacked, row
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
+
+
+def _as_pairs(codes: jax.Array) -> jax.Array:
+    """uint8 codes [..., half] as uint16 pairs [..., half / 2], the first byte in the low half (a bitcast)."""
+    return jax.lax.bitcast_convert_type(codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2), jnp.uint16)
+
+
+def _dequant_operand(codes: jax.Array, layer: jax.Array | None, permute: bool) -> tuple[jax.Array, bool]:
+    """(the codes operand of the dequant kernels, whether as uint16 pairs). The e4m3 permutes read pairs. A stack
+    past 32-bit byte offsets (pallas_kernels/addressing.py) is read as pairs too: half the elements, so every
+    stack up to 4 GiB is addressed whole, in place (a copy of the layer cost 31 ms of a 1.12 s Qwen3-32B step:
+    benchmarks/results/2026-11-26-32b-pairs-h100.md); only past what pairs reach is the layer copied out."""
+    if layer is not None and not addressable(codes.shape, codes.dtype):
+        if addressable((*codes.shape[:-1], codes.shape[-1] // 2), jnp.uint16):
+            return _as_pairs(codes), True
+        codes = jax.lax.dynamic_index_in_dim(codes, layer, keepdims=False)
+    return (_as_pairs(codes), True) if permute else (codes, False)
 
 
 def _layer_codes(codes: jax.Array, layer: jax.Array | None) -> tuple[jax.Array, int | None]:
@@ -514,7 +535,7 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
     With `layer` (an int32 scalar), `codes` is a stack [layers, N, K/2] read in place at that layer: inside a
     layer scan a slice of the stack handed to a custom call is a copy of the whole weight's codes (`absmax`
     then either this layer's [N, K/64] or the prepared stack [layers, K/64, N]); a stack the kernel cannot
-    address whole (pallas_kernels/addressing.py) is sliced at the layer instead. `row_scale` [N] (or [layers, N]
+    address whole (pallas_kernels/addressing.py) is read as uint16 pairs of bytes instead (`_dequant_operand`). `row_scale` [N] (or [layers, N]
     with `layer`): W's rows divided by it, as `NF4[code] * (absmax / row_scale)` (FP8's power-of-two scales);
     `block_scale` [K/64] (or [layers, K/64]): each 64-block of W's columns divided by its entry the same way (FP8's
     scales per input block, which leave Wᵀ's contraction axis unscaled).
@@ -531,7 +552,8 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
     2026-11-24-dequant-launch-order-h200.md (64-row tiles, 4 warps, launched along rows of codes: gate/up 5-13%
     faster than 128-row tiles launched down columns)."""
     n, k = _check(codes, absmax, layer=layer)
-    codes, layers = _layer_codes(codes, layer)
+    layers = codes.shape[0] if layer is not None else None
+    operand, paired = _dequant_operand(codes, layer, permute)
     half = k // 2
     tiles = _fit(MatmulTiles(block_n=block_n, block_bytes=block_bytes), n, half, "k")
     bn, bb = tiles.block_n, tiles.block_bytes
@@ -545,16 +567,15 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
     row_specs, row_args = _vector_args("row_scale", row_scale, n, "N", layers, bn, by_tile(lambda i, j: (i,)))
     block_specs, block_args = _vector_args("block_scale", block_scale, k // BLOCK, f"K/{BLOCK}", layers, k // BLOCK,
                                            lambda *g: (0,))
-    if permute:  # the codes as uint16 (two bytes per element, a bitcast); W as uint32 words, Wᵀ as bytes
-        operand = jax.lax.bitcast_convert_type(codes.reshape(*codes.shape[:-1], half // 2, 2), jnp.uint16)
+    if permute:  # the codes as uint16 pairs; W as uint32 words, Wᵀ as bytes
         operand_block, lut_specs, lut_args = (bn, bb // 2), [], []
         kernel = functools.partial(_dequant_e4m3_kernel, transpose=transpose, interpret=interpret)
         out_shape, out_dtype, out_block = ((k, n), jnp.uint8, (2 * bb, bn)) if transpose else (
             (n, k // 4), jnp.uint32, (bn, bb // 2))
     else:
-        operand, operand_block = codes, (bn, bb)
+        operand_block = (bn, bb // 2) if paired else (bn, bb)
         lut_specs, lut_args = _lut_args(lut)
-        kernel = functools.partial(_dequant_kernel, interleave=interleave, transpose=transpose)
+        kernel = functools.partial(_dequant_kernel, interleave=interleave, transpose=transpose, paired=paired)
         out_shape, out_dtype, out_block = ((k, n), dtype, (2 * bb, bn)) if transpose else ((n, k), dtype, (bn, 2 * bb))
     out = pl.pallas_call(
         functools.partial(kernel, block_bytes=bb, stacked=layer is not None, row_scaled=bool(row_args),

@@ -1,6 +1,6 @@
-"""Kernel operands past 32-bit offsets (pallas_kernels/addressing.py): a 2-4 GiB stack of NF4 codes is read one
-layer at a time, 1-byte FP8 arrays of more than 2^31 elements are split over calls; the results equal the
-in-place / whole-array ones and float64 numpy."""
+"""Kernel operands past 32-bit offsets (pallas_kernels/addressing.py): a 2-4 GiB stack of NF4 codes is read whole
+as uint16 pairs by the dequant kernels and one layer at a time by the fused matmuls, 1-byte FP8 arrays of more than
+2^31 elements are split over calls; the results equal the in-place / whole-array ones and float64 numpy."""
 
 from __future__ import annotations
 
@@ -42,30 +42,44 @@ def _custom_call_operands(text: str) -> list[str]:
 
 @pytest.mark.parametrize("layers, n, half, whole", [
     (32, 4096, 2048, True),  # 8B q/o: read in place
-    (80, 8192, 4096, False),  # 70B q/o (2.5 GiB): its layer sliced out
+    (80, 8192, 4096, False),  # 70B q/o (2.5 GiB): past 32-bit byte offsets
+    (64, 25600, 2560, False),  # Qwen3-32B gate/up (3.9 GiB): past them too
     (80, 28672, 4096, True),  # 70B gate (8.75 GiB): 64-bit offsets, in place
 ])
-def test_a_stack_past_32_bit_offsets_reaches_the_kernels_one_layer_at_a_time(cuda_export, layers, n, half, whole):
-    """Lowered for CUDA from shapes only (nothing allocated): which codes operand each kernel gets."""
+def test_a_stack_past_32_bit_offsets_reaches_the_kernels_whole_as_pairs_or_one_layer(cuda_export, layers, n, half,
+                                                                                     whole):
+    """Lowered for CUDA from shapes only (nothing allocated): which codes operand each kernel gets. The dequant
+    kernels (bf16 W and Wᵀ, e4m3 by permutes) read every stack whole: as bytes where 32-bit offsets reach, as
+    uint16 pairs of bytes where only those do; the fused matmuls get the layer sliced out."""
     codes = jax.ShapeDtypeStruct((layers, n, half), jnp.uint8)
     absmax = jax.ShapeDtypeStruct((n, 2 * half // 64), jnp.float32)
     layer = jax.ShapeDtypeStruct((), jnp.int32)
-    stack_type, layer_type = f"tensor<{layers}x{n}x{half}xui8>", f"tensor<{n}x{half}xui8>"
-    calls = {
-        "dequantize": (lambda c, a, i: nf4_dequantize(c, a, layer=i), ()),
-        "forward": (lambda x, c, a, i: nf4_matmul_forward(x, c, a, tiles=MatmulTiles(16, 64, 32, 4, gemv=True),
-                                                           layer=i), (jax.ShapeDtypeStruct((4, 2 * half), jnp.bfloat16),)),
-        "dx": (lambda x, c, a, i: nf4_matmul_dx(x, c, a, layer=i), (jax.ShapeDtypeStruct((64, n), jnp.bfloat16),)),
+    stack, pairs, one_layer = (f"tensor<{layers}x{n}x{half}xui8>", f"tensor<{layers}x{n}x{half // 2}xui16>",
+                               f"tensor<{n}x{half}xui8>")
+    dequantized = {
+        "W": (lambda c, a, i: nf4_dequantize(c, a, layer=i), stack if whole else pairs),
+        "Wᵀ": (lambda c, a, i: nf4_dequantize(c, a, transpose=True, layer=i), stack if whole else pairs),
+        "e4m3": (lambda c, a, i: nf4_dequantize(c, a, jnp.float8_e4m3fn, permute=True, layer=i), pairs),
     }
-    for name, (fn, extra) in calls.items():
-        (operands,) = _custom_call_operands(cuda_export(fn, *extra, codes, absmax, layer))
-        assert (stack_type in operands) == whole, name
-        assert (layer_type in operands) == (not whole), name
+    for name, (fn, want) in dequantized.items():
+        (operands,) = _custom_call_operands(cuda_export(fn, codes, absmax, layer))
+        assert want in operands, (name, operands)
+    fused = {
+        "forward": (lambda x, c, a, i: nf4_matmul_forward(x, c, a, tiles=MatmulTiles(16, 64, 32, 4, gemv=True),
+                                                           layer=i), jax.ShapeDtypeStruct((4, 2 * half), jnp.bfloat16)),
+        "dx": (lambda x, c, a, i: nf4_matmul_dx(x, c, a, layer=i), jax.ShapeDtypeStruct((64, n), jnp.bfloat16)),
+    }
+    for name, (fn, x) in fused.items():
+        (operands,) = _custom_call_operands(cuda_export(fn, x, codes, absmax, layer))
+        assert (stack in operands) == whole and (one_layer in operands) == (not whole), name
 
 
-def test_layer_sliced_out_of_an_unaddressable_stack_gives_the_layers_results(monkeypatch):
-    """With the limit lowered so a small stack is past it, every kernel reads the layer sliced out: bitwise the
-    results of the stack read in place (limit as it is), and float64 numpy's."""
+@pytest.mark.parametrize("limit, dequant_reads", [(20_000, "pairs"), (10_000, "layer")])
+def test_an_unaddressable_stack_read_as_pairs_or_sliced_gives_the_layers_results(monkeypatch, limit, dequant_reads):
+    """With the limit lowered so a small stack (3 x 128 x 96 bytes) is past it, the dequant kernels read it as
+    uint16 pairs (18,432 of them, within a limit of 20,000) or, where pairs are past the limit too, the layer
+    sliced out; the fused matmuls read the layer sliced out. Every path gives bitwise the results of the stack
+    read in place (limit as it is), and float64 numpy's."""
     stack, absmax, prepared = stacked_weights(128, 192)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((5, 192)), jnp.float32)
@@ -76,23 +90,30 @@ def test_layer_sliced_out_of_an_unaddressable_stack_gives_the_layers_results(mon
         i = jnp.int32(layer)
         return (nf4_dequantize(stack, scales, jnp.float32, layer=i, interpret=True),
                 nf4_dequantize(stack, scales, jnp.bfloat16, transpose=True, layer=i, interpret=True),
+                nf4_dequantize(stack, scales, jnp.float8_e4m3fn, permute=True, layer=i, interpret=True),
                 nf4_matmul_forward(x, stack, scales, tiles=tiles, layer=i, interpret=True),
                 nf4_matmul_dx(dy, stack, scales, tiles=tiles, layer=i, interpret=True))
+
+    def jaxpr(fn, scales):
+        return str(jax.make_jaxpr(lambda c, a: fn(c, a, layer=jnp.int32(0), interpret=True))(stack, scales))
 
     for layer in (0, 2):
         for scales in (absmax[layer], prepared):
             in_place = run(layer, scales)
             with monkeypatch.context() as patch:
-                patch.setattr(addressing, "OFFSET_LIMIT", 1000)
-                jaxpr = str(jax.make_jaxpr(lambda c, a: nf4_dequantize(c, a, layer=jnp.int32(layer),
-                                                                       interpret=True))(stack, scales))
-                assert "dynamic_slice" in jaxpr  # the layer is sliced out of the stack
-                sliced = run(layer, scales)
-            for got, want in zip(sliced, in_place):
+                patch.setattr(addressing, "OFFSET_LIMIT", limit)
+                dequant = jaxpr(nf4_dequantize, scales)
+                assert ("u16[3,128,48]" in dequant) == (dequant_reads == "pairs")  # the whole stack, as pairs
+                assert ("dynamic_slice" in dequant) == (dequant_reads == "layer")
+                assert "dynamic_slice" in jaxpr(lambda c, a, **kw: nf4_matmul_forward(x, c, a, tiles=tiles, **kw),
+                                                 scales)
+                limited = run(layer, scales)
+            for got, want in zip(limited, in_place):
                 np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
         w = numpy_weight(stack[layer], absmax[layer])
-        np.testing.assert_allclose(np.asarray(sliced[0], np.float64), w, rtol=1e-6, atol=1e-7)
-        np.testing.assert_allclose(np.asarray(sliced[2], np.float64), np.asarray(x, np.float64) @ w.T,
+        np.testing.assert_allclose(np.asarray(limited[0], np.float64), w, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(limited[1], np.float64), w.T, rtol=1e-2, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(limited[3], np.float64), np.asarray(x, np.float64) @ w.T,
                                    atol=2e-6 * np.abs(w).sum(1).max() * float(jnp.abs(x).max()))
 
 
