@@ -269,18 +269,18 @@ def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, trans
     """W tile [bn, 2 * block_bytes] in memory order: the planes go to even/odd columns, either interleaved in
     registers and stored contiguously (`interleave`), or by two strided stores; `transpose`: the Wᵀ tile, whose
     even / odd rows are the planes.
-    `paired`: codes_ref holds the codes as uint16 pairs of bytes (`_as_pairs`), split back into bytes here;
+    `paired`: codes_ref holds the codes as uint16 pairs of bytes (`_as_pairs`): `_dequant_pairs` writes the tile;
     `stacked`: codes_ref spans every layer of a stack and the first of `refs` holds the layer to read;
     `row_scaled`: each row's block scales are divided by that row's entry of the next ref (FP8's power of two);
     `block_scaled`: each 64-block's by its entry of the ref after that (FP8's scales per input block, for Wᵀ)."""
     layer_ref, row_ref, block_ref, lut_ref, w_ref = _optional_refs(refs, stacked, 1, row_scaled, block_scaled)
     j = pl.program_id(column_axis)
     codes = _at_layer(codes_ref, layer_ref, (slice(None), slice(None)))
-    if paired:  # the first byte of a pair is its low half
-        codes = jnp.stack([(codes & 0xFF).astype(jnp.uint8), (codes >> 8).astype(jnp.uint8)], axis=-1)
-        codes = codes.reshape(codes.shape[0], block_bytes)
-    scale = _tile_scale(absmax_ref, layer_ref, j * block_bytes, slice(None), block_bytes, row_ref, block_ref)
-    w_hi, w_lo = _planes(codes, scale, w_ref.dtype, lut_ref)
+    per_block = _block_scales(absmax_ref, layer_ref, j * block_bytes, slice(None), block_bytes, row_ref, block_ref)
+    if paired:
+        _dequant_pairs(codes, per_block, w_ref, lut_ref, interleave, transpose)
+        return
+    w_hi, w_lo = _planes(codes, _by_block(per_block, block_bytes), w_ref.dtype, lut_ref)
     if transpose:  # each plane's transpose to the even / odd rows: no interleave before the transpose (e4m3
         # alone 1.1-1.5x faster, in the training step the same: benchmarks/results/2026-11-23-stacked-codes-h200.md)
         w_ref[pl.ds(0, block_bytes, stride=2), :] = w_hi.T
@@ -290,6 +290,40 @@ def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, trans
     else:
         w_ref[:, pl.ds(0, block_bytes, stride=2)] = w_hi
         w_ref[:, pl.ds(1, block_bytes, stride=2)] = w_lo
+
+
+PAIRS_UNPACK = "planes"  # how `_dequant_pairs` forms W's columns (benchmarks/nf4_dequant_stacked.py compares them)
+
+
+def _dequant_pairs(words, per_block: list, w_ref, lut_ref, interleave: bool, transpose: bool) -> None:
+    """The W (or Wᵀ) tile of a tile of uint16 pairs [bn, cols] (`per_block`: its 64-blocks' scales): word m holds
+    W's columns 4m .. 4m + 3 as the high and low nibbles of its low byte, then of its high byte. "planes": the four dequantized planes interleaved in
+    registers (two levels of pairs) and stored contiguously, or by four strided stores; "bytes": the code bytes
+    rebuilt first, then the byte path."""
+    rows, cols = words.shape
+    if PAIRS_UNPACK == "bytes":
+        codes = jnp.stack([(words & 0xFF).astype(jnp.uint8), (words >> 8).astype(jnp.uint8)], axis=-1)
+        codes = codes.reshape(rows, 2 * cols)
+        planes = _planes(codes, _by_block(per_block, 2 * cols), w_ref.dtype, lut_ref)
+    else:
+        nibbles = ((words >> 4) & 15, words & 15, (words >> 12) & 15, (words >> 8) & 15)
+        scale = _by_block(per_block, cols)
+        planes = tuple((_nf4_value(c) if lut_ref is None else lut_ref[c.astype(jnp.int32)]) * scale
+                       for c in nibbles)
+        planes = tuple(p.astype(w_ref.dtype) for p in planes)
+    step = len(planes)
+    width = cols * 4 // step
+    if transpose:
+        for c, plane in enumerate(planes):
+            w_ref[pl.ds(c, width, stride=step), :] = plane.T
+    elif interleave and step == 2:
+        w_ref[...] = jnp.stack(planes, axis=-1).reshape(rows, 4 * cols)
+    elif interleave:  # [rows, cols, byte, nibble]: column 4m + 2 * byte + nibble
+        high, low = jnp.stack([planes[0], planes[2]], axis=-1), jnp.stack([planes[1], planes[3]], axis=-1)
+        w_ref[...] = jnp.stack([high, low], axis=-1).reshape(rows, 4 * cols)
+    else:
+        for c, plane in enumerate(planes):
+            w_ref[:, pl.ds(c, width, stride=step)] = plane
 
 
 def _dequant_e4m3_kernel(codes_ref, absmax_ref, *refs, block_bytes, stacked, row_scaled, block_scaled,
@@ -321,11 +355,15 @@ def _as_pairs(codes: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2), jnp.uint16)
 
 
-def _dequant_operand(codes: jax.Array, layer: jax.Array | None, permute: bool) -> tuple[jax.Array, bool]:
+def _dequant_operand(codes: jax.Array, layer: jax.Array | None, permute: bool,
+                     pairs: bool | None = None) -> tuple[jax.Array, bool]:
     """(the codes operand of the dequant kernels, whether as uint16 pairs). The e4m3 permutes read pairs. A stack
     past 32-bit byte offsets (pallas_kernels/addressing.py) is read as pairs too: half the elements, so every
     stack up to 4 GiB is addressed whole, in place (a copy of the layer cost 31 ms of a 1.12 s Qwen3-32B step:
-    benchmarks/results/2026-11-26-32b-pairs-h100.md); only past what pairs reach is the layer copied out."""
+    benchmarks/results/2026-11-26-32b-pairs-h100.md); only past what pairs reach is the layer copied out.
+    `pairs=True`: pairs whatever the operand (benchmarks, tests)."""
+    if pairs:
+        return _as_pairs(codes), True
     if layer is not None and not addressable(codes.shape, codes.dtype):
         if addressable((*codes.shape[:-1], codes.shape[-1] // 2), jnp.uint16):
             return _as_pairs(codes), True
@@ -528,15 +566,15 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
                    block_bytes: int = 64, num_warps: int = 4, lut: str = "gather", interleave: bool = True,
                    transpose: bool = False, layer: jax.Array | None = None, row_scale: jax.Array | None = None,
                    block_scale: jax.Array | None = None, columns_first: bool = True, permute: bool = False,
-                   interpret: bool = False) -> jax.Array:
+                   pairs: bool | None = None, interpret: bool = False) -> jax.Array:
     """W [N, K] (or Wᵀ [K, N] with `transpose`) in dtype from NF4 codes and float32 absmax (for "dequantize,
     then cuBLAS"; float8 dtypes give the FP8 path its operand, Wᵀ the K-major one its input gradient needs).
 
     With `layer` (an int32 scalar), `codes` is a stack [layers, N, K/2] read in place at that layer: inside a
     layer scan a slice of the stack handed to a custom call is a copy of the whole weight's codes (`absmax`
     then either this layer's [N, K/64] or the prepared stack [layers, K/64, N]); a stack the kernel cannot
-    address whole (pallas_kernels/addressing.py) is read as uint16 pairs of bytes instead (`_dequant_operand`). `row_scale` [N] (or [layers, N]
-    with `layer`): W's rows divided by it, as `NF4[code] * (absmax / row_scale)` (FP8's power-of-two scales);
+    address whole (pallas_kernels/addressing.py) is read as uint16 pairs of bytes instead (`_dequant_operand`).
+    `row_scale` [N] (or [layers, N] with `layer`): W's rows divided by it, as `NF4[code] * (absmax / row_scale)` (FP8's power-of-two scales);
     `block_scale` [K/64] (or [layers, K/64]): each 64-block of W's columns divided by its entry the same way (FP8's
     scales per input block, which leave Wᵀ's contraction axis unscaled).
     `columns_first`: consecutive programs take consecutive tiles along a row of codes (the launch grid's fastest
@@ -546,6 +584,7 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
     (`_e4m3_by_permute`); the same bits as the per-value path, 1.07-1.24x faster on the 8B shapes but for down's
     Wᵀ (0.97x), and 1.2x for W in the training step
     (benchmarks/results/2026-11-24-fp8-block-scales-and-permute-h200.md).
+    `pairs`: the codes read as uint16 pairs of bytes; by default only where a stack needs it (`_dequant_operand`).
 
     Defaults from benchmarks/results/2026-11-22-dense-step-round2-h200.md (planes interleaved in registers and
     stored contiguously: 1.4-1.5x faster than two strided stores on the 8B shapes) and
@@ -553,7 +592,7 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
     faster than 128-row tiles launched down columns)."""
     n, k = _check(codes, absmax, layer=layer)
     layers = codes.shape[0] if layer is not None else None
-    operand, paired = _dequant_operand(codes, layer, permute)
+    operand, paired = _dequant_operand(codes, layer, permute, pairs)
     half = k // 2
     tiles = _fit(MatmulTiles(block_n=block_n, block_bytes=block_bytes), n, half, "k")
     bn, bb = tiles.block_n, tiles.block_bytes
