@@ -178,8 +178,8 @@ def main() -> None:
     choose_s = time.perf_counter() - t0
     base = {"system": "jaxtune", "device": jax.local_devices()[0].device_kind, "batch": micro, "batch_arg": args.batch,
             "seq": args.seq, "remat": args.remat, "data": args.data, "compute": args.compute,
-            "unroll_layers": args.unroll_layers, "pairs_unpack": args.pairs_unpack, "offload_optimizer": args.offload_optimizer,
-            "offload_embedding": args.offload_embedding,
+            "unroll_layers": args.unroll_layers, "pairs_unpack": args.pairs_unpack,
+            "offload_optimizer": args.offload_optimizer, "offload_embedding": args.offload_embedding,
             "compile_first": args.compile_first, "warm_autotune": args.warm_autotune, "warm_compile_s": warm_s}
     if compiled is None:
         compiled, compile_s = compile_step(graphdef, lora, opt_state, frozen, micro)
