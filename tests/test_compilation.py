@@ -55,6 +55,14 @@ def test_an_unwritable_cache_dir_warns_and_trains_without_the_cache(tmp_path, mo
     assert jax.config.jax_compilation_cache_dir is None
 
 
-def test_steps_on_gpu_tune_their_gemms_without_the_reference_check():
-    assert step_compiler_options("gpu") == {"xla_gpu_autotune_level": 3}
-    assert step_compiler_options("cpu") is None
+def test_steps_on_gpu_tune_their_gemms_without_the_reference_check_and_triton_gemms_for_fp8_only():
+    assert step_compiler_options("gpu") == {"xla_gpu_autotune_level": 3, "xla_gpu_enable_triton_gemm": False}
+    assert step_compiler_options("gpu", "fp8") == {"xla_gpu_autotune_level": 3, "xla_gpu_enable_triton_gemm": True}
+    assert step_compiler_options("cpu") is None and step_compiler_options("cpu", "fp8") is None
+
+
+def test_gpu_step_options_are_options_xla_knows():
+    """XLA refuses an option it does not know at compile time; the GPU options compile (unused) on any backend."""
+    for compute in ("bf16", "fp8"):
+        jax.jit(lambda x: x @ x, compiler_options=step_compiler_options("gpu", compute)).lower(
+            jax.numpy.ones((8, 8))).compile()

@@ -15,14 +15,20 @@ import jax
 # same losses (benchmarks/results/2026-11-24-fp8-compile-h200.md); the 8B bf16 per-layer step's compile-time peak
 # falls from 7.84 to 7.30 GiB at the same speed (benchmarks/results/2026-11-26-offsets-autotuner-fsdp-32b-h200.md)
 AUTOTUNE_LEVEL = 3
+# XLA fuses LoRA's rank-r GEMMs with the elementwise work around them into Triton GEMMs. In bf16 steps switching
+# that off (every dot to cuBLAS, whose epilogues then take the adds) is faster at every size, with less memory and a
+# 2-3x shorter compile: Llama-3.2-1B / 3B batch 16 +1.0% / +1.7%, Llama-3-8B batch 4 +0.8%, Qwen3-32B batch 2
+# +1.8% (benchmarks/results/2026-11-26-32b-pairs-h100.md, one hold of an H100). FP8 steps keep them: their scaled
+# GEMM epilogues are Triton fusions, 5% slower without (benchmarks/results/2026-11-24-fp8-compile-h200.md)
+TRITON_GEMM = {"bf16": False, "fp8": True}
 
 
-def step_compiler_options(backend: str | None = None) -> dict[str, int] | None:
+def step_compiler_options(backend: str | None = None, compute: str = "bf16") -> dict[str, int | bool] | None:
     """XLA compiler options for a training, evaluation or reference step: on GPU the GEMM autotuner without its
-    reference check (bf16 and FP8 alike)."""
+    reference check (bf16 and FP8 alike), and XLA's Triton GEMM fusions for FP8 compute only."""
     backend = backend or jax.default_backend()
     if backend == "gpu":
-        return {"xla_gpu_autotune_level": AUTOTUNE_LEVEL}
+        return {"xla_gpu_autotune_level": AUTOTUNE_LEVEL, "xla_gpu_enable_triton_gemm": TRITON_GEMM[compute]}
     return None
 
 

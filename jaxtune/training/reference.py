@@ -47,7 +47,7 @@ def compute_reference_logps(graphdef: nnx.GraphDef, lora, frozen, rows: PackedRo
                                                          cfg.ce_chunk_size)
         return jnp.stack([chosen, rejected], axis=-1).reshape(chosen.shape[0], 2 * pairs)
 
-    fn = OnMesh(jax.jit(reference, compiler_options=step_compiler_options()), mesh)
+    fn = OnMesh(jax.jit(reference, compiler_options=step_compiler_options(compute=cfg.compute)), mesh)
     out = np.zeros((len(rows), 2 * pairs), np.float32)
     arrays = rows.arrays()
     fill = {"labels": IGNORE}

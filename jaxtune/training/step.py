@@ -135,8 +135,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
             new_opt_state = to_host(new_opt_state)
         return new_lora, new_opt_state, metrics
 
-    return OnMesh(jax.jit(step, donate_argnums=(0, 1), compiler_options=step_compiler_options()), mesh,
-                  batch_extra)
+    options = step_compiler_options(compute=cfg.compute)
+    return OnMesh(jax.jit(step, donate_argnums=(0, 1), compiler_options=options), mesh, batch_extra)
 
 
 def make_eval_step(graphdef: nnx.GraphDef, cfg: TrainConfig, mesh: Mesh | None = None) -> OnMesh:
@@ -156,7 +156,7 @@ def make_eval_step(graphdef: nnx.GraphDef, cfg: TrainConfig, mesh: Mesh | None =
         (loss, metrics), _ = jax.lax.scan(body, zeros, batch)
         return loss * weight, jax.tree.map(lambda m: m * weight, metrics), weight
 
-    return OnMesh(jax.jit(evaluate, compiler_options=step_compiler_options()), mesh)
+    return OnMesh(jax.jit(evaluate, compiler_options=step_compiler_options(compute=cfg.compute)), mesh)
 
 
 def to_device_batch(batch: dict[str, Any], mesh: Mesh | None = None) -> dict[str, jax.Array]:
