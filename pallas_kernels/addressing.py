@@ -6,7 +6,8 @@ not larger than 4 GiB (only 1-byte types qualify: NF4 codes, FP8 values) is ther
 negative offsets past its first 2^31 elements: out of bounds, either a CUDA illegal-address error or another
 buffer's bytes read without an error. Llama-3-70B's q_proj and o_proj codes stacked over 80 layers (80 x 8192 x
 4096 bytes, 2.5 GiB) and Qwen3-32B's MLP codes (64 x 25600 x 2560 bytes, 3.9 GiB) are such operands. The
-kernels' wrappers hand them over in pieces below the limit instead.
+dequant kernels read them as uint16 pairs of bytes (half the elements: every stack up to 4 GiB is addressed whole);
+the fused matmuls and FP8 kernels take them in pieces below the limit.
 """
 
 from __future__ import annotations
