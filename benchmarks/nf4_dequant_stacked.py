@@ -1,5 +1,5 @@
 """NF4 dequantization of one layer of a stack of codes, Qwen3-32B's MLP shapes: the codes read as bytes in place, as
-uint16 pairs (each way `_dequant_pairs` forms W's columns), and the layer copied out first (what the kernels did
+uint16 pairs (planes interleaved in registers, or by strided stores), and the layer copied out first (what the kernels did
 for a stack past 32-bit byte offsets before pairs). Then the whole 64-layer stack (3.9 GiB, past those offsets):
 its last layers through the default path, against the jnp reference on the layer's own codes.
 
@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.nf4_matmul import repeated, time_us
-from pallas_kernels import nf4_matmul
 from pallas_kernels.nf4_matmul import nf4_dequantize, nf4_dequantize_reference
 
 SHAPES = {"qwen3-32b gate/up": (25600, 5120), "qwen3-32b down": (5120, 25600)}
@@ -24,17 +23,16 @@ LAYER = 5
 
 
 def variants(layer: jax.Array) -> dict:
-    """name: (PAIRS_UNPACK, fn(absmax, codes stack))."""
+    """name: fn(absmax, codes stack)."""
     def call(**kw):
         return lambda a, c: nf4_dequantize(c, a, layer=layer, **kw)
 
     def copied(a, c):
         return nf4_dequantize(jax.lax.dynamic_index_in_dim(c, layer, keepdims=False), a)
 
-    return {"bytes in place": ("planes", call()), "layer copied, then bytes": ("planes", copied),
-            "pairs: planes interleaved": ("planes", call(pairs=True)),
-            "pairs: planes, 4 strided stores": ("planes", call(pairs=True, interleave=False)),
-            "pairs: bytes rebuilt": ("bytes", call(pairs=True))}
+    return {"bytes in place": call(), "layer copied, then bytes": copied,
+            "pairs: planes interleaved": call(pairs=True),
+            "pairs: planes, 4 strided stores": call(pairs=True, interleave=False)}
 
 
 def main() -> None:
@@ -46,13 +44,11 @@ def main() -> None:
         absmax = jnp.asarray(rng.uniform(0.01, 1.0, (n, k // 64)).astype(np.float32))
         want = nf4_dequantize_reference(stack[LAYER], absmax)
         moved = n * k // 2 + n * k // 64 * 4 + 2 * n * k
-        for variant, (unpack, fn) in variants(layer).items():
-            nf4_matmul.PAIRS_UNPACK = unpack
+        for variant, fn in variants(layer).items():
             exact = bool(jnp.array_equal(jax.jit(fn)(absmax, stack), want))
             us = time_us(repeated(fn), absmax, stack)
             print(json.dumps({"shape": name, "variant": variant, "us": round(us, 1), "gbps": round(moved / us / 1e3),
                               "exact": exact}), flush=True)
-        nf4_matmul.PAIRS_UNPACK = "planes"
         del stack
     n, k = SHAPES["qwen3-32b gate/up"]
     stack = jax.jit(lambda key: jax.random.randint(key, (64, n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8))(

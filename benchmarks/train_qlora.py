@@ -114,9 +114,6 @@ def main() -> None:
                     help="AdamW's state in host memory between steps (TrainConfig.offload_optimizer)")
     ap.add_argument("--offload-embedding", action="store_true",
                     help="the frozen input embedding in host memory (TrainConfig.offload_embedding)")
-    ap.add_argument("--pairs-unpack", choices=["planes", "bytes"],
-                    help="how the dequant kernel forms W's columns from codes read as uint16 pairs "
-                         "(pallas_kernels.nf4_matmul.PAIRS_UNPACK; stacks past 32-bit byte offsets)")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--profile", help="write a jax.profiler trace of 2 steps to this folder")
     ap.add_argument("--compile-first", action="store_true",
@@ -127,10 +124,6 @@ def main() -> None:
                          "compile again after loading: whether XLA's in-process autotuning results spare the "
                          "second compile its autotuner buffers")
     args = ap.parse_args()
-    if args.pairs_unpack:
-        from pallas_kernels import nf4_matmul
-
-        nf4_matmul.PAIRS_UNPACK = args.pairs_unpack
     if (args.compile_first or args.warm_autotune) and args.batch == "auto":
         ap.error("--compile-first and --warm-autotune need a fixed --batch")
     if (args.compile_first or args.warm_autotune) and (args.offload_optimizer or args.offload_embedding):
@@ -178,7 +171,7 @@ def main() -> None:
     choose_s = time.perf_counter() - t0
     base = {"system": "jaxtune", "device": jax.local_devices()[0].device_kind, "batch": micro, "batch_arg": args.batch,
             "seq": args.seq, "remat": args.remat, "data": args.data, "compute": args.compute,
-            "unroll_layers": args.unroll_layers, "pairs_unpack": args.pairs_unpack,
+            "unroll_layers": args.unroll_layers,
             "offload_optimizer": args.offload_optimizer, "offload_embedding": args.offload_embedding,
             "compile_first": args.compile_first, "warm_autotune": args.warm_autotune, "warm_compile_s": warm_s}
     if compiled is None:

@@ -292,38 +292,26 @@ def _dequant_kernel(codes_ref, absmax_ref, *refs, block_bytes, interleave, trans
         w_ref[:, pl.ds(1, block_bytes, stride=2)] = w_lo
 
 
-PAIRS_UNPACK = "planes"  # how `_dequant_pairs` forms W's columns (benchmarks/nf4_dequant_stacked.py compares them)
-
-
 def _dequant_pairs(words, per_block: list, w_ref, lut_ref, interleave: bool, transpose: bool) -> None:
     """The W (or Wᵀ) tile of a tile of uint16 pairs [bn, cols] (`per_block`: its 64-blocks' scales): word m holds
-    W's columns 4m .. 4m + 3 as the high and low nibbles of its low byte, then of its high byte. "planes": the four dequantized planes interleaved in
-    registers (two levels of pairs) and stored contiguously, or by four strided stores; "bytes": the code bytes
-    rebuilt first, then the byte path."""
+    W's columns 4m .. 4m + 3 as the high and low nibbles of its low byte, then of its high byte. Its four planes
+    are dequantized apart and interleaved in registers (two levels of pairs), then stored contiguously: faster
+    than reading bytes (benchmarks/results/2026-11-26-32b-pairs-h100.md), where rebuilding the bytes from the
+    words first was 12% slower and four strided stores (`interleave=False`) 2.9x slower."""
     rows, cols = words.shape
-    if PAIRS_UNPACK == "bytes":
-        codes = jnp.stack([(words & 0xFF).astype(jnp.uint8), (words >> 8).astype(jnp.uint8)], axis=-1)
-        codes = codes.reshape(rows, 2 * cols)
-        planes = _planes(codes, _by_block(per_block, 2 * cols), w_ref.dtype, lut_ref)
-    else:
-        nibbles = ((words >> 4) & 15, words & 15, (words >> 12) & 15, (words >> 8) & 15)
-        scale = _by_block(per_block, cols)
-        planes = tuple((_nf4_value(c) if lut_ref is None else lut_ref[c.astype(jnp.int32)]) * scale
-                       for c in nibbles)
-        planes = tuple(p.astype(w_ref.dtype) for p in planes)
-    step = len(planes)
-    width = cols * 4 // step
+    scale = _by_block(per_block, cols)
+    nibbles = ((words >> 4) & 15, words & 15, (words >> 12) & 15, (words >> 8) & 15)
+    planes = [((_nf4_value(c) if lut_ref is None else lut_ref[c.astype(jnp.int32)]) * scale).astype(w_ref.dtype)
+              for c in nibbles]
     if transpose:
         for c, plane in enumerate(planes):
-            w_ref[pl.ds(c, width, stride=step), :] = plane.T
-    elif interleave and step == 2:
-        w_ref[...] = jnp.stack(planes, axis=-1).reshape(rows, 4 * cols)
+            w_ref[pl.ds(c, cols, stride=4), :] = plane.T
     elif interleave:  # [rows, cols, byte, nibble]: column 4m + 2 * byte + nibble
         high, low = jnp.stack([planes[0], planes[2]], axis=-1), jnp.stack([planes[1], planes[3]], axis=-1)
         w_ref[...] = jnp.stack([high, low], axis=-1).reshape(rows, 4 * cols)
     else:
         for c, plane in enumerate(planes):
-            w_ref[:, pl.ds(c, width, stride=step)] = plane
+            w_ref[:, pl.ds(c, cols, stride=4)] = plane
 
 
 def _dequant_e4m3_kernel(codes_ref, absmax_ref, *refs, block_bytes, stacked, row_scaled, block_scaled,
@@ -574,7 +562,8 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
     layer scan a slice of the stack handed to a custom call is a copy of the whole weight's codes (`absmax`
     then either this layer's [N, K/64] or the prepared stack [layers, K/64, N]); a stack the kernel cannot
     address whole (pallas_kernels/addressing.py) is read as uint16 pairs of bytes instead (`_dequant_operand`).
-    `row_scale` [N] (or [layers, N] with `layer`): W's rows divided by it, as `NF4[code] * (absmax / row_scale)` (FP8's power-of-two scales);
+    `row_scale` [N] (or [layers, N] with `layer`): W's rows divided by it, as `NF4[code] * (absmax / row_scale)`
+    (FP8's power-of-two scales);
     `block_scale` [K/64] (or [layers, K/64]): each 64-block of W's columns divided by its entry the same way (FP8's
     scales per input block, which leave Wᵀ's contraction axis unscaled).
     `columns_first`: consecutive programs take consecutive tiles along a row of codes (the launch grid's fastest

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas.triton import CUSTOM_CALL_TARGET_NAME as CUSTOM_CALL
 
-from pallas_kernels import addressing, nf4_matmul
+from pallas_kernels import addressing
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.fp8_quantize import quantize_blocks, quantize_rows, quantize_rows_reference
 from pallas_kernels.nf4_matmul import (
@@ -166,15 +166,13 @@ def test_last_layer_of_a_70b_sized_stack_on_gpu():
                                    atol=2e-2 * float(jnp.abs(y_want).max()))
 
 
-@pytest.mark.parametrize("unpack", ["planes", "bytes"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("transpose, interleave", [(False, True), (False, False), (True, True)])
 @pytest.mark.parametrize("block_bytes, lut", [(64, "gather"), (32, "select")])
-def test_codes_read_as_pairs_dequantize_bitwise_as_bytes(monkeypatch, unpack, dtype, transpose, interleave,
-                                                         block_bytes, lut):
-    """The pairs kernel (each way of forming W's columns, one or two 64-blocks per tile, table or select tree) gives
-    the byte kernel's bits on a ragged-row stack read at a layer and on a single weight; float64 numpy's values."""
-    monkeypatch.setattr(nf4_matmul, "PAIRS_UNPACK", unpack)
+def test_codes_read_as_pairs_dequantize_bitwise_as_bytes(dtype, transpose, interleave, block_bytes, lut):
+    """The pairs kernel (W interleaved in registers or by strided stores, Wᵀ, one or two 64-blocks per tile, table or
+    select tree) gives the byte kernel's bits on a stack read at a layer and on a single weight; float64 numpy's
+    values."""
     stack, absmax, prepared = stacked_weights(192, 320)
     kw = dict(block_bytes=block_bytes, lut=lut, transpose=transpose, interleave=interleave, interpret=True)
     for layer, scales in ((1, prepared), (2, absmax[2])):
@@ -187,11 +185,9 @@ def test_codes_read_as_pairs_dequantize_bitwise_as_bytes(monkeypatch, unpack, dt
                                rtol=1e-6 if dtype == jnp.float32 else 0.07, atol=1e-7 if dtype == jnp.float32 else 0.02)
 
 
-@pytest.mark.parametrize("unpack", ["planes", "bytes"])
 @pytest.mark.parametrize("transpose, interleave", [(False, True), (False, False), (True, True)])
-def test_pairs_kernels_lower_for_cuda(cuda_export, monkeypatch, unpack, transpose, interleave):
-    """Every way of forming W's columns from pairs lowers for an H100 (Triton's 2-operand joins, strided stores)."""
-    monkeypatch.setattr(nf4_matmul, "PAIRS_UNPACK", unpack)
+def test_pairs_kernels_lower_for_cuda(cuda_export, transpose, interleave):
+    """Every way of writing W (or Wᵀ) from pairs lowers for an H100 (Triton's 2-operand joins, strided stores)."""
     codes = jax.ShapeDtypeStruct((3, 256, 512), jnp.uint8)
     absmax = jax.ShapeDtypeStruct((3, 16, 256), jnp.float32)
     text = cuda_export(lambda c, a, i: nf4_dequantize(c, a, transpose=transpose, interleave=interleave, layer=i,
