@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import glob
 import json
+import os
 import re
 import sys
 
@@ -40,7 +41,7 @@ def fusions(hlo_text: str) -> tuple[dict[str, tuple[str, str]], dict[str, list[t
 
 
 def main(trace_dir: str, dump_dir: str, steps: int = 2, top: int = 30) -> None:
-    texts = sorted(glob.glob(f"{dump_dir}/*after_optimizations.txt"), key=lambda p: -len(open(p).read()))
+    texts = sorted(glob.glob(f"{dump_dir}/*after_optimizations.txt"), key=os.path.getsize, reverse=True)
     calls, bodies = fusions(open(texts[0]).read()) if texts else ({}, {})
     times = kernel_times(trace_dir, steps)
     shown = 0

@@ -344,7 +344,7 @@ def _as_pairs(codes: jax.Array) -> jax.Array:
 
 
 def _dequant_operand(codes: jax.Array, layer: jax.Array | None, permute: bool,
-                     pairs: bool | None = None) -> tuple[jax.Array, bool]:
+                     pairs: bool = False) -> tuple[jax.Array, bool]:
     """(the codes operand of the dequant kernels, whether as uint16 pairs). The e4m3 permutes read pairs. A stack
     past 32-bit byte offsets (pallas_kernels/addressing.py) is read as pairs too: half the elements, so every
     stack up to 4 GiB is addressed whole, in place (a copy of the layer cost 31 ms of a 1.12 s Qwen3-32B step:
@@ -355,7 +355,7 @@ def _dequant_operand(codes: jax.Array, layer: jax.Array | None, permute: bool,
     if layer is not None and not addressable(codes.shape, codes.dtype):
         if addressable((*codes.shape[:-1], codes.shape[-1] // 2), jnp.uint16):
             return _as_pairs(codes), True
-        codes = jax.lax.dynamic_index_in_dim(codes, layer, keepdims=False)
+        codes, _ = _layer_codes(codes, layer)
     return (_as_pairs(codes), True) if permute else (codes, False)
 
 
@@ -554,7 +554,7 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
                    block_bytes: int = 64, num_warps: int = 4, lut: str = "gather", interleave: bool = True,
                    transpose: bool = False, layer: jax.Array | None = None, row_scale: jax.Array | None = None,
                    block_scale: jax.Array | None = None, columns_first: bool = True, permute: bool = False,
-                   pairs: bool | None = None, interpret: bool = False) -> jax.Array:
+                   pairs: bool = False, interpret: bool = False) -> jax.Array:
     """W [N, K] (or Wᵀ [K, N] with `transpose`) in dtype from NF4 codes and float32 absmax (for "dequantize,
     then cuBLAS"; float8 dtypes give the FP8 path its operand, Wᵀ the K-major one its input gradient needs).
 
@@ -573,7 +573,7 @@ def nf4_dequantize(codes: jax.Array, absmax: jax.Array, dtype=jnp.bfloat16, *, b
     (`_e4m3_by_permute`); the same bits as the per-value path, 1.07-1.24x faster on the 8B shapes but for down's
     Wᵀ (0.97x), and 1.2x for W in the training step
     (benchmarks/results/2026-11-24-fp8-block-scales-and-permute-h200.md).
-    `pairs`: the codes read as uint16 pairs of bytes; by default only where a stack needs it (`_dequant_operand`).
+    `pairs`: the codes read as uint16 pairs of bytes always, not only where a stack needs it (`_dequant_operand`).
 
     Defaults from benchmarks/results/2026-11-22-dense-step-round2-h200.md (planes interleaved in registers and
     stored contiguously: 1.4-1.5x faster than two strided stores on the 8B shapes) and
