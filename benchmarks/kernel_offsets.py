@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels.nf4_matmul as kernels
+import pallas_kernels.nf4_dequant as kernels
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.nf4_matmul import SHAPES, time_us, repeated
-from pallas_kernels.nf4_matmul import nf4_dequantize, nf4_dequantize_reference
+from pallas_kernels.nf4_dequant import nf4_dequantize, nf4_dequantize_reference
 
 PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0}  # HBM bandwidth on the data sheet
 

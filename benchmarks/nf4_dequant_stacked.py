@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.nf4_matmul import repeated, time_us
-from pallas_kernels.nf4_matmul import nf4_dequantize, nf4_dequantize_reference
+from pallas_kernels.nf4_dequant import nf4_dequantize, nf4_dequantize_reference
 
 SHAPES = {"qwen3-32b gate/up": (25600, 5120), "qwen3-32b down": (5120, 25600)}
 LAYER = 5

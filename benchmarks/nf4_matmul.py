@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.nf4_matmul import MatmulTiles, nf4_dequantize, nf4_dequantize_reference, nf4_matmul_dx, nf4_matmul_forward
+from pallas_kernels.nf4_dequant import nf4_dequantize, nf4_dequantize_reference
+from pallas_kernels.nf4_matmul import MatmulTiles, nf4_matmul_dx, nf4_matmul_forward
 
 SHAPES = {  # name: (N, K) of W [N, K]
     "q_proj/o_proj": (4096, 4096),

@@ -13,9 +13,8 @@ from jax.experimental.pallas.triton import CUSTOM_CALL_TARGET_NAME as CUSTOM_CAL
 from pallas_kernels import addressing
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.fp8_quantize import quantize_blocks, quantize_rows, quantize_rows_reference
-from pallas_kernels.nf4_matmul import (
-    MatmulTiles, nf4_dequantize, nf4_matmul_dx, nf4_matmul_forward, nf4_dequantize_reference,
-)
+from pallas_kernels.nf4_dequant import nf4_dequantize, nf4_dequantize_reference
+from pallas_kernels.nf4_matmul import MatmulTiles, nf4_matmul_dx, nf4_matmul_forward
 from test_kernel_nf4 import numpy_weight, stacked_weights
 
 

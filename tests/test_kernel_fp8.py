@@ -19,7 +19,7 @@ from jaxtune.ops.fp8_linear import fp8_weight, fp8_weight_t
 from jaxtune.training.config import ConfigError
 from pallas_kernels.fp8_matmul import Fp8Tiles, fp8_matmul, fp8_matmul_reference
 from pallas_kernels.fp8_quantize import pow2_scale, quantize_blocks, quantize_rows, quantize_rows_reference
-from pallas_kernels.nf4_matmul import nf4_dequantize
+from pallas_kernels.nf4_dequant import nf4_dequantize
 
 NP_FP8 = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
 

@@ -126,7 +126,7 @@ def dequantized(weight, dtype, interpret: bool, transpose: bool = False, fp8_kin
                 permute: bool = False) -> jax.Array:
     """W (or Wᵀ) in dtype by the Pallas dequant kernel (`fp8_kind`: divided by FP8's scales of that kind;
     `permute`: e4m3 W or Wᵀ by the kernel's byte-permute path)."""
-    from pallas_kernels.nf4_matmul import nf4_dequantize
+    from pallas_kernels.nf4_dequant import nf4_dequantize
 
     def dequant(codes, absmax, **kw):
         return nf4_dequantize(codes, absmax, dtype, transpose=transpose, permute=permute, interpret=interpret, **kw)
