@@ -19,7 +19,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.addressing import addressable
 from pallas_kernels.nf4_tiles import (
     BLOCK, NF4_VALUES, MatmulTiles, at_layer, block_scales, by_block, check_weight, fit_tiles, layer_codes,
-    layer_operand, lut_operand, nf4_value, nibble_planes, optional_refs, scales_operand, tile_spec, vector_operand,
+    layer_operand, lut_operand, nf4_lookup, nibble_planes, optional_refs, scales_operand, tile_spec, vector_operand,
 )
 
 
@@ -135,8 +135,7 @@ def _dequant_pairs(words, per_block: list, w_ref, lut_ref, interleave: bool, tra
     rows, cols = words.shape
     scale = by_block(per_block, cols)
     nibbles = ((words >> 4) & 15, words & 15, (words >> 12) & 15, (words >> 8) & 15)
-    planes = [((nf4_value(c) if lut_ref is None else lut_ref[c.astype(jnp.int32)]) * scale).astype(w_ref.dtype)
-              for c in nibbles]
+    planes = [(nf4_lookup(c, lut_ref) * scale).astype(w_ref.dtype) for c in nibbles]
     if transpose:
         for c, plane in enumerate(planes):
             w_ref[pl.ds(c, cols, stride=4), :] = plane.T

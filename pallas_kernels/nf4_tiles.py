@@ -59,17 +59,17 @@ def nf4_value(nibble: jax.Array) -> jax.Array:
     return level[0]
 
 
-def nibble_planes(codes: jax.Array, scale: jax.Array, dtype, lut_ref) -> tuple[jax.Array, jax.Array]:
-    """Dequantized high- and low-nibble planes [rows, cols] of a code tile; scale broadcasts on rows.
+def nf4_lookup(nibbles: jax.Array, lut_ref) -> jax.Array:
+    """NF4 values (float32) of 4-bit indices: with a table ref one load from a 64-byte table (a single cache line,
+    so a warp's lookups cost one L1 wavefront); without, the select tree (`nf4_value`)."""
+    return nf4_value(nibbles) if lut_ref is None else lut_ref[nibbles.astype(jnp.int32)]
 
-    With a table ref the NF4 value is one load from a 64-byte table (a single cache line, so a warp's
-    lookups cost one L1 wavefront); without, a select tree.
-    """
-    if lut_ref is None:
-        hi, lo = nf4_value(codes >> 4), nf4_value(codes & 15)
-    else:
-        hi, lo = lut_ref[(codes >> 4).astype(jnp.int32)], lut_ref[(codes & 15).astype(jnp.int32)]
-    return (hi * scale).astype(dtype), (lo * scale).astype(dtype)
+
+def nibble_planes(codes: jax.Array, scale: jax.Array, dtype, lut_ref) -> tuple[jax.Array, jax.Array]:
+    """Dequantized high- and low-nibble planes [rows, cols] of a code tile (`nf4_lookup`); scale broadcasts on
+    rows."""
+    return ((nf4_lookup(codes >> 4, lut_ref) * scale).astype(dtype),
+            (nf4_lookup(codes & 15, lut_ref) * scale).astype(dtype))
 
 
 def at_layer(ref, layer_ref, index: tuple) -> jax.Array:
