@@ -126,10 +126,9 @@ def _train_config(args: argparse.Namespace):
         raise ConfigError(f"--{flag.replace('_', '-')}: {e}", field=e.field) from None
 
 
-def _train(args: argparse.Namespace) -> None:
-    from jaxtune.distributed import initialize_from_env
-
-    cfg = _train_config(args)  # bad values and unusable paths refused before JAX starts or the model loads
+def _train_checks(args: argparse.Namespace):
+    """The run's TrainConfig, after every check that needs no model: data rows, run directory, reporters."""
+    cfg = _train_config(args)
     from jaxtune.bundled import resolve_model_path
     from jaxtune.data import check_rows, read_rows
     from jaxtune.data.preference import check_preference_rows
@@ -144,7 +143,20 @@ def _train(args: argparse.Namespace) -> None:
         check_preference_rows(rows)
     check_run_dir(args.out, args.resume)
     check_reporters(cfg.report_to, args.out)
+    args.rows = rows
+    return cfg
+
+
+def _train(args: argparse.Namespace) -> None:
+    from jaxtune.distributed import agree_on_checks, initialize_from_env
+
+    try:  # bad values and unusable paths refused before the model loads
+        cfg = _train_checks(args)
+        failure = None
+    except Exception as e:  # noqa: BLE001 (every process of a multi-host run must hear of it, then all stop)
+        cfg, failure = None, e
     initialize_from_env()  # multi-host launches: before anything else touches JAX
+    agree_on_checks(failure)  # a check failed on one host: every process ends, non-zero, with its line
     import jaxtune
 
     if cfg.mesh:  # a mesh that does not fit the devices fails before the model loads
@@ -154,7 +166,7 @@ def _train(args: argparse.Namespace) -> None:
     model, tokenizer = jaxtune.from_pretrained(args.model, dtype=args.dtype, load_in_4bit=True)
     if tokenizer is None:
         raise jaxtune.CheckpointError(f"{args.model} has no tokenizer files; add tokenizer.json to the model directory")
-    result = jaxtune.train(model, tokenizer, rows, cfg, out_dir=args.out, resume=args.resume, base_model=args.model)
+    result = jaxtune.train(model, tokenizer, args.rows, cfg, out_dir=args.out, resume=args.resume, base_model=args.model)
     state = "interrupted at" if result.interrupted else "finished"
     print(f"{state} step {result.steps}: loss {result.losses[-1]:.4f}, packing efficiency "
           f"{result.packing_efficiency:.1%}, {result.tokens_per_second:,.0f} tokens/s; run in {args.out}")

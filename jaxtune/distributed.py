@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 
 import jax
@@ -108,10 +109,65 @@ def agree_min(value: int) -> int:
     return int(np.min(multihost_utils.process_allgather(np.int32(value))))
 
 
-def exit_now(error: BaseException, code: int = 1) -> None:
+CHECKS_TIMEOUT_S = 60  # how long a process waits for its peers' start-up checks before it gives up on them
+
+
+def agree_on_checks(error: BaseException | None, timeout_s: float = CHECKS_TIMEOUT_S) -> None:
+    """Every process of a multi-process run learns whether any process's start-up checks failed, and all end
+    together, non-zero, each within `timeout_s`: the failing process with its own line, the others with one naming
+    the failing process and its line. Run after joining the distributed runtime (a peer that never joins cannot
+    hear of a failure). In a single process the error, if any, is raised."""
+    if not is_multiprocess():
+        if error is not None:
+            raise error
+        return
+    from jax._src import distributed as _distributed  # the coordinator's key-value store: waits with a deadline
+
+    client, me, count = _distributed.global_state.client, jax.process_index(), jax.process_count()
+    client.key_value_set(f"jaxtune/checks/{me}", "ok" if error is None else "error: " + _first_line(error))
+    failure = error
+    for peer in range(count):
+        if failure is not None:
+            break
+        if peer == me:
+            continue
+        try:
+            said = client.blocking_key_value_get(f"jaxtune/checks/{peer}", int(timeout_s * 1000))
+        except Exception:  # noqa: BLE001 (a deadline passed or the coordinator is gone: the peer is not coming)
+            said = f"error: no answer from its start-up checks within {timeout_s:.0f} s (see its log)"
+        if said != "ok":
+            failure = JaxtuneError(f"process {peer} of {count} refused the run: {said.removeprefix('error: ')}")
+    _wait_quietly(lambda: client.wait_at_barrier("jaxtune/checks/read", int(timeout_s * 1000)))
+    if failure is not None:
+        exit_now(failure, then=lambda: _leave_in_order(client, me, count))
+
+
+def _wait_quietly(wait) -> None:
+    try:
+        wait()
+    except Exception:  # noqa: BLE001 (a peer already gone only shortens the wait)
+        pass
+
+
+def _leave_in_order(client, me: int, count: int, timeout_s: float = 10) -> None:
+    """Process 0 hosts the coordinator: it leaves after the others, whose runtime would abort on losing it."""
+    if me:
+        _wait_quietly(lambda: client.key_value_set(f"jaxtune/left/{me}", "1"))
+        return
+    for peer in range(1, count):
+        _wait_quietly(lambda: client.blocking_key_value_get(f"jaxtune/left/{peer}", int(timeout_s * 1000)))
+    time.sleep(0.5)  # their exits, already under way
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def exit_now(error: BaseException, code: int = 1, then=None) -> None:
     """Ends a multi-process run's failing process at once: its one-line error to stderr, then exit without the
-    shutdown barrier (peers blocked in a collective would never reach it; the heartbeat check ends them)."""
-    line = str(error).splitlines()[0] if str(error) else type(error).__name__
+    shutdown barrier (peers blocked in a collective would never reach it; the heartbeat check ends them).
+    `then()` runs after the line is printed, just before the exit."""
+    line = _first_line(error)
     if not isinstance(error, JaxtuneError):
         traceback.print_exception(error, file=sys.stderr)
     if isinstance(error, jax.errors.JaxRuntimeError):  # a collective or the coordinator lost a peer, most often
@@ -120,6 +176,8 @@ def exit_now(error: BaseException, code: int = 1) -> None:
     print(f"jaxtune: error in process {jax.process_index()} of {jax.process_count()}: {line}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
+    if then is not None:
+        then()
     os._exit(code)
 
 
