@@ -46,10 +46,15 @@ def load_run(run_dir: str | os.PathLike, *, dtype: str = "float32") -> tuple[Cau
 
 def original_weights(base_model: str) -> str | None:
     """Where the run's original (not NF4-quantized) weights are: the base model itself when it is an unquantized
-    HF directory or a .gguf, the checkpoint a jaxtune conversion was made from when that still exists, else None."""
+    HF directory, a .gguf (a bundled model's included) or a hub id of either, the checkpoint a jaxtune conversion was made from when that still exists, else None."""
     from convert.jaxtune_format import converted_from, is_jaxtune_checkpoint
     from convert.load import bnb_quantization
+    from jaxtune.bundled import resolve_model_path
 
+    try:  # a bundled name (its GGUF is the original) or a hub id (its cached copy)
+        base_model = resolve_model_path(base_model)
+    except CheckpointError:
+        return None
     if os.path.isfile(base_model) and base_model.endswith(".gguf"):
         return base_model
     if not (os.path.isdir(base_model) and os.path.isfile(os.path.join(base_model, "config.json"))):

@@ -110,8 +110,9 @@ def open_original(model: CausalLM, base: str | os.PathLike | None):
         return None
     from convert.jaxtune_format import is_jaxtune_checkpoint
     from convert.load import bnb_quantization, open_checkpoint
+    from jaxtune.bundled import resolve_model_path
 
-    base = os.fspath(base)
+    base = resolve_model_path(os.fspath(base))  # a bundled name or hub id: its local copy
     if os.path.isdir(base) and (is_jaxtune_checkpoint(base) or bnb_quantization(base)):
         raise CheckpointError(f"base {base} holds NF4-quantized weights; pass the HF directory (or .gguf) of the "
                               "original weights, or omit it to merge onto the dequantized weights")

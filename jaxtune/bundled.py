@@ -27,13 +27,37 @@ def bundled_path(name: str) -> str:
     return path
 
 
-def resolve_model_path(path: str) -> str:
-    """An existing path as given, a bundled model name as its file path, else a clear error."""
+def resolve_model_path(path: str, revision: str | None = None) -> str:
+    """An existing path as given, a bundled model name as its file path, a hub id (`owner/repo`,
+    `owner/repo/FILE.gguf`, `owner/repo@revision`) as its local copy (cached or fetched), else a clear error."""
     if os.path.exists(path):
         return path
     if path in BUNDLED:
         return bundled_path(path)
+    from jaxtune.hub import download, parse_hub_id
+
+    if parse_hub_id(path) is not None and not path.startswith(("./", "../", "/", "~")):
+        return download(path, revision)
     raise CheckpointError(
-        f"model path {path!r} does not exist; pass an HF model directory, a .gguf file, "
+        f"model path {path!r} does not exist; pass an HF model directory, a .gguf file, a hub id (owner/repo) "
         f"or a bundled name ({', '.join(BUNDLED)})"
     )
+
+
+def model_reference(path: str, revision: str | None = None) -> str:
+    """What a run records as its model: an existing path made absolute (the run can be exported from anywhere),
+    a bundled name or a hub id as given (with its revision)."""
+    if os.path.exists(path):
+        return os.path.abspath(path)
+    return f"{path}@{revision}" if revision and "@" not in path else path
+
+
+def check_model_reference(path: str) -> None:
+    """Refuses, before any work, a model that is neither an existing path, a bundled name nor a hub id (a hub id
+    is fetched when the model loads)."""
+    from jaxtune.hub import parse_hub_id
+
+    if os.path.exists(path) or path in BUNDLED or (parse_hub_id(path) is not None
+                                                   and not path.startswith(("./", "../", "/", "~"))):
+        return
+    resolve_model_path(path)  # its error

@@ -15,14 +15,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from jaxtune.bundled import resolve_model_path
+    from jaxtune.bundled import check_model_reference
     from jaxtune.errors import CheckpointError, ConfigError
     from jaxtune.generate import check_sampling
 
     check_sampling(args.max_new_tokens, args.temperature, args.top_p)  # before the model loads
     if any(not p for p in args.prompt):
         raise ConfigError("--prompt is empty; pass the text to continue")
-    resolve_model_path(args.model)
+    check_model_reference(args.model)
     if args.adapter and not os.path.isdir(args.adapter):
         raise CheckpointError(f"--adapter {args.adapter} is not a directory; pass a PEFT adapter directory "
                               "(from jaxtune export --peft)")
@@ -129,13 +129,13 @@ def _train_config(args: argparse.Namespace):
 def _train_checks(args: argparse.Namespace):
     """The run's TrainConfig, after every check that needs no model: data rows, run directory, reporters."""
     cfg = _train_config(args)
-    from jaxtune.bundled import resolve_model_path
+    from jaxtune.bundled import check_model_reference
     from jaxtune.data import check_rows, read_rows
     from jaxtune.data.preference import check_preference_rows
     from jaxtune.training.checkpoint import check_run_dir
     from jaxtune.training.reporting import check_reporters
 
-    resolve_model_path(args.model)
+    check_model_reference(args.model)
     rows = read_rows(args.data)
     if cfg.objective == "sft":
         check_rows(rows, cfg.format)
@@ -166,7 +166,8 @@ def _train(args: argparse.Namespace) -> None:
     model, tokenizer = jaxtune.from_pretrained(args.model, dtype=args.dtype, load_in_4bit=True)
     if tokenizer is None:
         raise jaxtune.CheckpointError(f"{args.model} has no tokenizer files; add tokenizer.json to the model directory")
-    result = jaxtune.train(model, tokenizer, args.rows, cfg, out_dir=args.out, resume=args.resume, base_model=args.model)
+    result = jaxtune.train(model, tokenizer, args.rows, cfg, out_dir=args.out, resume=args.resume,
+                           base_model=model.name_or_path)
     state = "interrupted at" if result.interrupted else "finished"
     print(f"{state} step {result.steps}: loss {result.losses[-1]:.4f}, packing efficiency "
           f"{result.packing_efficiency:.1%}, {result.tokens_per_second:,.0f} tokens/s; run in {args.out}")
@@ -177,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate text from a model (HF directory, .gguf file, or 'smollm2')")
-    gen.add_argument("model", help="HF model directory, .gguf file, or a bundled name (smollm2)")
+    gen.add_argument("model", help="HF model directory, .gguf file, hub id (owner/repo, owner/repo/FILE.gguf, @revision), or smollm2")
     gen.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -190,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     conv = sub.add_parser("convert", help="write a jaxtune checkpoint (pre-quantized NF4 by default) that loads fast")
-    conv.add_argument("src", help="HF model directory (bf16/fp16/fp32 or bnb-4bit), .gguf file, or smollm2")
+    conv.add_argument("src", help="HF model directory (bf16/fp16/fp32 or bnb-4bit), .gguf file, hub id, or smollm2")
     conv.add_argument("dst", help="output directory (must not exist; written atomically)")
     conv.add_argument("--quantize", default="nf4", help="nf4 (default) or none")
     conv.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
@@ -198,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.set_defaults(func=_convert)
 
     tr = sub.add_parser("train", help="QLoRA fine-tune a model on a local dataset")
-    tr.add_argument("--model", required=True, help="HF directory, jaxtune checkpoint, .gguf file, or smollm2")
+    tr.add_argument("--model", required=True, help="HF directory, jaxtune checkpoint, .gguf file, hub id (owner/repo), or smollm2")
     tr.add_argument("--data", required=True, help=".jsonl, .json, .csv, .parquet, or a saved datasets directory")
     tr.add_argument("--out", required=True, help="run directory: checkpoints, metrics.jsonl, loss.png")
     tr.add_argument("--format", choices=["chat", "alpaca", "completion", "text"],

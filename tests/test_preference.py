@@ -168,27 +168,43 @@ def test_conservative_dpo_equals_its_formula_in_float64(tiny_tokenizer, tmp_path
     np.testing.assert_allclose(float(ours), want, rtol=1e-5)
 
 
-def _orpo_batch(pairs, pad: int):
-    """ORPOTrainer's batch format from token ids: prompt tokens labeled -100."""
-    out = {}
-    for side in ("chosen", "rejected"):
-        seqs = [np.concatenate([p.prompt, getattr(p, side)]) for p in pairs]
-        width = max(len(s) for s in seqs)
-        ids = np.full((len(seqs), width), pad, np.int64)
-        mask = np.zeros((len(seqs), width), np.int64)
-        labels = np.full((len(seqs), width), -100, np.int64)
-        for i, (s, p) in enumerate(zip(seqs, pairs)):
-            ids[i, :len(s)], mask[i, :len(s)] = s, 1
-            labels[i, len(p.prompt):len(s)] = s[len(p.prompt):]
-        out.update({f"{side}_input_ids": torch.from_numpy(ids), f"{side}_attention_mask": torch.from_numpy(mask),
-                    f"{side}_labels": torch.from_numpy(labels)})
-    return out
+def _trl_orpo_batch(trainer, n: int):
+    """The first n rows of ORPOTrainer's own tokenized dataset, collated by its own collator."""
+    rows = [trainer.train_dataset[i] for i in range(n)]
+    return trainer.data_collator(rows)
+
+
+def test_orpo_rows_tokenize_as_trls_orpo_trainer(tiny_tokenizer, tmp_path):
+    """Plain-text pairs: the same ids as TRL's ORPOTrainer, its BOS before the prompt included (this tokenizer, like
+    SmolLM2's, adds none itself). Chat pairs: TRL appends a second end-of-turn token after the template's own; jaxtune
+    keeps the template's tokens (docs/training.md)."""
+    from datasets import Dataset
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    _, peft_model = _models(tiny_tokenizer, LlamaConfig, tmp_path / "hf")
+    eos, bos = tiny_tokenizer.eos_token_id, tiny_tokenizer.bos_token_id
+    for rows, extra_eos in ((ROWS, False), (CONVERSATIONAL + IMPLICIT_PROMPT, True)):
+        args = ORPOConfig(output_dir=str(tmp_path / "trl"), bf16=False, report_to=[], use_cpu=True, max_length=512)
+        trainer = ORPOTrainer(model=peft_model, args=args, train_dataset=Dataset.from_list(rows),
+                              processing_class=tiny_tokenizer)
+        pairs = encode_pairs([Row(r, f"row {i}") for i, r in enumerate(rows)], tiny_tokenizer, "orpo")
+        for want, got in zip(trainer.train_dataset, pairs):
+            assert got.prompt[0] == bos
+            for side in ("chosen", "rejected"):
+                ours = np.concatenate([got.prompt, getattr(got, side)]).tolist()
+                theirs = want[f"{side}_input_ids"]
+                if extra_eos:
+                    assert theirs[-1] == eos and ours[-1] != eos, (theirs, ours)
+                    theirs = theirs[:-1]
+                assert ours == theirs
+                assert want[f"{side}_labels"].count(-100) == len(got.prompt)  # the response starts where TRL's does
 
 
 @pytest.mark.parametrize("hf_cls, share_prompt", [(LlamaConfig, True), (Qwen2Config, False)])
 def test_orpo_loss_rewards_and_grads_equal_trl(tiny_tokenizer, tmp_path, hf_cls, share_prompt):
-    """TRL's ORPOTrainer takes its NLL over the chosen prompt and response (jaxtune: train_on_all=True); the
-    default NLL (responses only) is checked against torch's cross-entropy of the same logits."""
+    """End to end on TRL's own tokenization and batches: TRL's ORPOTrainer takes its NLL over the chosen prompt
+    and response (jaxtune: train_on_all=True); the default NLL (responses only) is checked against torch's
+    cross-entropy of the same logits."""
     from datasets import Dataset
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
@@ -197,9 +213,9 @@ def test_orpo_loss_rewards_and_grads_equal_trl(tiny_tokenizer, tmp_path, hf_cls,
                       per_device_train_batch_size=len(ROWS))
     trainer = ORPOTrainer(model=peft_model, args=args, train_dataset=Dataset.from_list(ROWS),
                           processing_class=tiny_tokenizer)
-    pairs = encode_pairs([Row(r, f"row {i}") for i, r in enumerate(ROWS)], tiny_tokenizer)
+    pairs = encode_pairs([Row(r, f"row {i}") for i, r in enumerate(ROWS)], tiny_tokenizer, "orpo")
     trainer.model.train()
-    loss, logged = trainer.get_batch_loss_metrics(trainer.model, _orpo_batch(pairs, tiny_tokenizer.pad_token_id))
+    loss, logged = trainer.get_batch_loss_metrics(trainer.model, _trl_orpo_batch(trainer, len(ROWS)))
     loss.backward()
 
     graphdef, lora, frozen = split_model(model)
@@ -377,3 +393,14 @@ def test_dpo_resume_continues_exactly(tiny_tokenizer, tiny_qlora_model, tmp_path
                          resume=True, progress=False)
     assert rest.steps == 8
     np.testing.assert_allclose(rest.losses, full.losses, rtol=1e-6)
+
+
+def test_a_prompt_merging_with_its_response_is_warned_once_naming_the_first_row(tiny_tokenizer):
+    """"The qu" + "ick brown" tokenizes the join as one token: the response then starts a token early."""
+    rows = [Row(ROWS[0], "a.jsonl:1"), Row({"prompt": "The qu", "chosen": "ick brown", "rejected": "ick dog"}, "a.jsonl:2"),
+            Row({"prompt": "The lazy qu", "chosen": "ick fox", "rejected": "ick dog"}, "a.jsonl:3")]
+    with pytest.warns(UserWarning, match=r"2 of 3 pairs have a prompt whose tokens are not a prefix.*first: a.jsonl:2"):
+        pairs = encode_pairs(rows, tiny_tokenizer)
+    assert [p.merged for p in pairs] == [False, True, True]
+    full = tiny_tokenizer("The qu" + "ick brown" + tiny_tokenizer.eos_token)["input_ids"]
+    assert np.concatenate([pairs[1].prompt, pairs[1].chosen]).tolist() == full

@@ -35,6 +35,7 @@ class PreferencePair:
     chosen: np.ndarray
     rejected: np.ndarray
     where: str
+    merged: bool = False  # the prompt's last token merged with the responses' first when tokenized together
 
     def prompt_cost(self, share_prompt: bool) -> int:
         """Tokens the prompt takes in a row: twice, or once plus its last token again for the second response."""
@@ -95,8 +96,11 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def encode_pair(row: Row, tokenizer: Any) -> PreferencePair:
-    """One row -> token ids of its prompt and two responses."""
+def encode_pair(row: Row, tokenizer: Any, objective: str = "dpo") -> PreferencePair:
+    """One row -> token ids of its prompt and two responses, as TRL's trainer of `objective` tokenizes it.
+
+    TRL's ORPOTrainer differs from its DPOTrainer in one way kept here: it puts the tokenizer's BOS token before a
+    prompt that does not start with it (a plain-text prompt, where the tokenizer adds none itself)."""
     prompt, chosen, rejected = _fields(row)
     if _is_messages(chosen):
         if not getattr(tokenizer, "chat_template", None):
@@ -113,19 +117,30 @@ def encode_pair(row: Row, tokenizer: Any) -> PreferencePair:
         end = lambda s: s if not eos or s.endswith(eos) else s + eos  # noqa: E731
         ids = lambda s: list(tokenizer(s)["input_ids"])  # noqa: E731
         p, pc, pr = ids(prompt), ids(prompt + end(chosen)), ids(prompt + end(rejected))
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if objective == "orpo" and bos is not None and (not p or p[0] != bos):
+        p, pc, pr = [bos] + p, [bos] + pc, [bos] + pr
     n = min(_common_prefix(p, pc), _common_prefix(p, pr))
     as_array = lambda x: np.asarray(x, np.int32)  # noqa: E731
-    return PreferencePair(as_array(p[:n]), as_array(pc[n:]), as_array(pr[n:]), row.where)
+    return PreferencePair(as_array(p[:n]), as_array(pc[n:]), as_array(pr[n:]), row.where, merged=n < len(p))
 
 
-def encode_pairs(rows: Sequence[Row], tokenizer: Any) -> list[PreferencePair]:
-    """Tokenizes every row (with a progress bar); warns about pairs whose two responses are the same."""
+def encode_pairs(rows: Sequence[Row], tokenizer: Any, objective: str = "dpo") -> list[PreferencePair]:
+    """Tokenizes every row (with a progress bar); warns about pairs whose two responses are the same, and about
+    prompts whose last token merges with the response's first (the response then starts one token early)."""
     check_preference_rows(rows)
-    pairs = [encode_pair(row, tokenizer) for row in tqdm(rows, desc="tokenizing pairs", unit="pair", leave=False)]
+    pairs = [encode_pair(row, tokenizer, objective)
+             for row in tqdm(rows, desc="tokenizing pairs", unit="pair", leave=False)]
     same = [p.where for p in pairs if np.array_equal(p.chosen, p.rejected)]
     if same:
         warnings.warn(f"{len(same)} of {len(pairs)} pairs have identical chosen and rejected responses (first: "
                       f"{same[0]}); they teach nothing and only dilute the batch", stacklevel=2)
+    merged = [p.where for p in pairs if p.merged]
+    if merged:
+        warnings.warn(f"{len(merged)} of {len(pairs)} pairs have a prompt whose tokens are not a prefix of prompt + "
+                      f"response's (first: {merged[0]}): the prompt's last token merges with the response's first, "
+                      "so the response is scored from one token earlier; start plain-text responses with a space "
+                      "or end prompts with one", stacklevel=2)
     return pairs
 
 

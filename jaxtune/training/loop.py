@@ -90,7 +90,7 @@ def prepare_data(data, tokenizer, cfg: TrainConfig) -> tuple[PackedRows, PackedR
         rows = [rows[i] for i in sorted(order[n_eval:])]
     def pack(rows: list[Row]) -> PackedRows:
         if cfg.objective != "sft":  # preference pairs: prompt / chosen / rejected
-            return pack_pairs(encode_pairs(rows, tokenizer), cfg.seq_len, packing=cfg.packing,
+            return pack_pairs(encode_pairs(rows, tokenizer, cfg.objective), cfg.seq_len, packing=cfg.packing,
                               drop_long_prompts=cfg.drop_long_prompts, share_prompt=cfg.share_prompt)
         return pack_examples(encode_rows(rows, cfg.format, tokenizer, train_on_all=cfg.train_on_all), cfg.seq_len,
                              packing=cfg.packing)
@@ -147,10 +147,12 @@ def train(
 
     With `out_dir`, writes metrics.jsonl, checkpoints (every `save_steps`, at the end, and on SIGINT/SIGTERM),
     config.json and loss.png there; `resume=True` continues from its latest checkpoint exactly.
-    `callback(record)` sees each step's metrics record; `base_model` (the checkpoint path) is recorded in
-    out_dir/config.json so the run can be exported later.
+    `callback(record)` sees each step's metrics record; `base_model` (the checkpoint: by default the path, bundled
+    name or hub id `from_pretrained` loaded the model from) is recorded in out_dir/config.json so the run can be
+    exported later, from any directory.
     """
     try:
+        base_model = base_model or getattr(model, "name_or_path", None)
         return _train(model, tokenizer, data, config, out_dir, resume, progress, callback, base_model)
     finally:  # however the run ends (a refusal included), the table offload_embedding moved comes back
         embedding_to_device(model)
