@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from convert.atomic import atomic_directory
+from convert.atomic import atomic_directory, check_writable
 from convert.jaxtune_format import (SHARD_METADATA, check_quantization, is_jaxtune_checkpoint, write_checkpoint,
                                     write_description)
 from convert.load import (TensorPlan, abstract_state, bnb_quantization, from_pretrained, load_tokenizer,
@@ -34,6 +34,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quantize: str = "
     check_quantization(quantize)
     if os.path.exists(dst):
         raise CheckpointError(f"{os.fspath(dst)} already exists; choose a new output directory or delete it first")
+    check_writable(dst, "output directory")  # a read-only place: refused before the model loads
     start = time.perf_counter()
     resolved = resolve_model_path(os.fspath(src))
     if os.path.isdir(resolved) and is_jaxtune_checkpoint(resolved):  # re-quantizing a jaxtune checkpoint

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from convert.atomic import check_writable, plain_permissions
 from convert.gguf_source import _LAYER_NAMES, _TOP_NAMES, SUPPORTED_GGUF_ARCHITECTURES
 from convert.gguf_tokenizer import gguf_tokenizer_fields
 from convert.merged import merged_tensors, open_original
@@ -62,6 +63,7 @@ def check_gguf_output(out_path: str | os.PathLike) -> str:
         raise CheckpointError(f"{out_path} does not end in .gguf; name the output file OUT.gguf")
     if os.path.exists(out_path):
         raise CheckpointError(f"{out_path} already exists; choose a new output file or delete it first")
+    check_writable(out_path, "GGUF file")
     return out_path
 
 
@@ -211,6 +213,7 @@ def save_gguf(
                 w = permute_qk(w, cfg.num_kv_heads)
             writer.write_tensor_data(_encode(w, gguf_type))
         writer.close()
+        plain_permissions(tmp)
         os.replace(tmp, out_path)
     except BaseException:
         if os.path.exists(tmp):

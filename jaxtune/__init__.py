@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+# jaxtune needs no PyTorch: transformers' import-time note that it is missing is noise on every command
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from jaxtune.device_memory_env import set_device_memory_fraction
 from jaxtune.host_info import set_pinned_host_cap

@@ -60,9 +60,12 @@ def _export(args: argparse.Namespace) -> None:
 
     if not args.peft and not args.merged and not args.gguf:
         raise CheckpointError("nothing to export: pass --peft DIR, --merged DIR and/or --gguf OUT.gguf")
+    from convert.atomic import check_writable
+
     for out in filter(None, (args.peft, args.merged)):  # refuse before writing anything
         if os.path.exists(out):
             raise CheckpointError(f"{out} already exists; choose a new output directory or delete it first")
+        check_writable(out, "output directory")
     if args.gguf:
         from convert.gguf_export import check_gguf_output
 
@@ -141,7 +144,7 @@ def _train_checks(args: argparse.Namespace):
         check_rows(rows, cfg.format)
     else:
         check_preference_rows(rows)
-    check_run_dir(args.out, args.resume)
+    check_run_dir(args.out, args.resume, cfg)
     check_reporters(cfg.report_to, args.out)
     args.rows = rows
     return cfg
@@ -173,8 +176,23 @@ def _train(args: argparse.Namespace) -> None:
           f"{result.packing_efficiency:.1%}, {result.tokens_per_second:,.0f} tokens/s; run in {args.out}")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jaxtune")
+    except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
+        return "0.1.0"
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """Warnings as `jaxtune: warning: ...`, without the source file and line Python adds by default."""
+    return f"jaxtune: warning: {message}\n"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jaxtune", description="QLoRA fine-tuning of Llama-family models in JAX")
+    parser.add_argument("--version", action="version", version=f"jaxtune {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate text from a model (HF directory, .gguf file, or 'smollm2')")
@@ -273,9 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
     from jaxtune.errors import JaxtuneError
 
     args = build_parser().parse_args(argv)
+    python_format, warnings.formatwarning = warnings.formatwarning, _one_line_warning
     try:
         args.func(args)
     except (JaxtuneError, NotImplementedError) as e:
@@ -289,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("jaxtune: interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.formatwarning = python_format
     return 0
 
 

@@ -120,14 +120,15 @@ def encode_row(row: Row, fmt: str, tokenizer: Any, *, train_on_all: bool = False
     raise DataError(f"unknown data format {fmt!r}; supported: {', '.join(FORMATS)}")
 
 
-def encode_rows(rows: Sequence[Row], fmt: str, tokenizer: Any, *, train_on_all: bool = False) -> list[Example]:
+def encode_rows(rows: Sequence[Row], fmt: str, tokenizer: Any, *, train_on_all: bool = False,
+                progress: bool = True) -> list[Example]:
     """Tokenizes every row (with a progress bar); rows with nothing to learn from are an error."""
     if fmt not in FORMATS:
         raise DataError(f"unknown data format {fmt!r}; supported: {', '.join(FORMATS)}")
     if not rows:
         raise DataError("the dataset is empty; it needs at least one row")
     examples = []
-    for row in tqdm(rows, desc="tokenizing", unit="row", leave=False):
+    for row in tqdm(rows, desc="tokenizing", unit="row", leave=False, disable=not progress):
         ex = encode_row(row, fmt, tokenizer, train_on_all=train_on_all)
         if len(ex.ids) < 2 or not ex.target[1:].any():
             raise DataError(f"{row.where}: the row has no response tokens to train on; check its fields")

@@ -125,12 +125,13 @@ def encode_pair(row: Row, tokenizer: Any, objective: str = "dpo") -> PreferenceP
     return PreferencePair(as_array(p[:n]), as_array(pc[n:]), as_array(pr[n:]), row.where, merged=n < len(p))
 
 
-def encode_pairs(rows: Sequence[Row], tokenizer: Any, objective: str = "dpo") -> list[PreferencePair]:
+def encode_pairs(rows: Sequence[Row], tokenizer: Any, objective: str = "dpo", *,
+                 progress: bool = True) -> list[PreferencePair]:
     """Tokenizes every row (with a progress bar); warns about pairs whose two responses are the same, and about
     prompts whose last token merges with the response's first (the response then starts one token early)."""
     check_preference_rows(rows)
     pairs = [encode_pair(row, tokenizer, objective)
-             for row in tqdm(rows, desc="tokenizing pairs", unit="pair", leave=False)]
+             for row in tqdm(rows, desc="tokenizing pairs", unit="pair", leave=False, disable=not progress)]
     same = [p.where for p in pairs if np.array_equal(p.chosen, p.rejected)]
     if same:
         warnings.warn(f"{len(same)} of {len(pairs)} pairs have identical chosen and rejected responses (first: "

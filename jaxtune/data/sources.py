@@ -46,7 +46,7 @@ def _object(value: Any, where: str) -> dict[str, Any]:
 
 def _read_jsonl(path: str) -> list[Row]:
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         for i, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -61,7 +61,7 @@ def _read_jsonl(path: str) -> list[Row]:
 
 def _read_json(path: str) -> list[Row]:
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             value = json.load(f)
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
@@ -73,7 +73,7 @@ def _read_json(path: str) -> list[Row]:
 
 
 def _read_csv(path: str) -> list[Row]:
-    with open(path, encoding="utf-8", newline="") as f:
+    with open(path, encoding="utf-8-sig", newline="") as f:
         reader = csv.DictReader(f)
         return [Row(dict(r), f"{path}:{reader.line_num}") for r in reader]
 

@@ -25,9 +25,18 @@ def saved_steps(run_dir: str | os.PathLike) -> list[int]:
     return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
 
 
-def check_run_dir(run_dir: str | os.PathLike | None, resume: bool) -> None:
-    """Refuses, before any work, a run directory the run could not use: a file, an unwritable place, or one that
-    already holds checkpoints while resume is off. Creates nothing."""
+# what a checkpoint depends on: the adapters' shapes and scale, the objective, the optimizer, the data order. A resumed
+# run keeps them (max_steps, logging, saving, eval cadence and memory settings may change)
+RUN_SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "objective", "format",
+                "seq_len", "packing", "train_on_all", "eval_fraction", "seed", "grad_accum", "learning_rate",
+                "schedule", "warmup_steps", "weight_decay", "adam_b1", "adam_b2", "max_grad_norm", "beta", "dpo_loss",
+                "label_smoothing", "orpo_lambda", "share_prompt", "drop_long_prompts", "precompute_reference")
+
+
+def check_run_dir(run_dir: str | os.PathLike | None, resume: bool, config: Any = None) -> None:
+    """Refuses, before any work, a run directory the run could not use: a file, an unwritable place, one that
+    already holds checkpoints while resume is off, or (with `config`) a resume that changes a setting the
+    checkpoints depend on. Creates nothing."""
     if run_dir is None:
         return
     path = os.path.abspath(os.fspath(run_dir))
@@ -37,12 +46,41 @@ def check_run_dir(run_dir: str | os.PathLike | None, resume: bool) -> None:
     if steps and not resume:
         raise JaxtuneError(f"{run_dir} already holds checkpoints (step {steps[-1]}); pass resume=True (--resume) "
                            "to continue, or choose a new output directory")
+    if steps and config is not None:
+        check_resume_settings(path, config)
     existing = path
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.access(existing, os.W_OK | os.X_OK):
         raise JaxtuneError(f"cannot write the run directory {run_dir}: {existing} is not writable; choose another "
                            "output directory")
+
+
+def check_resume_settings(run_dir: str, config: Any) -> None:
+    """The run's recorded settings (RUN/config.json) against the resumed run's: a change is refused in one line
+    naming the setting, the run's value and the fix."""
+    import json
+
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            recorded = json.load(f)["train"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # nothing recorded to compare with (a run from before config.json held it)
+    requested = config.to_dict()
+    for name in RUN_SETTINGS:
+        if name not in recorded or name not in requested:
+            continue
+        was, now = recorded[name], requested[name]
+        if isinstance(was, list):
+            was, now = sorted(was), sorted(now)
+        if was != now:
+            raise JaxtuneError(f"{run_dir} was trained with {name}={_show(recorded[name])}, not {_show(requested[name])}: "
+                               f"its checkpoints depend on it; resume with {name}={_show(recorded[name])} (as the run "
+                               "was started), or train into a new output directory")
+
+
+def _show(value: Any) -> str:
+    return ",".join(value) if isinstance(value, (list, tuple)) else str(value)
 
 
 class RunCheckpoints:

@@ -152,7 +152,14 @@ class TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ConfigError(f"{where}: unknown option(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+            import difflib
+
+            hints = []
+            for name in unknown:
+                close = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
+                hints.append(f"{name} (did you mean {close[0]}?)" if close else str(name))
+            raise ConfigError(f"{where}: unknown option(s) {', '.join(hints)}; the options are TrainConfig's fields "
+                              "(docs/training.md)")
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:

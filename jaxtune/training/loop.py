@@ -78,7 +78,7 @@ def _rows_from(data: str | os.PathLike | Sequence[dict[str, Any] | Row]) -> list
     return rows
 
 
-def prepare_data(data, tokenizer, cfg: TrainConfig) -> tuple[PackedRows, PackedRows | None]:
+def prepare_data(data, tokenizer, cfg: TrainConfig, progress: bool = True) -> tuple[PackedRows, PackedRows | None]:
     """(train rows, held-out rows or None), packed (SFT examples, or preference pairs for DPO/ORPO); the held-out
     split is drawn from cfg.seed."""
     rows = _rows_from(data)
@@ -90,10 +90,11 @@ def prepare_data(data, tokenizer, cfg: TrainConfig) -> tuple[PackedRows, PackedR
         rows = [rows[i] for i in sorted(order[n_eval:])]
     def pack(rows: list[Row]) -> PackedRows:
         if cfg.objective != "sft":  # preference pairs: prompt / chosen / rejected
-            return pack_pairs(encode_pairs(rows, tokenizer, cfg.objective), cfg.seq_len, packing=cfg.packing,
-                              drop_long_prompts=cfg.drop_long_prompts, share_prompt=cfg.share_prompt)
-        return pack_examples(encode_rows(rows, cfg.format, tokenizer, train_on_all=cfg.train_on_all), cfg.seq_len,
-                             packing=cfg.packing)
+            pairs = encode_pairs(rows, tokenizer, cfg.objective, progress=progress)
+            return pack_pairs(pairs, cfg.seq_len, packing=cfg.packing, drop_long_prompts=cfg.drop_long_prompts,
+                              share_prompt=cfg.share_prompt)
+        examples = encode_rows(rows, cfg.format, tokenizer, train_on_all=cfg.train_on_all, progress=progress)
+        return pack_examples(examples, cfg.seq_len, packing=cfg.packing)
 
     return pack(rows), pack(eval_rows) if eval_rows else None
 
@@ -162,13 +163,13 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
            callback, base_model: str | None) -> TrainResult:
     cfg = requested = config or TrainConfig()  # cfg: with remat "auto" resolved to the policy chosen
     run_dir = None if out_dir is None else os.fspath(out_dir)
-    check_run_dir(run_dir, resume)
+    check_run_dir(run_dir, resume, cfg)
     if jax.process_index() == 0:
         check_reporters(cfg.report_to, run_dir)
     if not jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
         get_peft_model(model, r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                        target_modules=cfg.target_modules, use_rslora=cfg.use_rslora, seed=cfg.seed)
-    train_rows, eval_rows = prepare_data(data, tokenizer, cfg)
+    train_rows, eval_rows = prepare_data(data, tokenizer, cfg, progress)
 
     mesh = make_mesh(cfg.mesh) if cfg.mesh or jax.device_count() > 1 else None
     unit = 1 if mesh is None else batch_shards(mesh)  # micro-batches split into this many equal parts

@@ -84,5 +84,8 @@ def reference_logps(graphdef: nnx.GraphDef, lora, frozen, splits: dict[str, Pack
     if path is not None and lead:
         tmp = path + ".tmp"
         save_file(result, tmp, metadata=digests)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # safetensors creates it private (0600): as a plain open() would
         os.replace(tmp, path)
     return result
