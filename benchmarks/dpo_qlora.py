@@ -55,7 +55,16 @@ def main() -> None:
                                   max_steps=args.steps + 2, learning_rate=5e-5, lora_r=16, lora_alpha=16,
                                   compute=args.compute, remat=args.remat, packing=False, share_prompt=share)
         records = []
-        result = jaxtune.train(model, tokenizer, rows, cfg, progress=False, callback=records.append)
+        try:
+            result = jaxtune.train(model, tokenizer, rows, cfg, progress=False, callback=records.append)
+        except jaxtune.JaxtuneError as e:  # the batch does not fit: recorded as a result, the next batch still runs
+            print(json.dumps({"system": "jaxtune", "objective": args.objective, "bs": batch, "compute": args.compute,
+                              "error": "OOM" if "memory" in str(e) else str(e).splitlines()[0]}), flush=True)
+            continue
+        if result.micro_batch_size != batch:  # stepped down after running out of memory mid-run
+            print(json.dumps({"system": "jaxtune", "objective": args.objective, "bs": batch, "compute": args.compute,
+                              "error": f"OOM (stepped down to {result.micro_batch_size})"}), flush=True)
+            continue
         steady = records[2:]
         row_tok_s = statistics.median(r["tokens_per_s"] for r in steady)
         print(json.dumps({

@@ -9,6 +9,7 @@ JAX_NUM_PROCESSES / JAX_PROCESS_ID, and checks:
   b. --batch-size auto: every process trains the same micro-batch, printed once
   c. SIGTERM to one process: all stop after the same step, save it, exit 0; --resume reaches (a)'s losses
   d. SIGKILL of one process: the others end within 2 minutes, non-zero, saying a peer failed
+  e. a malformed dataset on one process only: every process ends within a minute, non-zero, with its line
 Prints one JSON line per case and exits non-zero if any check fails. The 8B throughput of N processes vs one
 process is `scale_qlora.py` (it reads the same environment variables).
 """
@@ -74,14 +75,16 @@ def env_for(process: int | None, n: int, port: int) -> dict[str, str]:
     return env
 
 
-def launch(n: int, args: list[str], logs: str) -> list[subprocess.Popen]:
-    """N processes of `jaxtune train ARGS`, one per GPU; output to logs/p<i>.log."""
+def launch(n: int, args: list[str], logs: str, last: list[str] | None = None) -> list[subprocess.Popen]:
+    """N processes of `jaxtune train ARGS` (the last one `last`, where given), one per GPU; output to
+    logs/p<i>.log."""
     os.makedirs(logs, exist_ok=True)
     port = free_port()
     procs = []
     for i in range(n):
         with open(os.path.join(logs, f"p{i}.log"), "w") as log:  # the child keeps its own copy of the handle
-            procs.append(subprocess.Popen([sys.executable, "-m", "jaxtune.cli", "train", *args], stdout=log,
+            argv = last if last is not None and i == n - 1 else args
+            procs.append(subprocess.Popen([sys.executable, "-m", "jaxtune.cli", "train", *argv], stdout=log,
                                           stderr=subprocess.STDOUT, env=env_for(i, n, port), cwd=ROOT))
     return procs
 
@@ -148,7 +151,7 @@ def wait_for_step(run: str, step: int, timeout: float = 300) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default="/tmp/multihost")
-    ap.add_argument("--cases", default="a,b,c,d")
+    ap.add_argument("--cases", default="a,b,c,d,e")
     args = ap.parse_args()
     os.environ["JAX_PLATFORMS"] = "cpu"  # this driver builds the tiny model on the CPU; the GPUs are the workers'
     gpus = shutil.which("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.count("GPU ")
@@ -223,6 +226,19 @@ def main() -> int:
         seconds = round(time.perf_counter() - killed_at, 1)
         report("d: SIGKILL of one process", all(c not in (None, 0) for c in codes) and seconds <= 120,
                exit_codes=codes, seconds_until_all_ended=seconds, tail=log_tail(logs, 0, 2))
+    if "e" in cases:
+        run, logs = run_dir("e"), os.path.join(args.work, "logs-e")
+        bad = os.path.join(args.work, "bad.jsonl")
+        with open(data) as f, open(bad, "w") as out:
+            lines = f.readlines()
+            lines[30] = lines[30][: len(lines[30]) // 2] + "\n"  # line 31 cut in half
+            out.writelines(lines)
+        argv = [*base, "--out", run, "--max-steps", "3"]
+        codes, times = wait(launch(n, argv, logs, last=[*argv[:3], bad, *argv[4:]]), 180)
+        line = "bad.jsonl:31: invalid JSON"
+        report("e: a bad dataset on one process", all(c not in (None, 0) for c in codes) and max(times) <= 60
+               and all(line in log_text(logs, i) for i in range(n)), exit_codes=codes,
+               seconds=[round(t, 1) for t in times], tail=log_tail(logs, 0, 1) + log_tail(logs, n - 1, 1))
     return 0 if ok else 1
 
 

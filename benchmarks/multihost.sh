@@ -12,7 +12,7 @@ n=$(nvidia-smi -L | grep -c '^GPU ')
 scale() { python3 benchmarks/scale_qlora.py --gpus "$n" --mesh "data=$n" --batch-per-gpu 4 --steps 8 --warmup 2 "$@"; }
 case ${1:-checks} in
 checks)
-  python3 benchmarks/multihost.py --work /tmp/multihost --cases "${CASES:-a,b,c,d}" | tee -a "$out/multihost.jsonl"
+  python3 benchmarks/multihost.py --work /tmp/multihost --cases "${CASES:-a,b,c,d,e}" | tee -a "$out/multihost.jsonl"
   ;;
 speed)
   scale | tee -a "$out/scale.jsonl"
