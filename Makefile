@@ -22,8 +22,11 @@ $(VENV)/.test-installed: $(VENV)/.base-installed
 
 install: $(VENV)/.base-installed
 
+# one worker per core, at most 4 (each holds a JAX runtime); tests/conftest.py points every worker and the processes
+# the tests start at one persistent compilation cache in .pytest_cache/jax, so a step compiles once per run
+TEST_WORKERS ?= auto
 test: $(VENV)/.test-installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --maxprocesses 4 --dist worksteal --durations 30
 
 demo: $(VENV)/.base-installed
 	$(PY) examples/demo.py

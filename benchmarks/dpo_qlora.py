@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--compute", default="bf16")
     ap.add_argument("--remat", default="auto")
     ap.add_argument("--no-share-prompt", action="store_true", help="run each prompt twice, once per response")
+    ap.add_argument("--profile", help="trace steps 4 and 5 of each batch to this folder and print their GPU time per "
+                                      "step by kernel class (benchmarks/trace_summary.py)")
     args = ap.parse_args()
     share = not args.no_share_prompt
     kept = args.max_length - args.prompt  # response tokens TRL keeps of each sequence
@@ -55,8 +57,17 @@ def main() -> None:
                                   max_steps=args.steps + 2, learning_rate=5e-5, lora_r=16, lora_alpha=16,
                                   compute=args.compute, remat=args.remat, packing=False, share_prompt=share)
         records = []
+        trace = f"{args.profile}/bs{batch}" if args.profile else None
+
+        def on_step(record, records=records, trace=trace):
+            records.append(record)
+            if trace and record["step"] == 3:  # traced: steps 4 and 5
+                jax.profiler.start_trace(trace, create_perfetto_trace=True)
+            elif trace and record["step"] == 5:
+                jax.profiler.stop_trace()
+
         try:
-            result = jaxtune.train(model, tokenizer, rows, cfg, progress=False, callback=records.append)
+            result = jaxtune.train(model, tokenizer, rows, cfg, progress=False, callback=on_step)
         except jaxtune.JaxtuneError as e:  # the batch does not fit: recorded as a result, the next batch still runs
             print(json.dumps({"system": "jaxtune", "objective": args.objective, "bs": batch, "compute": args.compute,
                               "error": "OOM" if "memory" in str(e) else str(e).splitlines()[0]}), flush=True)
@@ -75,6 +86,11 @@ def main() -> None:
             "peak_gib": max(r.get("peak_memory_gib", 0) for r in records),
             "loss": [round(r["loss"], 4) for r in records],
             "rewards_margins": round(records[-1]["rewards/margins"], 4)}), flush=True)
+        if trace:
+            from trace_summary import summarize
+
+            print(json.dumps({"system": "jaxtune", "objective": args.objective, "bs": batch, "compute": args.compute,
+                              "profile": "gpu ms per step", **summarize(trace, 2)}), flush=True)
 
 
 if __name__ == "__main__":

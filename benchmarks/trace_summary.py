@@ -51,6 +51,14 @@ def kernel_times(trace_dir: str, steps: int = 2) -> collections.Counter:
     return times
 
 
+def summarize(trace_dir: str, steps: int = 2) -> dict:
+    """{"total": GPU ms per step, class: ms per step, ...} of a trace."""
+    by_class = collections.Counter()
+    for e in _gpu_events(trace_dir)[1]:
+        by_class[classify(e.get("name", ""))] += float(e.get("dur", 0)) / 1e3 / steps
+    return {"total": round(sum(by_class.values()), 1), **{k: round(v, 1) for k, v in by_class.most_common()}}
+
+
 def main(trace_dir: str, steps: int = 2, top: int = 45) -> None:
     path, events = _gpu_events(trace_dir)
     by_class, by_kernel = collections.Counter(), collections.Counter()

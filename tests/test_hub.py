@@ -90,6 +90,11 @@ def test_a_cached_hub_id_loads_as_its_directory_with_only_the_files_loading_read
     np.testing.assert_array_equal(np.asarray(v1(ids)), np.asarray(v1_kw(ids)))
     assert v1_kw.name_or_path == "owner/tiny@v1"
 
+    # the command line takes it as it takes a path: convert, then train from the converted copy
+    assert cli_main(["convert", "owner/tiny", str(tmp_path / "nf4")]) == 0
+    converted, _ = jaxtune.from_pretrained(tmp_path / "nf4", dtype="float32")
+    assert converted.config == want.config
+
 
 def test_a_named_gguf_of_a_hub_repo_loads(hub_cache, smollm2_path):
     _cache_repo(hub_cache, "owner/smol-GGUF", {"SmolLM2.Q4_1.gguf": smollm2_path}, COMMIT)
