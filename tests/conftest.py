@@ -124,6 +124,30 @@ def copy_lora(model, peft_model, targets, adapter: str = "default"):
             mod.lora_B[adapter].weight.copy_(torch.from_numpy(np.asarray(proj.lora_b[...])[i].copy()))
 
 
+CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fails the test if anything loads a model: a refusal under test must come first."""
+    import convert.load
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(convert.load, "from_pretrained", refuse)
+
+
+@pytest.fixture
+def chat_data(tmp_path):
+    """A small chat dataset file (JSONL)."""
+    import json
+
+    path = tmp_path / "d.jsonl"
+    path.write_text((json.dumps(CHAT) + "\n") * 8)
+    return path
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     from jaxtune.bundled import bundled_path
@@ -134,9 +158,10 @@ def smollm2_path():
         pytest.skip(f"bundled SmolLM2 unavailable: {e}")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tuned_smollm2(smollm2_path):
-    """The bundled SmolLM2 (float32, unquantized base) after 2 LoRA training steps on tiny chats."""
+    """The bundled SmolLM2 (float32, unquantized base) after 2 LoRA training steps on tiny chats (trained once per
+    worker: the tests that take it only read it)."""
     import jaxtune
 
     model, tokenizer = jaxtune.from_pretrained(smollm2_path, dtype="float32")

@@ -16,29 +16,11 @@ import pytest
 from transformers import LlamaConfig
 
 import jaxtune
-from conftest import build_hf_model
+from conftest import CHAT, build_hf_model
 from jaxtune.cli import main
 from jaxtune.training.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
-
-
-@pytest.fixture
-def no_model_load(monkeypatch):
-    import convert.load
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded before the refusal")
-
-    monkeypatch.setattr(convert.load, "from_pretrained", refuse)
-
-
-@pytest.fixture
-def chat_data(tmp_path):
-    path = tmp_path / "d.jsonl"
-    path.write_text((json.dumps(CHAT) + "\n") * 8)
-    return path
 
 
 def _one_error_line(capsys) -> str:

@@ -108,25 +108,6 @@ def test_get_peft_model_refuses_bad_values_as_jaxtune_errors(tiny_qlora_model):
 # ---- the command line -------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def no_model_load(monkeypatch):
-    """Fails the test if anything loads a model: every refusal below must come first."""
-    import convert.load
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded before the bad value was refused")
-
-    monkeypatch.setattr(convert.load, "from_pretrained", refuse)
-
-
-@pytest.fixture
-def chat_data(tmp_path):
-    path = tmp_path / "d.jsonl"
-    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 4
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 # every flag of every subcommand -> a bad value for it (flags that take no value: a bad combination)
 BAD_FLAGS = {
     "train": {
