@@ -38,7 +38,7 @@ def _trained_run(run: Path, **settings) -> None:
 @pytest.mark.parametrize("flags, message", [
     (["--lora-r", "8"], "was trained with lora_r=16, not 8"),
     (["--lora-alpha", "64"], "was trained with lora_alpha=16.0, not 64.0"),
-    (["--objective", "orpo"], "was trained with objective=sft, not orpo"),
+    (["--seq-len", "512"], "was trained with seq_len=1024, not 512"),
 ])
 def test_resume_with_a_setting_the_checkpoints_depend_on_is_refused_before_loading(tmp_path, chat_data, capsys,
                                                                                  no_model_load, flags, message):
@@ -87,8 +87,8 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_model_loads(tmp_
 
 def test_a_run_records_its_model_so_it_exports_from_any_directory(tmp_path, tiny_tokenizer, monkeypatch):
     model_dir = tmp_path / "work" / "tiny"
-    build_hf_model(LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=48,
-                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1), model_dir)
+    build_hf_model(LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2), model_dir)
     tiny_tokenizer.save_pretrained(model_dir)
     (tmp_path / "work" / "d.jsonl").write_text((json.dumps(CHAT) + "\n") * 8)
     monkeypatch.chdir(tmp_path / "work")
