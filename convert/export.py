@@ -46,7 +46,8 @@ def load_run(run_dir: str | os.PathLike, *, dtype: str = "float32") -> tuple[Cau
 
 def original_weights(base_model: str) -> str | None:
     """Where the run's original (not NF4-quantized) weights are: the base model itself when it is an unquantized
-    HF directory, a .gguf (a bundled model's included) or a hub id of either, the checkpoint a jaxtune conversion was made from when that still exists, else None."""
+    HF directory, a .gguf (a bundled model's included) or a hub id of either, the checkpoint a jaxtune conversion
+    was made from when that still exists, else None."""
     from convert.jaxtune_format import converted_from, is_jaxtune_checkpoint
     from convert.load import bnb_quantization
     from jaxtune.bundled import resolve_model_path

@@ -220,17 +220,18 @@ def from_pretrained(path: str | os.PathLike, *, dtype: str = "bfloat16", load_in
 
     `path` may also be a bundled model name (`smollm2`) or a Hugging Face Hub id (`Qwen/Qwen3-8B`,
     `owner/repo/FILE.gguf`; `revision` or `owner/repo@revision` picks a branch, tag or commit), fetched through
-    huggingface_hub's cache with only the files loading reads (jaxtune/hub.py). Weights are read tensor by tensor with a progress
-    bar and cast to `dtype`; with `load_in_4bit=True` the decoder projections are quantized to NF4 (bitsandbytes
+    huggingface_hub's cache with only the files loading reads (jaxtune/hub.py). Weights are read tensor by tensor
+    with a progress bar and cast to `dtype`; with `load_in_4bit=True` the decoder projections are quantized to NF4 (bitsandbytes
     layout) as they load, while embeddings, norms and lm_head keep `dtype`. The tokenizer comes from the same
     directory (or the GGUF's embedded one).
     """
     resolved = resolve_model_path(os.fspath(path), revision)
+    reference = model_reference(os.fspath(path), revision)  # what a run records, to export it later
     if os.path.isdir(resolved) and is_jaxtune_checkpoint(resolved):
         model = read_checkpoint(resolved, dtype=dtype)
         if load_in_4bit:
             quantize_layers(model)  # no-op when already NF4
-        model.name_or_path = model_reference(os.fspath(path), revision)
+        model.name_or_path = reference
         return model, load_tokenizer(resolved)
     cfg, source, gguf_path = open_checkpoint(resolved)
     if gguf_path is None and bnb_quantization(resolved):
@@ -239,5 +240,5 @@ def from_pretrained(path: str | os.PathLike, *, dtype: str = "bfloat16", load_in
         name = os.path.basename(os.fspath(path).rstrip("/"))
         model = load_model(source, cfg, dtype, load_in_4bit=load_in_4bit, desc=f"loading {name}")
         tokenizer = source.tokenizer() if gguf_path is not None else load_tokenizer(resolved)
-    model.name_or_path = model_reference(os.fspath(path), revision)  # what a run records, to export it later
+    model.name_or_path = reference
     return model, tokenizer

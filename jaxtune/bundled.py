@@ -36,7 +36,7 @@ def resolve_model_path(path: str, revision: str | None = None) -> str:
         return bundled_path(path)
     from jaxtune.hub import download, parse_hub_id
 
-    if parse_hub_id(path) is not None and not path.startswith(("./", "../", "/", "~")):
+    if parse_hub_id(path) is not None:  # never a relative or absolute path: those start with "." or "/"
         return download(path, revision)
     raise CheckpointError(
         f"model path {path!r} does not exist; pass an HF model directory, a .gguf file, a hub id (owner/repo) "
@@ -57,7 +57,6 @@ def check_model_reference(path: str) -> None:
     is fetched when the model loads)."""
     from jaxtune.hub import parse_hub_id
 
-    if os.path.exists(path) or path in BUNDLED or (parse_hub_id(path) is not None
-                                                   and not path.startswith(("./", "../", "/", "~"))):
+    if os.path.exists(path) or path in BUNDLED or parse_hub_id(path) is not None:
         return
     resolve_model_path(path)  # its error

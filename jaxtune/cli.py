@@ -130,7 +130,8 @@ def _train_config(args: argparse.Namespace):
 
 
 def _train_checks(args: argparse.Namespace):
-    """The run's TrainConfig, after every check that needs no model: data rows, run directory, reporters."""
+    """(the run's TrainConfig, its data rows), after every check that needs no model: values, model reference, data
+    rows, run directory, reporters."""
     cfg = _train_config(args)
     from jaxtune.bundled import check_model_reference
     from jaxtune.data import check_rows, read_rows
@@ -146,18 +147,16 @@ def _train_checks(args: argparse.Namespace):
         check_preference_rows(rows)
     check_run_dir(args.out, args.resume, cfg)
     check_reporters(cfg.report_to, args.out)
-    args.rows = rows
-    return cfg
+    return cfg, rows
 
 
 def _train(args: argparse.Namespace) -> None:
     from jaxtune.distributed import agree_on_checks, initialize_from_env
 
     try:  # bad values and unusable paths refused before the model loads
-        cfg = _train_checks(args)
-        failure = None
+        (cfg, rows), failure = _train_checks(args), None
     except Exception as e:  # noqa: BLE001 (every process of a multi-host run must hear of it, then all stop)
-        cfg, failure = None, e
+        cfg, rows, failure = None, None, e
     initialize_from_env()  # multi-host launches: before anything else touches JAX
     agree_on_checks(failure)  # a check failed on one host: every process ends, non-zero, with its line
     import jaxtune
@@ -169,7 +168,7 @@ def _train(args: argparse.Namespace) -> None:
     model, tokenizer = jaxtune.from_pretrained(args.model, dtype=args.dtype, load_in_4bit=True)
     if tokenizer is None:
         raise jaxtune.CheckpointError(f"{args.model} has no tokenizer files; add tokenizer.json to the model directory")
-    result = jaxtune.train(model, tokenizer, args.rows, cfg, out_dir=args.out, resume=args.resume,
+    result = jaxtune.train(model, tokenizer, rows, cfg, out_dir=args.out, resume=args.resume,
                            base_model=model.name_or_path)
     state = "interrupted at" if result.interrupted else "finished"
     print(f"{state} step {result.steps}: loss {result.losses[-1]:.4f}, packing efficiency "

@@ -68,7 +68,7 @@ def check_resume_settings(run_dir: str, config: Any) -> None:
         return  # nothing recorded to compare with (a run from before config.json held it)
     requested = config.to_dict()
     for name in RUN_SETTINGS:
-        if name not in recorded or name not in requested:
+        if name not in recorded:
             continue
         was, now = recorded[name], requested[name]
         if isinstance(was, list):

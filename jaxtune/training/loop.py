@@ -148,12 +148,11 @@ def train(
 
     With `out_dir`, writes metrics.jsonl, checkpoints (every `save_steps`, at the end, and on SIGINT/SIGTERM),
     config.json and loss.png there; `resume=True` continues from its latest checkpoint exactly.
-    `callback(record)` sees each step's metrics record; `base_model` (the checkpoint: by default the path, bundled
-    name or hub id `from_pretrained` loaded the model from) is recorded in out_dir/config.json so the run can be
-    exported later, from any directory.
+    `callback(record)` sees each step's metrics record; `base_model` (default: what `from_pretrained` loaded the
+    model from) is recorded in out_dir/config.json so the run can be exported later, from any directory.
     """
+    base_model = base_model or getattr(model, "name_or_path", None)
     try:
-        base_model = base_model or getattr(model, "name_or_path", None)
         return _train(model, tokenizer, data, config, out_dir, resume, progress, callback, base_model)
     finally:  # however the run ends (a refusal included), the table offload_embedding moved comes back
         embedding_to_device(model)
