@@ -51,10 +51,13 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
+def _sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float, top_k: int = 0) -> jax.Array:
     if temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
+    logits = logits.astype(jnp.float32) / temperature
+    if top_k:  # the k most likely tokens only (ties at the k-th value kept)
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
     if top_p < 1.0:
         sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
         cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
@@ -65,23 +68,28 @@ def _sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len", "temperature", "top_p", "eos_ids")
-)
-def _generate_ids(
-    graphdef, state, ids, pad, key, *, max_new_tokens, cache_len, temperature, top_p, eos_ids
-) -> jax.Array:
-    model = nnx.merge(graphdef, state)
-    model.prepare_for_kernels()  # the kernels' scales once, not once per token
+def decode(model: CausalLM, ids: jax.Array, pad: jax.Array, key: jax.Array, *, max_new_tokens: int, cache_len: int,
+           temperature: float, top_p: float, eos_ids: tuple[int, ...], top_k: int = 0,
+           ignore_eos: bool = False) -> jax.Array:
+    """New tokens [batch, max_new_tokens] after left-padded prompts ids [batch, P] (pad: each row's padding),
+    -1 after a row's EOS (the EOS kept); one prefill, then a while loop of single-token steps on a KV cache that
+    ends when every row is done. `ignore_eos`: EOS is never sampled (benchmarks: every row runs its full length).
+    Traced inside a caller's jit."""
     batch, prompt_len = ids.shape
     idx = jnp.arange(prompt_len, dtype=jnp.int32)[None]
     seg = (idx >= pad[:, None]).astype(jnp.int32)  # left padding is segment 0: never attended by real tokens
     pos = jnp.maximum(idx - pad[:, None], 0)
     cache = KVCache.empty(model.config, batch, cache_len, model.dtype)
     logits, cache = model.forward_with_cache(ids, pos, seg, cache, jnp.int32(0))
-    key, sub = jax.random.split(key)
-    first = _sample(logits[:, -1], sub, temperature, top_p)
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
+
+    def pick(logits, key):
+        if ignore_eos and eos_ids:
+            logits = logits.at[:, eos].set(-jnp.inf)
+        return _sample(logits, key, temperature, top_p, top_k)
+
+    key, sub = jax.random.split(key)
+    first = pick(logits[:, -1], sub)
 
     def cond(carry):
         i, _, _, done, _, _ = carry
@@ -96,11 +104,39 @@ def _generate_ids(
             tok[:, None], step_pos, jnp.ones((batch, 1), jnp.int32), cache, prompt_len + i
         )
         key, sub = jax.random.split(key)
-        return i + 1, out, _sample(logits[:, 0], sub, temperature, top_p), done, cache, key
+        return i + 1, out, pick(logits[:, 0], sub), done, cache, key
 
     out = jnp.full((batch, max_new_tokens), -1, jnp.int32)
     init = (jnp.int32(0), out, first, jnp.zeros((batch,), bool), cache, key)
     return jax.lax.while_loop(cond, body, init)[1]
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len", "temperature", "top_p", "eos_ids")
+)
+def _generate_ids(
+    graphdef, state, ids, pad, key, *, max_new_tokens, cache_len, temperature, top_p, eos_ids
+) -> jax.Array:
+    model = nnx.merge(graphdef, state)
+    model.prepare_for_kernels()  # the kernels' scales once, not once per token
+    return decode(model, ids, pad, key, max_new_tokens=max_new_tokens, cache_len=cache_len, temperature=temperature,
+                  top_p=top_p, eos_ids=eos_ids)
+
+
+def left_padded(prompt_ids: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [N, P], each row's padding [N]): prompts right-aligned in rows of P, a multiple of 16 (nearby lengths
+    share one compilation)."""
+    prompt_len = _round_up(max(len(p) for p in prompt_ids), _BUCKET)
+    ids = np.full((len(prompt_ids), prompt_len), pad_id, np.int32)
+    pad = np.zeros(len(prompt_ids), np.int32)
+    for row, p in enumerate(prompt_ids):
+        ids[row, prompt_len - len(p):] = p
+        pad[row] = prompt_len - len(p)
+    return ids, pad
+
+
+def cache_length(prompt_len: int, max_new_tokens: int) -> int:
+    return _round_up(prompt_len + max_new_tokens, _BUCKET)
 
 
 def generate_tokens(
@@ -118,16 +154,11 @@ def generate_tokens(
     if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
         raise ConfigError("every prompt needs at least one token; pass non-empty prompts")
     check_sampling(max_new_tokens, temperature, top_p)
-    prompt_len = _round_up(max(len(p) for p in prompt_ids), _BUCKET)
-    ids = np.full((len(prompt_ids), prompt_len), pad_id, np.int32)
-    pad = np.zeros(len(prompt_ids), np.int32)
-    for row, p in enumerate(prompt_ids):
-        ids[row, prompt_len - len(p):] = p
-        pad[row] = prompt_len - len(p)
+    ids, pad = left_padded(prompt_ids, pad_id)
     graphdef, state = nnx.split(model)
     out = _generate_ids(
         graphdef, state, jnp.asarray(ids), jnp.asarray(pad), jax.random.key(seed),
-        max_new_tokens=max_new_tokens, cache_len=_round_up(prompt_len + max_new_tokens, _BUCKET),
+        max_new_tokens=max_new_tokens, cache_len=cache_length(ids.shape[1], max_new_tokens),
         temperature=float(temperature), top_p=float(top_p), eos_ids=tuple(int(e) for e in eos_ids),
     )
     results = []

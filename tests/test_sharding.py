@@ -12,6 +12,7 @@ import sys
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from conftest import FAST_COMPILE
 from jaxtune.sharding import MeshError, array_spec, parse_mesh
 
 WORKER = os.path.join(os.path.dirname(__file__), "sharded_worker.py")
@@ -38,8 +39,11 @@ def test_fsdp_rule_picks_the_largest_divisible_dim_and_never_the_layer_axis():
 
 
 def _env(**extra):
+    """The suite's environment without its JAX settings (no shared compilation cache: a cached executable broke
+    the SIGTERM agreement), but with XLA's fast CPU compile flags (conftest's), plus `extra`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **extra)
+    flags = f"{extra.pop('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, XLA_FLAGS=flags, **extra)
     return env
 
 

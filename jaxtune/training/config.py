@@ -16,7 +16,10 @@ from jaxtune.qlora import LORA_TARGETS
 SCHEDULES = ("constant", "linear", "cosine")
 REMAT = ("auto", "none", "selective", "per-layer", "offload")
 REPORTERS = ("tensorboard", "wandb")
-OBJECTIVES = ("sft", "dpo", "orpo")
+OBJECTIVES = ("sft", "dpo", "orpo", "grpo")
+GRPO_LOSSES = ("dapo", "grpo", "dr_grpo", "bnpo")
+SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 DPO_LOSSES = ("sigmoid", "ipo", "robust")
 # 16.7M tokens: 39x the longest step measured on one 80 GB GPU (425,984 tokens); beyond it no single GPU can
 # hold even one layer's activations, so the value is a typo, refused before any work
@@ -78,13 +81,32 @@ class TrainConfig:
     # objective: "sft" (next-token cross-entropy on `format` rows), or preference tuning on prompt/chosen/rejected
     # rows: "dpo" (reference = the model with its adapters off) or "orpo" (no reference)
     objective: str = "sft"
-    beta: float = 0.1  # DPO: how far the policy may move from the reference (IPO: its tau)
+    # DPO: how far the policy may move from the reference (IPO: its tau), 0.1 by default; GRPO: the weight of the
+    # KL term to the reference, 0.0 by default (no reference computed), as TRL's configs
+    beta: float | None = None
     dpo_loss: str = "sigmoid"  # sigmoid (the DPO paper's), ipo, robust
     label_smoothing: float = 0.0  # DPO sigmoid / robust: the assumed probability that a pair's label is flipped
     orpo_lambda: float = 0.1  # ORPO: weight of the odds-ratio term beside the chosen responses' NLL
     precompute_reference: bool = False  # DPO: reference log-probabilities once before training (no reference forward per step)
     drop_long_prompts: bool = False  # preference rows whose prompt leaves no room in seq_len: dropped (warned), not an error
     share_prompt: bool = True  # DPO/ORPO: each pair's prompt runs once, both responses attend to it (same losses, fewer tokens)
+    # GRPO (objective "grpo"), TRL GRPOConfig's names and defaults: each step samples num_generations completions
+    # of every prompt (micro_batch_size x grad_accum completions per step, a multiple of num_generations) from the
+    # policy being trained, scores them with the reward functions and takes the clipped surrogate step
+    num_generations: int = 8
+    max_completion_length: int = 512  # seq_len holds the prompt and this many completion tokens
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    epsilon: float = 0.2  # the ratio's clip range [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: float | None = None  # None: epsilon (DAPO's clip-higher sets it above)
+    delta: float | None = None  # two-sided GRPO: the unclipped ratio also capped at delta (> 1)
+    loss_type: str = "dapo"  # dapo (tokens of the step), grpo (per sequence), dr_grpo (max_completion_length), bnpo
+    scale_rewards: str = "group"  # advantages divided by the std of the group's rewards, the batch's, or "none"
+    num_iterations: int = 1  # optimizer steps on each batch of completions (> 1: importance ratios matter)
+    importance_sampling_level: str = "token"  # "sequence": GSPO's one ratio per completion
+    mask_truncated_completions: bool = False  # completions cut at max_completion_length carry no loss
+    use_bias_correction_kl: bool = True  # the KL term weighted by the importance ratio (TRL 1.16's default)
     # loop
     logging_steps: int = 1
     eval_steps: int = 0
@@ -97,9 +119,11 @@ class TrainConfig:
         """Every field checked (type, range, choices) and the combinations that cannot work refused, each with
         a one-line ConfigError naming the field, the value and the fix; numbers written as YAML strings
         ("2e-4") are read as numbers."""
+        if self.beta is None:
+            self.beta = 0.0 if self.objective == "grpo" else 0.1
         for f in dataclasses.fields(self):
             rule = _RULES.get(f.name)
-            if rule is not None:
+            if rule is not None and not (f.name in _OPTIONAL and getattr(self, f.name) is None):
                 setattr(self, f.name, rule.check(f.name, getattr(self, f.name)))
         self.target_modules = _target_modules(self.target_modules)
         self.report_to = _report_to(self.report_to)
@@ -115,6 +139,10 @@ class TrainConfig:
         self._check_combinations()
 
     def _check_combinations(self) -> None:
+        if self.objective in ("dpo", "orpo") and self.beta == 0:
+            raise ConfigError("beta must be > 0 for DPO (0.1 is usual)", field="beta")
+        if self.objective == "grpo":
+            self._check_grpo()
         if self.objective != "dpo" and self.precompute_reference:
             raise ConfigError(f"precompute_reference needs objective 'dpo' (ORPO and SFT have no reference model); "
                               f"objective is {self.objective!r}", field="precompute_reference")
@@ -131,6 +159,25 @@ class TrainConfig:
             raise ConfigError(f"micro_batch_size x grad_accum x seq_len = "
                               f"{self.micro_batch_size * self.grad_accum * self.seq_len:,} tokens per step is over "
                               "2^31 (token indices are int32); lower seq_len or the batch", field="seq_len")
+
+    def _check_grpo(self) -> None:
+        if self.max_completion_length >= self.seq_len:
+            raise ConfigError(f"seq_len {self.seq_len} leaves no room for a prompt beside max_completion_length "
+                              f"{self.max_completion_length}; raise seq_len to prompt + completion tokens",
+                              field="seq_len")
+        if isinstance(self.micro_batch_size, int) and (self.micro_batch_size * self.grad_accum) % self.num_generations:
+            raise ConfigError(f"micro_batch_size x grad_accum = {self.micro_batch_size * self.grad_accum} completions "
+                              f"per step is not a multiple of num_generations {self.num_generations}; each prompt's "
+                              "group of completions must be in one step", field="micro_batch_size")
+        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
+            raise ConfigError(f"epsilon_high {self.epsilon_high} is below epsilon {self.epsilon}; DAPO's clip-higher "
+                              "sets it above (e.g. 0.28)", field="epsilon_high")
+        refused = {"eval_fraction": self.eval_fraction > 0, "precompute_reference": self.precompute_reference,
+                   "offload_embedding": self.offload_embedding}
+        for name, on in refused.items():
+            if on:
+                raise ConfigError(f"{name} does not apply to objective 'grpo' (its batches are sampled each step); "
+                                  f"leave {name} off", field=name)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, **overrides: Any) -> "TrainConfig":
@@ -263,14 +310,29 @@ _RULES: dict[str, _Rule] = {
     "save_steps": _Rule("int", 0),
     "max_bad_steps": _Rule("int", 1),
     "objective": _Rule("choice", choices=OBJECTIVES),
-    "beta": _Rule("float", 0, low_open=True, fix="0.1 is usual for DPO"),
+    "beta": _Rule("float", 0, fix="0.1 is usual for DPO, 0.0 to 0.04 for GRPO"),
     "dpo_loss": _Rule("choice", choices=DPO_LOSSES),
     "label_smoothing": _Rule("float", 0, 0.5, high_open=True, fix="0.1 is usual for conservative or robust DPO"),
     "orpo_lambda": _Rule("float", 0, fix="0.1 is usual"),
     "precompute_reference": _Rule("bool"),
     "drop_long_prompts": _Rule("bool"),
     "share_prompt": _Rule("bool"),
+    "num_generations": _Rule("int", 2, fix="a group needs 2 or more completions to compare (8 is usual)"),
+    "max_completion_length": _Rule("int", 1),
+    "temperature": _Rule("float", 0, low_open=True, fix="GRPO samples: 1.0 is usual"),
+    "top_p": _Rule("float", 0, 1, low_open=True, fix="1.0 samples from the whole distribution"),
+    "top_k": _Rule("int", 0, fix="0 turns it off"),
+    "epsilon": _Rule("float", 0, 1, high_open=True, fix="0.2 is usual"),
+    "epsilon_high": _Rule("float", 0, fix="0.28 is DAPO's"),
+    "delta": _Rule("float", 1, low_open=True, fix="e.g. 4"),
+    "loss_type": _Rule("choice", choices=GRPO_LOSSES),
+    "scale_rewards": _Rule("choice", choices=SCALE_REWARDS),
+    "num_iterations": _Rule("int", 1),
+    "importance_sampling_level": _Rule("choice", choices=IMPORTANCE_SAMPLING_LEVELS),
+    "mask_truncated_completions": _Rule("bool"),
+    "use_bias_correction_kl": _Rule("bool"),
 }
+_OPTIONAL = {"epsilon_high", "delta"}  # None: off
 
 
 _MICRO_BATCH = _Rule("int", 1, fix="or 'auto': the largest that fits device memory")

@@ -19,10 +19,8 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxtune.data import BatchStream, PackedRows, encode_rows, pack_examples, read_rows
+from jaxtune.data import PackedRows
 from jaxtune.data.packing import IGNORE
-from jaxtune.data.preference import encode_pairs, pack_pairs
-from jaxtune.data.sources import DataError, Row
 from jaxtune.ops.dispatch import check_fp8_device
 from jaxtune.distributed import (agree_min, catch_stop_signals, clear_stop_request, local_device, memory_stats,
                                  peak_memory_gib, stop_requested)
@@ -30,6 +28,7 @@ from jaxtune.errors import JaxtuneError
 from jaxtune.model import CausalLM
 from jaxtune.qlora import get_peft_model
 from jaxtune.sharding import batch_shards, make_mesh, shard_state
+from jaxtune.training.batches import make_batches, prepare_data  # noqa: F401 (prepare_data: public here too)
 from jaxtune.training.autobatch import (MARGIN, choose_micro_batch, refuse_if_too_large_for_host,
                                        step_bytes_or_none, too_large)
 from jaxtune.training.checkpoint import RunCheckpoints, check_run_dir
@@ -67,36 +66,6 @@ class TrainResult:
     remat: str  # the policy the run used ("auto" resolved)
     offload_optimizer: bool = False  # whether host memory held the optimizer state (set, or remat auto's last resort)
     offload_embedding: bool = False  # and the input embedding
-
-
-def _rows_from(data: str | os.PathLike | Sequence[dict[str, Any] | Row]) -> list[Row]:
-    if isinstance(data, (str, os.PathLike)):
-        return read_rows(data)
-    rows = [r if isinstance(r, Row) else Row(r, f"data[{i}]") for i, r in enumerate(data)]
-    if not rows:
-        raise DataError("the dataset is empty; it needs at least one row")
-    return rows
-
-
-def prepare_data(data, tokenizer, cfg: TrainConfig, progress: bool = True) -> tuple[PackedRows, PackedRows | None]:
-    """(train rows, held-out rows or None), packed (SFT examples, or preference pairs for DPO/ORPO); the held-out
-    split is drawn from cfg.seed."""
-    rows = _rows_from(data)
-    eval_rows: list[Row] = []
-    if cfg.eval_fraction > 0:
-        order = np.random.default_rng(cfg.seed).permutation(len(rows))
-        n_eval = max(1, int(len(rows) * cfg.eval_fraction))
-        eval_rows = [rows[i] for i in sorted(order[:n_eval])]
-        rows = [rows[i] for i in sorted(order[n_eval:])]
-    def pack(rows: list[Row]) -> PackedRows:
-        if cfg.objective != "sft":  # preference pairs: prompt / chosen / rejected
-            pairs = encode_pairs(rows, tokenizer, cfg.objective, progress=progress)
-            return pack_pairs(pairs, cfg.seq_len, packing=cfg.packing, drop_long_prompts=cfg.drop_long_prompts,
-                              share_prompt=cfg.share_prompt)
-        examples = encode_rows(rows, cfg.format, tokenizer, train_on_all=cfg.train_on_all, progress=progress)
-        return pack_examples(examples, cfg.seq_len, packing=cfg.packing)
-
-    return pack(rows), pack(eval_rows) if eval_rows else None
 
 
 def flops_per_token(model: CausalLM, seq_len: int) -> float:
@@ -143,6 +112,8 @@ def train(
     progress: bool = True,
     callback: Callable[[dict[str, Any]], None] | None = None,
     base_model: str | None = None,
+    reward_funcs: Sequence[str | Callable] | None = None,
+    reward_weights: Sequence[float] | None = None,
 ) -> TrainResult:
     """Fine-tunes the LoRA adapters of `model` in place (adding them from `config` if it has none).
 
@@ -150,16 +121,20 @@ def train(
     config.json and loss.png there; `resume=True` continues from its latest checkpoint exactly.
     `callback(record)` sees each step's metrics record; `base_model` (default: what `from_pretrained` loaded the
     model from) is recorded in out_dir/config.json so the run can be exported later, from any directory.
+    GRPO (`config.objective="grpo"`): `data` holds prompts (and the columns the rewards read), `reward_funcs` the
+    reward functions (TRL's signature; callables, "FILE.py:FUNC", "last_number" or "regex:PATTERN") and
+    `reward_weights` their weights (default 1 each).
     """
     base_model = base_model or getattr(model, "name_or_path", None)
+    rewards = {"reward_funcs": reward_funcs, "reward_weights": reward_weights}
     try:
-        return _train(model, tokenizer, data, config, out_dir, resume, progress, callback, base_model)
+        return _train(model, tokenizer, data, config, out_dir, resume, progress, callback, base_model, rewards)
     finally:  # however the run ends (a refusal included), the table offload_embedding moved comes back
         embedding_to_device(model)
 
 
 def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, out_dir, resume: bool, progress: bool,
-           callback, base_model: str | None) -> TrainResult:
+           callback, base_model: str | None, rewards: dict[str, Any]) -> TrainResult:
     cfg = requested = config or TrainConfig()  # cfg: with remat "auto" resolved to the policy chosen
     run_dir = None if out_dir is None else os.fspath(out_dir)
     check_run_dir(run_dir, resume, cfg)
@@ -168,15 +143,17 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
     if not jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
         get_peft_model(model, r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                        target_modules=cfg.target_modules, use_rslora=cfg.use_rslora, seed=cfg.seed)
-    train_rows, eval_rows = prepare_data(data, tokenizer, cfg, progress)
-
-    mesh = make_mesh(cfg.mesh) if cfg.mesh or jax.device_count() > 1 else None
-    unit = 1 if mesh is None else batch_shards(mesh)  # micro-batches split into this many equal parts
     lead = jax.process_index() == 0  # files beside the checkpoints are written by one process
-    # rows of one sequence each (no packing happened): plain causal attention, which cuDNN serves; the flag
-    # lives in the step's graphdef only, so the model keeps honouring segment ids after training
-    single_sequence_rows = all(int(r.segment_ids.max(initial=0)) <= 1 for r in (train_rows, eval_rows)
-                               if r is not None)
+    # the objective's seam: packed dataset rows, or GRPO's scored completions
+    batches = make_batches(data, tokenizer, cfg, model, progress=progress, run_dir=run_dir, lead=lead, **rewards)
+    eval_rows = getattr(batches, "eval_rows", None)
+    mesh = make_mesh(cfg.mesh) if cfg.mesh or jax.device_count() > 1 else None
+    if mesh is not None and cfg.objective == "grpo":
+        raise JaxtuneError("objective 'grpo' runs on one device for now; run it on one GPU (CUDA_VISIBLE_DEVICES=0) "
+                           "without --mesh")
+    unit = 1 if mesh is None else batch_shards(mesh)  # micro-batches split into this many equal parts
+    # the flag lives in the step's graphdef only, so the model keeps honouring segment ids after training
+    single_sequence_rows = batches.single_sequence_rows
     if cfg.compute == "fp8":
         check_fp8_device()
     use_compilation_cache(cfg.compile_cache)
@@ -202,12 +179,14 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
         return None, [(0, 1)]
 
     lora, frozen = nnx.state(model, nnx.LoRAParam, ...)  # the states split_model gives, whatever the policy
-    if cfg.objective == "dpo" and not cfg.precompute_reference and reference_adapters(lora):
-        frozen = (frozen, jax.tree.map(jnp.copy, lora))  # DPO's reference: the adapters as the run begins
+    with_reference = (cfg.objective == "dpo" and not cfg.precompute_reference) or (cfg.objective == "grpo"
+                                                                                    and cfg.beta > 0)
+    if with_reference and reference_adapters(lora):
+        frozen = (frozen, jax.tree.map(jnp.copy, lora))  # DPO's / GRPO's reference: the adapters as the run begins
     # arrays a batch holds besides the token ones (preference pairs), so the step can be planned before data flows
-    batch_extra = {k: (v.shape[1:], v.dtype) for k, v in train_rows.extra.items()}
+    batch_extra = dict(batches.batch_extra)
     if cfg.precompute_reference:
-        batch_extra["ref_logps"] = ((2 * train_rows.extra["pair_mask"].shape[1],), np.dtype(np.float32))
+        batch_extra["ref_logps"] = ((2 * batches.train_rows.extra["pair_mask"].shape[1],), np.dtype(np.float32))
     optimizer, schedule = make_optimizer(cfg)
     opt_state = optimizer.init(lora)
     if mesh is not None:
@@ -255,9 +234,9 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
         print(f"remat offload: host memory holds the input of one layer in {group}; the layers between are "
               f"recomputed from it (one more forward each; {host.describe()})", flush=True)
     if cfg.micro_batch_size == "auto":
-        micro = choose_micro_batch(cfg, step_fn, lora, opt_state, frozen, rows=len(train_rows))
+        micro = choose_micro_batch(cfg, step_fn, lora, opt_state, frozen, rows=len(batches))
         if lead:
-            print(f"micro_batch_size auto: {micro} (device memory, and the {len(train_rows)} rows the dataset packs "
+            print(f"micro_batch_size auto: {micro} (device memory, and the {len(batches)} rows the dataset packs "
                   "into, allow it)", flush=True)
     else:
         micro = cfg.micro_batch_size
@@ -266,13 +245,13 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
         raise JaxtuneError(f"micro_batch_size {micro} does not split over the {unit} devices of mesh "
                            f"{dict(mesh.shape)}; use a multiple of {unit}")
     if cfg.precompute_reference:  # DPO: the reference's log-probabilities once, stored with the run
-        splits = {"train": train_rows, **({"eval": eval_rows} if eval_rows is not None else {})}
+        splits = {"train": batches.train_rows, **({"eval": eval_rows} if eval_rows is not None else {})}
         if run_dir is not None and lead:
             os.makedirs(run_dir, exist_ok=True)
         refs = reference_logps(graphdef, lora, frozen, splits, micro, cfg, run_dir, mesh, lead, progress)
         for name, rows_of in splits.items():
             rows_of.extra["ref_logps"] = refs[name]
-    stream = BatchStream(train_rows, micro_batch=micro, accum=cfg.grad_accum, seed=cfg.seed)
+    batches.start(micro, cfg.grad_accum)  # its micro_batch / accum: halved and doubled on running out of memory
     eval_fn = make_eval_step(graphdef, cfg, mesh) if eval_rows is not None and len(eval_rows) else None
 
     # what "auto" resolved to: the remat policy, and whether host memory also holds the optimizer state and the
@@ -286,7 +265,7 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
         latest = ckpt.latest_step()  # check_run_dir refused checkpoints without resume
         if latest is not None:
             lora, opt_state, meta = ckpt.restore(lora, opt_state)  # into the live arrays' memory (host, offloaded)
-            stream.restore(meta["data"])
+            batches.restore(meta["data"])
             start_step, skipped_total = int(meta["step"]), int(meta["skipped"])
             losses, eval_losses = list(meta["losses"]), [tuple(e) for e in meta["eval_losses"]]
         if lead:
@@ -298,7 +277,7 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
 
     def save(step: int) -> None:
         if ckpt is not None:
-            meta = {"step": step, "skipped": skipped_total, "data": stream.state(), "losses": losses,
+            meta = {"step": step, "skipped": skipped_total, "data": batches.state(), "losses": losses,
                     "eval_losses": [list(e) for e in eval_losses]}
             ckpt.save(step, lora, opt_state, meta)
 
@@ -314,10 +293,10 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
             while step < cfg.max_steps:
                 t0 = time.perf_counter()
                 stop.rearm()
-                host_batch = stream.next()
-                host_batch["stop"] = np.full((stream.accum, stream.micro_batch, 1), int(stop.hit), np.int32)
+                host_batch = dict(batches.next(lora, frozen, step))
+                host_batch["stop"] = np.full((batches.accum, batches.micro_batch, 1), int(stop.hit), np.int32)
                 while True:
-                    batch = to_device_batch({k: v.reshape(stream.accum, stream.micro_batch, -1)
+                    batch = to_device_batch({k: v.reshape(batches.accum, batches.micro_batch, -1)
                                              for k, v in host_batch.items()}, mesh)
                     try:
                         new_lora, new_opt_state, m = step_fn(lora, opt_state, frozen, batch, np.int32(step))
@@ -325,13 +304,13 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
                         lora, opt_state = new_lora, new_opt_state
                         break
                     except Exception as e:  # noqa: BLE001 (only out-of-memory is handled)
-                        if not _can_step_down(e, stream, lora, unit):
+                        if not _can_step_down(e, batches, lora, unit):
                             if "RESOURCE_EXHAUSTED" in str(e):
-                                raise _out_of_memory(step_fn, lora, opt_state, frozen, stream.micro_batch, cfg) from None
+                                raise _out_of_memory(step_fn, lora, opt_state, frozen, batches.micro_batch, cfg) from None
                             raise
-                        stream.micro_batch, stream.accum = stream.micro_batch // 2, stream.accum * 2
-                        warnings.warn(f"out of device memory: micro-batch lowered to {stream.micro_batch} "
-                                      f"(gradient accumulation {stream.accum}, same tokens per step)", stacklevel=2)
+                        batches.micro_batch, batches.accum = batches.micro_batch // 2, batches.accum * 2
+                        warnings.warn(f"out of device memory: micro-batch lowered to {batches.micro_batch} "
+                                      f"(gradient accumulation {batches.accum}, same tokens per step)", stacklevel=2)
                 m = {k: float(v) for k, v in m.items()}
                 dt = time.perf_counter() - t0
                 step += 1
@@ -342,11 +321,13 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
                 record = {"step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
                           "tokens_per_s": round(tokens_per_s, 1), "skipped": int(m["skipped"])}
                 record.update({k: m[k] for k in objective_metrics})
+                record.update(batches.metrics)
                 if on_gpu:
                     record["mfu"] = round(tokens_per_s * fpt / PEAK_BF16_FLOPS, 4)
                     record["peak_memory_gib"] = peak_memory_gib()
-                collapsed = m["grad_norm"] == 0.0 or (cfg.objective == "sft"
-                                                      and abs(m["loss"] - uniform_loss) < 1e-4 * uniform_loss)
+                # (GRPO's gradient is zero, rightly, when every group's completions scored alike)
+                collapsed = (m["grad_norm"] == 0.0 and cfg.objective != "grpo") or (
+                    cfg.objective == "sft" and abs(m["loss"] - uniform_loss) < 1e-4 * uniform_loss)
                 collapsed_in_row = collapsed_in_row + 1 if collapsed else 0
                 if collapsed_in_row >= COLLAPSE_STEPS:
                     record["collapsed"] = 1
@@ -364,7 +345,8 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
                     metrics.write(record)
                 if callback is not None:
                     callback(record)
-                bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+                shown = {"reward": f"{record['reward']:.3f}"} if "reward" in record else {}
+                bar.set_postfix(loss=f"{m['loss']:.4f}", **shown, tok_s=f"{tokens_per_s:,.0f}")
                 bar.update(1)
                 if bad_in_row >= cfg.max_bad_steps:
                     bar.close()
@@ -387,8 +369,8 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
         ckpt.close()
     if run_dir is not None and losses and lead:
         plot_losses(os.path.join(run_dir, "loss.png"), losses, eval_losses)
-    return TrainResult(step, losses, eval_losses, train_rows.efficiency, tokens_per_s, skipped_total, interrupted,
-                       run_dir, stream.micro_batch, cfg.remat, cfg.offload_optimizer, cfg.offload_embedding)
+    return TrainResult(step, losses, eval_losses, batches.efficiency, tokens_per_s, skipped_total, interrupted,
+                       run_dir, batches.micro_batch, cfg.remat, cfg.offload_optimizer, cfg.offload_embedding)
 
 
 _HOST_OFFLOADS = {"offload_optimizer": "the optimizer state", "offload_embedding": "the input embedding"}
@@ -424,10 +406,10 @@ def _out_of_memory(step_fn, lora, opt_state, frozen, micro: int, cfg: TrainConfi
     return too_large(cfg, micro, need, memory_stats().get("bytes_limit") or 0, "the device")
 
 
-def _can_step_down(error: Exception, stream: BatchStream, lora, unit: int = 1) -> bool:
+def _can_step_down(error: Exception, batches, lora, unit: int = 1) -> bool:
     """An out-of-memory failure that left the (donated) params intact, at a micro-batch that can halve and
     still split into `unit` equal parts (the devices of the mesh)."""
-    return ("RESOURCE_EXHAUSTED" in str(error) and stream.micro_batch % (2 * unit) == 0
+    return ("RESOURCE_EXHAUSTED" in str(error) and batches.micro_batch % (2 * unit) == 0
             and not any(x.is_deleted() for x in jax.tree.leaves(lora)))
 
 

@@ -49,6 +49,14 @@ def chunked_token_logps(hidden: jax.Array, head: jax.Array, labels: jax.Array, *
     returns them one by one; chunking and the fused gradient are those of `chunked_cross_entropy` (each
     token's d logp / d hidden is formed in the forward pass and scaled by its own cotangent in the backward).
     """
+    return chunked_token_logps_and_entropy(hidden, head, labels, chunk_size=chunk_size)[0]
+
+
+def chunked_token_logps_and_entropy(hidden: jax.Array, head: jax.Array, labels: jax.Array, *,
+                                    chunk_size: int = 1024) -> tuple[jax.Array, jax.Array]:
+    """(log p(label), the entropy of the predicted distribution) of every token [..., T], both 0 where the label
+    is IGNORE; the entropy (RL's exploration metric) is computed from the same chunk's logits, undifferentiated,
+    and costs nothing where unused (dead code to XLA)."""
     h = hidden.reshape(-1, *hidden.shape[-2:])
     y = labels.reshape(-1, labels.shape[-1])
     rows, t, width = h.shape
@@ -59,14 +67,15 @@ def chunked_token_logps(hidden: jax.Array, head: jax.Array, labels: jax.Array, *
     h = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).astype(head.dtype)
     y = jnp.pad(y, ((0, 0), (0, pad)), constant_values=IGNORE)
     n = (t + pad) // steps
-    logps = _fused_token_logps(h.reshape(rows, n, steps, width).swapaxes(0, 1), head,
-                               y.reshape(rows, n, steps).swapaxes(0, 1))
-    return logps.swapaxes(0, 1).reshape(rows, t + pad)[:, :t].reshape(labels.shape)
+    per_chunk = _fused_token_logps(h.reshape(rows, n, steps, width).swapaxes(0, 1), head,
+                                   y.reshape(rows, n, steps).swapaxes(0, 1))
+    unchunk = lambda x: x.swapaxes(0, 1).reshape(rows, t + pad)[:, :t].reshape(labels.shape)  # noqa: E731
+    return unchunk(per_chunk[0]), jax.lax.stop_gradient(unchunk(per_chunk[1]))
 
 
-def _token_terms(h_c: jax.Array, head: jax.Array, y_c: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _token_terms(h_c: jax.Array, head: jax.Array, y_c: jax.Array, entropy: bool = False):
     """(token losses -log p(label) [rows, steps], d loss / d logits in the head's dtype) of one chunk; both zero
-    where the label is IGNORE."""
+    where the label is IGNORE. With `entropy`, a third: each token's predictive entropy (0 where IGNORE)."""
     logits = jax.lax.dot_general(h_c, head, (((2,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     valid = y_c != IGNORE
@@ -76,6 +85,8 @@ def _token_terms(h_c: jax.Array, head: jax.Array, y_c: jax.Array) -> tuple[jax.A
     probs = jnp.exp(logits - lse[..., None])
     onehot = jax.nn.one_hot(target, logits.shape[-1], dtype=jnp.float32)
     dlogits = (jnp.where(valid[..., None], probs - onehot, 0.0)).astype(head.dtype)
+    if entropy:
+        return nll, dlogits, jnp.where(valid, lse - jnp.sum(probs * logits, axis=-1), 0.0)
     return nll, dlogits
 
 
@@ -126,10 +137,12 @@ _fused_cross_entropy.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
 
 
 @jax.custom_vjp
-def _fused_token_logps(h: jax.Array, head: jax.Array, y: jax.Array) -> jax.Array:
-    """Token log-probabilities [n, rows, steps] over chunks h [n, rows, steps, H], y [n, rows, steps]."""
+def _fused_token_logps(h: jax.Array, head: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(token log-probabilities, entropies) [n, rows, steps] each over chunks h [n, rows, steps, H], y [n, rows,
+    steps]; the entropies carry no gradient."""
     def body(_, xs):
-        return None, -_token_terms(xs[0], head, xs[1])[0]
+        nll, _, ent = _token_terms(xs[0], head, xs[1], entropy=True)
+        return None, (-nll, ent)
 
     return jax.lax.scan(body, None, (h, y))[1]
 
@@ -139,16 +152,17 @@ def _token_logps_fwd(h, head, y):
     h, head, y = h.value, head.value, y.value
 
     def body(_, xs):
-        nll, dlogits = _token_terms(xs[0], head, xs[1])
-        return None, (-nll, dot_out(dlogits, head, (((2,), (0,)), ((), ())), xs[0].dtype))
+        nll, dlogits, ent = _token_terms(xs[0], head, xs[1], entropy=True)
+        return None, (-nll, ent, dot_out(dlogits, head, (((2,), (0,)), ((), ())), xs[0].dtype))
 
-    _, (logps, dnll_dh) = jax.lax.scan(body, None, (h, y))
+    _, (logps, entropies, dnll_dh) = jax.lax.scan(body, None, (h, y))
     # d logp / d head needs each token's cotangent, known only in the backward pass: keep what recomputes it
-    return logps, (dnll_dh, (h, head, y) if head_grad else None)
+    return (logps, entropies), (dnll_dh, (h, head, y) if head_grad else None)
 
 
-def _token_logps_bwd(res, g):
+def _token_logps_bwd(res, gs):
     dnll_dh, recompute = res
+    g = gs[0]  # the entropies' cotangent is ignored: they are a metric
     if isinstance(g, jax.custom_derivatives.SymbolicZero):
         return jnp.zeros_like(dnll_dh), None if recompute is None else jnp.zeros_like(recompute[1]), None
     g = g.astype(jnp.float32)

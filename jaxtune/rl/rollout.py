@@ -1,0 +1,91 @@
+"""Completions sampled from the policy being trained (NF4 base + the current adapters, nothing copied), and the
+training rows they make."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxtune.data.packing import IGNORE
+from jaxtune.data.sources import DataError, Row
+from jaxtune.generate import cache_length, decode, encode_prompt, left_padded
+
+
+def check_prompt_rows(rows: Sequence[Row]) -> None:
+    """Every row has a `prompt`: a string, or a list of chat messages (role / content strings)."""
+    for row in rows:
+        prompt = row.data.get("prompt")
+        if isinstance(prompt, str) and prompt:
+            continue
+        if isinstance(prompt, list) and prompt and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in prompt):
+            continue
+        raise DataError(f"{row.where}: field 'prompt' must be a non-empty string or a list of chat messages "
+                        "({'role': ..., 'content': ...}); GRPO rows hold a prompt and any columns the rewards read")
+
+
+def encode_prompts(rows: Sequence[Row], tokenizer: Any, max_prompt_tokens: int) -> list[list[int]]:
+    """Each row's prompt ids (chat template for messages, the tokenizer's BOS for text, as TRL's GRPOTrainer);
+    a prompt longer than `max_prompt_tokens` (seq_len - max_completion_length) is refused, naming its row."""
+    out = []
+    for row in rows:
+        ids = encode_prompt(tokenizer, row.data["prompt"])
+        if len(ids) > max_prompt_tokens:
+            raise DataError(f"{row.where}: the prompt has {len(ids)} tokens, over the {max_prompt_tokens} that seq_len "
+                            "leaves beside max_completion_length; raise seq_len or shorten the prompt")
+        out.append(ids)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len", "temperature", "top_p",
+                                             "top_k", "eos_ids", "ignore_eos"))
+def sample(graphdef, lora, frozen, ids, pad, key, *, max_new_tokens: int, cache_len: int, temperature: float,
+           top_p: float, top_k: int, eos_ids: tuple[int, ...], ignore_eos: bool = False) -> jax.Array:
+    """Completions [N, max_new_tokens] (-1 after EOS) of left-padded prompts under the adapters `lora`."""
+    model = nnx.merge(graphdef, lora, frozen)
+    model.prepare_for_kernels()  # the kernels' scales once per rollout, not once per token
+    return decode(model, ids, pad, key, max_new_tokens=max_new_tokens, cache_len=cache_len,
+                  temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=eos_ids, ignore_eos=ignore_eos)
+
+
+def sample_completions(graphdef, lora, frozen, prompt_ids: list[list[int]], key: jax.Array, *, max_new_tokens: int,
+                       temperature: float, top_p: float, top_k: int, eos_ids: tuple[int, ...], pad_id: int,
+                       ignore_eos: bool = False) -> np.ndarray:
+    ids, pad = left_padded(prompt_ids, pad_id)
+    out = sample(graphdef, lora, frozen, jnp.asarray(ids), jnp.asarray(pad), key, max_new_tokens=max_new_tokens,
+                 cache_len=cache_length(ids.shape[1], max_new_tokens), temperature=float(temperature),
+                 top_p=float(top_p), top_k=int(top_k), eos_ids=tuple(int(e) for e in eos_ids), ignore_eos=ignore_eos)
+    return np.asarray(out)
+
+
+def completion_lists(completions: np.ndarray) -> list[list[int]]:
+    """Each row's tokens up to and with its EOS (the -1 fill dropped)."""
+    return [row[row >= 0].tolist() for row in completions]
+
+
+def rollout_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], seq_len: int,
+                 eos_ids: Sequence[int], mask_truncated: bool) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """(rows [N, seq_len] of prompt + completion, right-padded: input_ids, labels (the completion's tokens, where
+    each is predicted), segment_ids, positions; which completions ended without EOS)."""
+    n = len(prompt_ids)
+    input_ids = np.zeros((n, seq_len), np.int32)
+    labels = np.full((n, seq_len), IGNORE, np.int32)
+    segment_ids = np.zeros((n, seq_len), np.int32)
+    positions = np.zeros((n, seq_len), np.int32)
+    truncated = np.zeros(n, bool)
+    eos = set(int(e) for e in eos_ids)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        tokens = [*p, *c]
+        k = len(tokens)
+        input_ids[i, :k], segment_ids[i, :k], positions[i, :k] = tokens, 1, np.arange(k)
+        truncated[i] = not c or c[-1] not in eos
+        if c and not (mask_truncated and truncated[i]):
+            labels[i, len(p) - 1:k - 1] = c
+    return {"input_ids": input_ids, "labels": labels, "segment_ids": segment_ids, "positions": positions}, truncated

@@ -1,0 +1,153 @@
+"""GRPO's batches: each step's prompts sampled num_generations times from the current policy, scored by the reward
+functions, normalized into advantages; with the metrics and a sample of completions for the run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxtune.data import BatchStream, PackedRows
+from jaxtune.data.sources import Row
+from jaxtune.generate import eos_token_ids
+from jaxtune.rl.advantages import _nanstd, group_advantages
+from jaxtune.rl.loss import GRPO
+from jaxtune.rl.rewards import RewardFunction, score
+from jaxtune.rl.rollout import completion_lists, rollout_rows, sample_completions
+
+SAMPLES_PER_LOG = 8  # completions written to completions.jsonl at each logging step
+
+
+def _prompt_index(n: int) -> PackedRows:
+    """Rows that are only the prompts' indices, so BatchStream orders them (seeded epochs, saved position)."""
+    index = np.arange(n, dtype=np.int32)[:, None]
+    return PackedRows(index, index, index, index, 0)
+
+
+class Rollouts:
+    """The step's batches for objective "grpo": `next(lora, frozen, step)` samples and scores a batch every
+    num_iterations steps (the steps between reuse it, with the sampling policy's log-probabilities for the
+    ratio); `metrics` holds the last batch's reward and completion metrics under TRL's names."""
+
+    def __init__(self, rows: Sequence[Row], prompt_ids: list[list[int]], tokenizer: Any, model, cfg,
+                 funcs: Sequence[RewardFunction], weights: np.ndarray, run_dir: str | None, lead: bool):
+        self.rows, self.prompt_ids, self.tokenizer, self.cfg = list(rows), prompt_ids, tokenizer, cfg
+        self.funcs, self.weights = list(funcs), weights
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.sampler_graphdef = nnx.split(model, nnx.LoRAParam, ...)[0]  # the inference flags, no remat
+        self.samples_path = os.path.join(run_dir, "completions.jsonl") if run_dir is not None and lead else None
+        self.batch_extra = {"advantages": ((1,), np.dtype(np.float32))}
+        if cfg.num_iterations > 1:
+            self.batch_extra["old_logps"] = ((cfg.seq_len,), np.dtype(np.float32))
+        self.single_sequence_rows, self.efficiency = True, 0.0
+        self.metrics: dict[str, float] = {}
+        self.stream: BatchStream | None = None
+        self._cached: dict[str, np.ndarray] | None = None
+        self._logps_fn = None
+        self.ignore_eos = False  # benchmarks: every completion runs max_completion_length tokens
+
+    def __len__(self) -> int:
+        """Completions one pass over the prompts makes (what auto batch may fill)."""
+        return len(self.rows) * self.cfg.num_generations
+
+    def start(self, micro_batch: int, accum: int) -> None:
+        per_step = micro_batch * accum
+        if per_step % self.cfg.num_generations:
+            from jaxtune.errors import ConfigError
+
+            raise ConfigError(f"micro_batch_size x grad_accum = {per_step} completions per step is not a multiple "
+                              f"of num_generations {self.cfg.num_generations}", field="micro_batch_size")
+        self.micro_batch, self.accum = micro_batch, accum
+        self.stream = BatchStream(_prompt_index(len(self.rows)), micro_batch=per_step // self.cfg.num_generations,
+                                  accum=1, seed=self.cfg.seed)
+
+    def state(self) -> dict[str, Any]:
+        return self.stream.state()
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.stream.restore(state)
+
+    def next(self, lora, frozen, step: int) -> dict[str, np.ndarray]:
+        """The step's host batch {input_ids, labels, segment_ids, positions, advantages[, old_logps]} [rows, ...]."""
+        if self._cached is not None and step % self.cfg.num_iterations:
+            return self._cached
+        cfg, g = self.cfg, self.cfg.num_generations
+        t0 = time.perf_counter()
+        take = self.stream.next()["input_ids"].reshape(-1)
+        prompt_rows = [self.rows[i] for i in take for _ in range(g)]  # each prompt's group consecutive
+        prompt_ids = [self.prompt_ids[i] for i in take for _ in range(g)]
+        key = jax.random.fold_in(jax.random.key(cfg.seed), step)
+        completions = completion_lists(sample_completions(
+            self.sampler_graphdef, lora, frozen[0] if isinstance(frozen, tuple) else frozen, prompt_ids, key,
+            max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+            eos_ids=self.eos_ids, pad_id=self.pad_id, ignore_eos=self.ignore_eos))
+        t1 = time.perf_counter()
+        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        prompts = [r.data["prompt"] for r in prompt_rows]
+        if not isinstance(prompts[0], str):  # conversational: completions as assistant messages, as TRL passes them
+            texts = [[{"role": "assistant", "content": t}] for t in texts]
+        columns = {k: [r.data.get(k) for r in prompt_rows] for k in prompt_rows[0].data if k != "prompt"}
+        rewards = score(self.funcs, prompts, texts, completions, columns, [r.where for r in prompt_rows])
+        advantages, reward_metrics = group_advantages(rewards, self.weights, g, cfg.scale_rewards)
+        batch, truncated = rollout_rows(prompt_ids, completions, cfg.seq_len, self.eos_ids,
+                                        cfg.mask_truncated_completions)
+        batch["advantages"] = advantages[:, None]
+        if cfg.num_iterations > 1:  # the sampling policy's log-probabilities, for the ratio on the later steps
+            batch["old_logps"] = self._old_logps(lora, frozen, batch)
+        self.efficiency = float((batch["segment_ids"] > 0).mean())
+        self.metrics = self._metrics(completions, truncated, rewards, reward_metrics, t1 - t0,
+                                     time.perf_counter() - t1)
+        self._cached = batch
+        if self.samples_path is not None and step % cfg.logging_steps == 0:
+            self._write_samples(step + 1, prompts, texts, rewards, advantages)
+        return batch
+
+    def _old_logps(self, lora, frozen, batch: dict[str, np.ndarray]) -> np.ndarray:
+        if self._logps_fn is None:
+            objective, graphdef = GRPO(), self.sampler_graphdef
+
+            @jax.jit
+            def logps(lora, frozen, micro):
+                frozen = frozen[0] if isinstance(frozen, tuple) else frozen
+                return objective.token_logps(nnx.merge(graphdef, lora, frozen), micro, self.cfg.ce_chunk_size)[0]
+
+            self._logps_fn = logps
+        keys = ("input_ids", "labels", "segment_ids", "positions")
+        out = [np.asarray(self._logps_fn(lora, frozen, {k: jnp.asarray(batch[k][s:s + self.micro_batch])
+                                                        for k in keys}))
+               for s in range(0, len(batch["input_ids"]), self.micro_batch)]
+        return np.concatenate(out).astype(np.float32)
+
+    def _metrics(self, completions: list[list[int]], truncated: np.ndarray, rewards: np.ndarray,
+                 reward_metrics: dict[str, float], generate_s: float, score_s: float) -> dict[str, float]:
+        lengths = np.array([len(c) for c in completions], np.float32)
+        done = lengths[~truncated]
+        m = dict(reward_metrics)
+        for j, f in enumerate(self.funcs):
+            with np.errstate(invalid="ignore"):
+                m[f"rewards/{f.name}/mean"] = float(np.nanmean(rewards[:, j]))
+                m[f"rewards/{f.name}/std"] = float(_nanstd(rewards[:, j]))
+        m.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+                  "completions/max_length": float(lengths.max()),
+                  "completions/clipped_ratio": float(truncated.mean()),
+                  "completions/mean_terminated_length": float(done.mean()) if done.size else 0.0,
+                  "rollout_seconds": round(generate_s, 3), "reward_seconds": round(score_s, 3),
+                  "generated_tokens": float(lengths.sum())})
+        return m
+
+    def _write_samples(self, step: int, prompts: list, texts: list, rewards: np.ndarray,
+                       advantages: np.ndarray) -> None:
+        with open(self.samples_path, "a") as f:
+            for i in range(min(SAMPLES_PER_LOG, len(texts))):
+                scores = {fn.name: (None if np.isnan(rewards[i, j]) else float(rewards[i, j]))
+                          for j, fn in enumerate(self.funcs)}
+                f.write(json.dumps({"step": step, "prompt": prompts[i], "completion": texts[i], "rewards": scores,
+                                    "advantage": float(advantages[i])}) + "\n")
