@@ -66,6 +66,7 @@ class GRPO:
     importance_sampling_level: str = "token"
     use_bias_correction_kl: bool = True
     max_completion_length: int = 512
+    temperature: float = 1.0  # log-probabilities of the distribution sampled from: logits / temperature, as TRL
     name = "grpo"
     eval_weight = "completions"
 
@@ -85,6 +86,8 @@ class GRPO:
     def token_logps(self, model, micro: Batch, chunk_size: int):
         """(log-probabilities, entropies) of each row's label tokens [B, T]."""
         hidden = model.hidden_states(micro["input_ids"], micro["positions"], micro["segment_ids"])
+        if self.temperature != 1.0:  # logits / T, as hidden / T through the (linear) head
+            hidden = hidden / jnp.asarray(self.temperature, hidden.dtype)
         return chunked_token_logps_and_entropy(hidden, model.head_weight(), micro["labels"], chunk_size=chunk_size)
 
     def micro_loss(self, graphdef, lora, frozen, micro: Batch, rng, chunk_size: int, weights) -> tuple:
@@ -96,7 +99,13 @@ class GRPO:
         if self.beta != 0.0:  # the reference: the model as the run began (fresh adapters are zero: switched off)
             off = reference if reference is not None else jax.tree.map(jnp.zeros_like, jax.lax.stop_gradient(lora))
             ref = jax.lax.stop_gradient(self.token_logps(nnx.merge(graphdef, off, frozen), micro, chunk_size)[0])
-        loss, terms = per_token_loss(logps, old, ref, micro["advantages"][:, 0], mask, epsilon_low=self.epsilon_low,
+        return self.loss_from_logps(logps, entropy, old, ref, micro["advantages"][:, 0], mask, weights)
+
+    def loss_from_logps(self, logps, entropy, old_logps, ref_logps, advantages, mask, weights) -> tuple:
+        """(the micro-batch's share of the step's loss, metrics) from its completions' log-probabilities [B, T]
+        under the policy, the sampling policy and the reference (None when beta is 0), entropies, advantages [B]
+        and the completion mask."""
+        loss, terms = per_token_loss(logps, old_logps, ref_logps, advantages, mask, epsilon_low=self.epsilon_low,
                                      epsilon_high=self.epsilon_high, delta=self.delta, beta=self.beta,
                                      importance_sampling_level=self.importance_sampling_level,
                                      use_bias_correction_kl=self.use_bias_correction_kl)
@@ -109,10 +118,15 @@ class GRPO:
             total = jnp.sum(masked) / (weights["completions"] * self.max_completion_length)
         else:  # dapo: over every completion token of the step
             total = jnp.sum(masked) / weights["tokens"]
-        token_mean = lambda x: jnp.sum(jnp.broadcast_to(x, mask.shape) * mask) / weights["tokens"]  # noqa: E731
+
+        def mean(x):  # over tokens, or over completions for a per-sequence term (GSPO's ratios), as TRL logs
+            if x.shape[-1] == 1:
+                return jnp.sum(x) / weights["completions"]
+            return jnp.sum(x * mask) / weights["tokens"]
+
         low, high = terms["low_clipped"], terms["high_clipped"]
-        metrics = {"entropy": token_mean(entropy), "clip_ratio/low_mean": token_mean(low),
-                   "clip_ratio/high_mean": token_mean(high), "clip_ratio/region_mean": token_mean(jnp.maximum(low, high))}
+        metrics = {"entropy": mean(entropy), "clip_ratio/low_mean": mean(low), "clip_ratio/high_mean": mean(high),
+                   "clip_ratio/region_mean": mean(jnp.maximum(low, high))}
         if self.beta != 0.0:
-            metrics["kl"] = token_mean(terms["kl"])
+            metrics["kl"] = mean(terms["kl"])
         return total, jax.lax.stop_gradient(metrics)

@@ -112,7 +112,7 @@ class Rollouts:
 
     def _old_logps(self, lora, frozen, batch: dict[str, np.ndarray]) -> np.ndarray:
         if self._logps_fn is None:
-            objective, graphdef = GRPO(), self.sampler_graphdef
+            objective, graphdef = GRPO(temperature=self.cfg.temperature), self.sampler_graphdef
 
             @jax.jit
             def logps(lora, frozen, micro):

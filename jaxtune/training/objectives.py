@@ -145,7 +145,7 @@ def make_objective(cfg: TrainConfig):
                     epsilon_high=cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high, delta=cfg.delta,
                     beta=cfg.beta, importance_sampling_level=cfg.importance_sampling_level,
                     use_bias_correction_kl=cfg.use_bias_correction_kl,
-                    max_completion_length=cfg.max_completion_length)
+                    max_completion_length=cfg.max_completion_length, temperature=cfg.temperature)
     return Preference(cfg.objective, beta=cfg.beta, loss_type=cfg.dpo_loss, label_smoothing=cfg.label_smoothing,
                       orpo_lambda=cfg.orpo_lambda, nll_on_prompt=cfg.train_on_all)
 

@@ -1,0 +1,199 @@
+"""GRPO equals TRL's GRPOTrainer: its loss (every loss_type x scale_rewards x beta x importance-sampling level) and
+gradients on the same log-probabilities, one step's LoRA gradients on a tiny model, and the advantages' arithmetic;
+rollouts, rewards and the run as a user drives it."""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxtune.data.packing import IGNORE
+from jaxtune.rl.advantages import group_advantages
+from jaxtune.rl.loss import GRPO
+
+trl = pytest.importorskip("trl")
+
+
+def _trl_self(loss_type, beta, level, max_completion_length, epsilon_high=0.28, delta=None):
+    """The attributes GRPOTrainer._compute_loss reads, for one process and one micro-batch per step."""
+    acc = SimpleNamespace(num_processes=1, reduce=lambda t, reduction: t, gather=lambda t: t,
+                          gather_for_metrics=lambda t: t)
+    return SimpleNamespace(
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=level, beta=beta,
+        args=SimpleNamespace(use_bias_correction_kl=True, delta=delta, steps_per_generation=1), loss_type=loss_type,
+        epsilon_low=0.2, epsilon_high=epsilon_high, use_vllm=False, vllm_importance_sampling_correction=False,
+        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
+        max_completion_length=max_completion_length, accelerator=acc, _entropy_bonus_enabled=False,
+        aux_loss_enabled=False, _metrics={"train": defaultdict(list)})
+
+
+def _terms(seed: int, b: int = 6, t: int = 9):
+    """Random log-probabilities (policy, sampling policy, reference), entropies, advantages and a completion mask
+    with completions of different lengths (one fully masked), float32."""
+    rng = np.random.default_rng(seed)
+    logps = -rng.uniform(0.05, 4.0, (b, t)).astype(np.float32)
+    # ratios outside the clip range too, per token and (a shift per completion) per sequence
+    old = (logps + rng.normal(0, 0.3, (b, t)) + rng.normal(0, 0.8, (b, 1))).astype(np.float32)
+    ref = (logps + rng.normal(0, 0.5, (b, t))).astype(np.float32)
+    entropy = rng.uniform(0, 3, (b, t)).astype(np.float32)
+    lengths = rng.integers(1, t + 1, b)
+    lengths[2] = 0
+    mask = (np.arange(t)[None] < lengths[:, None]).astype(np.float32)
+    rewards = rng.normal(size=(b, 2)).astype(np.float32)
+    return logps, old, ref, entropy, mask, rewards
+
+
+@pytest.mark.parametrize("loss_type, level", itertools.product(["dapo", "grpo", "dr_grpo", "bnpo"],
+                                                                 ["token", "sequence"]))
+def test_loss_and_its_gradient_equal_trl(loss_type, level):
+    """TRL's own _compute_loss on the same log-probabilities: loss, d loss / d log-probabilities and the logged
+    KL, entropy and clip ratios, to 1e-5 in float32, for every scale_rewards and beta; with the sampling policy's
+    log-probabilities (num_iterations > 1) and without (the ratio is 1, the gradient the policy gradient)."""
+    for scale_rewards, beta, with_old in itertools.product(["group", "batch", "none"], [0.0, 0.04], [True, False]):
+        _compare_with_trl(loss_type, level, scale_rewards, beta, with_old)
+
+
+def _compare_with_trl(loss_type, level, scale_rewards, beta, with_old):
+    from trl import GRPOTrainer
+
+    case = f"{loss_type} {level} scale_rewards={scale_rewards} beta={beta} old={with_old}"
+    logps, old, ref, entropy, mask, rewards = _terms(seed=5)
+    advantages, _ = group_advantages(rewards, np.array([1.0, 0.5], np.float32), 3, scale_rewards)
+    b, t = logps.shape
+    fake = _trl_self(loss_type, beta, level, t)
+    logps_t = torch.tensor(logps, requires_grad=True)
+    fake._get_per_token_logps_and_entropies = lambda *a, **k: (logps_t, torch.tensor(entropy), None)
+    inputs = {"prompt_ids": torch.zeros((b, 1), dtype=torch.long), "prompt_mask": torch.ones((b, 1)),
+              "completion_ids": torch.zeros((b, t), dtype=torch.long), "completion_mask": torch.tensor(mask),
+              "advantages": torch.tensor(advantages), "num_items_in_batch": torch.tensor(mask.sum())}
+    if with_old:
+        inputs["old_per_token_logps"] = torch.tensor(old)
+    if beta:
+        inputs["ref_per_token_logps"] = torch.tensor(ref)
+    want = GRPOTrainer._compute_loss(fake, None, inputs)
+    want.backward()
+    logged = {k: v[-1] for k, v in fake._metrics["train"].items()}
+
+    objective = GRPO(loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28, beta=beta,
+                     importance_sampling_level=level, max_completion_length=t)
+    labels = np.where(mask > 0, 1, IGNORE)[None]
+    weights = objective.weights({"labels": jnp.asarray(labels)})
+
+    def loss(lp):
+        o = jnp.asarray(old) if with_old else jax.lax.stop_gradient(lp)
+        return objective.loss_from_logps(lp, jnp.asarray(entropy), o, jnp.asarray(ref) if beta else None,
+                                         jnp.asarray(advantages), jnp.asarray(mask), weights)
+
+    (ours, metrics), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(jnp.asarray(logps))
+    np.testing.assert_allclose(float(ours), want.item(), rtol=1e-5, atol=1e-6, err_msg=case)
+    np.testing.assert_allclose(np.asarray(grad), logps_t.grad.numpy(), rtol=1e-5, atol=1e-6, err_msg=case)
+    assert np.abs(logps_t.grad.numpy()).max() > 1e-3, case  # the loss depends on the log-probabilities
+    for name in objective.metric_names:
+        np.testing.assert_allclose(float(metrics[name]), logged[name], rtol=1e-5, atol=1e-6, err_msg=f"{case} {name}")
+    if with_old:  # some ratios were clipped: the clipping was compared too
+        assert logged["clip_ratio/region_mean"] > 0, case
+
+
+def _advantages_float64(rewards: np.ndarray, weights: np.ndarray, g: int, scale: str) -> np.ndarray:
+    """TRL's rule in float64: weighted NaN-skipping sum, minus the group mean, over the group's (or the batch's)
+    sample std + 1e-4; completions with no score are left out of the baseline and get 0."""
+    unscorable = np.isnan(rewards).all(1)
+    total = np.where(np.isnan(rewards), 0.0, rewards * weights).sum(1)
+    total[unscorable] = np.nan
+    out = np.zeros(len(total))
+    for start in range(0, len(total), g):
+        group = total[start:start + g]
+        valid = group[~np.isnan(group)]
+        batch_valid = total[~np.isnan(total)]
+        std = np.std(batch_valid if scale == "batch" else valid, ddof=1)
+        adv = group - valid.mean()
+        out[start:start + g] = adv if scale == "none" else adv / (std + 1e-4)
+    return np.nan_to_num(out)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_normalize_each_group_and_skip_unscored_completions(scale):
+    rng = np.random.default_rng(1)
+    rewards = rng.normal(size=(12, 3))
+    rewards[1, :] = np.nan  # every function skipped it: no baseline share, advantage 0
+    rewards[5, 0] = np.nan  # one function skipped it
+    rewards[8:12] = [1.0, 0.5, 0.0]  # a group whose completions all scored alike
+    weights = np.array([1.0, 0.5, 2.0])
+    got, metrics = group_advantages(rewards.astype(np.float32), weights.astype(np.float32), 4, scale)
+    np.testing.assert_allclose(got, _advantages_float64(rewards, weights, 4, scale), rtol=1e-4, atol=1e-5)
+    assert got[1] == 0 and np.all(got[8:12] == 0)
+    assert metrics["frac_reward_zero_std"] == (4 / 12 if scale != "batch" else 0.0)
+
+
+def test_one_step_on_a_tiny_model_gives_trls_loss_and_lora_gradients(tiny_tokenizer, tmp_path):
+    """TRL's GRPOTrainer (its own log-probabilities at the sampling temperature, the reference with the adapters
+    disabled) and jaxtune's step on the same rollout: prompt + completion ids, advantages, the sampling policy's
+    log-probabilities; loss and every LoRA gradient equal."""
+    from datasets import Dataset
+    from transformers import LlamaConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from conftest import copy_lora, set_random_lora
+    from jaxtune.rl.rollout import rollout_rows
+    from jaxtune.training.step import loss_and_grads, split_model
+    from test_preference import COMMON, _grads_close, _models
+
+    model, peft_model = _models(tiny_tokenizer, LlamaConfig, tmp_path / "hf")
+    set_random_lora(model, seed=7)
+    copy_lora(model, peft_model, __import__("jaxtune.qlora", fromlist=["LORA_TARGETS"]).LORA_TARGETS)
+    beta, temperature, g = 0.04, 0.7, 2
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, num_generations=g,
+                      max_completion_length=6, beta=beta, temperature=temperature, loss_type="dapo", use_cpu=True,
+                      bf16=False, report_to=[], epsilon_high=0.28)
+    trainer = GRPOTrainer(model=peft_model, reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+                          args=args, train_dataset=Dataset.from_list([{"prompt": "hello world"}] * 4),
+                          processing_class=tiny_tokenizer)
+    eos = tiny_tokenizer.eos_token_id
+    prompt = tiny_tokenizer("The quick fox")["input_ids"]  # equal prompts: no left padding (HF positions)
+    completions = [[5, 17, eos], [40, 41, 42, 43, 44, 45], [9, eos], [60, 61, 62, 63]]
+    prompts = [prompt] * 4
+    advantages = np.array([0.9, -0.9, 0.4, -0.4], np.float32)
+    t = max(map(len, completions))
+    completion_ids = torch.tensor([c + [0] * (t - len(c)) for c in completions])
+    completion_mask = torch.tensor([[1] * len(c) + [0] * (t - len(c)) for c in completions])
+    prompt_ids = torch.tensor(prompts)
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention = torch.cat([torch.ones_like(prompt_ids), completion_mask], 1)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # what Trainer's loop sets before each step
+    with torch.no_grad():
+        with trainer.model.disable_adapter():
+            ref, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention, t)
+        current, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention, t)
+    old = current + torch.tensor(np.random.default_rng(0).normal(0, 0.3, current.shape), dtype=current.dtype)
+    inputs = {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids), "completion_ids": completion_ids,
+              "completion_mask": completion_mask, "advantages": torch.tensor(advantages),
+              "old_per_token_logps": old, "ref_per_token_logps": ref,
+              "num_items_in_batch": completion_mask.sum().float()}
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+
+    seq_len = len(prompt) + t
+    rows, _ = rollout_rows(prompts, completions, seq_len, [eos], mask_truncated=False)
+    old_rows = np.zeros((4, seq_len), np.float32)
+    old_rows[:, len(prompt) - 1:seq_len - 1] = old.numpy()
+    batch = {**rows, "advantages": advantages[:, None], "old_logps": old_rows}
+    objective = GRPO(loss_type="dapo", epsilon_low=0.2, epsilon_high=0.28, beta=beta, max_completion_length=6,
+                     temperature=temperature)
+    graphdef, lora, frozen = split_model(model)
+    ours, grads, metrics = jax.jit(lambda b: loss_and_grads(graphdef, lora, frozen, b, None, 16, objective))(
+        {k: jnp.asarray(v)[None] for k, v in batch.items()})
+    np.testing.assert_allclose(float(ours), loss.item(), rtol=1e-5, atol=1e-6)
+    logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    for name in ("kl", "entropy", "clip_ratio/region_mean"):
+        np.testing.assert_allclose(float(metrics[name]), logged[name], rtol=1e-4, atol=1e-6, err_msg=name)
+    assert logged["kl"] > 1e-4  # the adapters moved the policy from the reference: the KL term was compared
+    _grads_close(grads, trainer.model, rtol=3e-4)
+    assert COMMON["num_hidden_layers"] == 2
