@@ -93,6 +93,10 @@ _TRAIN_OVERRIDES = {  # CLI flag -> TrainConfig field
     "eval_fraction": "eval_fraction", "eval_steps": "eval_steps", "save_steps": "save_steps", "seed": "seed",
     "mesh": "mesh", "compute": "compute", "report_to": "report_to", "objective": "objective", "beta": "beta",
     "dpo_loss": "dpo_loss", "label_smoothing": "label_smoothing", "orpo_lambda": "orpo_lambda",
+    "num_generations": "num_generations", "max_completion_length": "max_completion_length",
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "epsilon": "epsilon",
+    "epsilon_high": "epsilon_high", "delta": "delta", "loss_type": "loss_type", "scale_rewards": "scale_rewards",
+    "num_iterations": "num_iterations", "importance_sampling_level": "importance_sampling_level",
 }
 _FLAG_OF = {field: flag for flag, field in _TRAIN_OVERRIDES.items()}
 
@@ -119,6 +123,8 @@ def _train_config(args: argparse.Namespace):
         overrides["drop_long_prompts"] = True
     if args.no_share_prompt:
         overrides["share_prompt"] = False
+    if args.mask_truncated_completions:
+        overrides["mask_truncated_completions"] = True
     try:
         return (TrainConfig.from_yaml(args.config, **overrides) if args.config
                 else TrainConfig.from_dict(overrides, where="command line"))
@@ -141,22 +147,67 @@ def _train_checks(args: argparse.Namespace):
 
     check_model_reference(args.model)
     rows = read_rows(args.data)
+    rewards = _reward_checks(args, cfg, rows)
     if cfg.objective == "sft":
         check_rows(rows, cfg.format)
-    else:
+    elif cfg.objective != "grpo":
         check_preference_rows(rows)
     check_run_dir(args.out, args.resume, cfg)
     check_reporters(cfg.report_to, args.out)
-    return cfg, rows
+    return cfg, rows, rewards
+
+
+def _reward_checks(args: argparse.Namespace, cfg, rows) -> dict:
+    """GRPO: the reward functions found and imported, one weight each, every row's prompt well formed and short
+    enough for --seq-len (with the checkpoint's tokenizer, read without the weights)."""
+    from jaxtune.errors import ConfigError
+
+    if cfg.objective != "grpo":
+        if args.reward or args.reward_weights:
+            raise ConfigError(f"--reward applies to --objective grpo; objective is {cfg.objective!r}")
+        return {}
+    from jaxtune.rl.rewards import check_weights, resolve_rewards
+    from jaxtune.rl.rollout import check_prompt_rows, encode_prompts
+
+    funcs = resolve_rewards(args.reward or [])
+    weights = None
+    if args.reward_weights:
+        try:
+            weights = [float(w) for w in args.reward_weights.split(",")]
+        except ValueError:
+            raise ConfigError(f"--reward-weights {args.reward_weights!r}: give comma-separated numbers, one per "
+                              "--reward") from None
+    check_weights(weights, funcs)
+    check_prompt_rows(rows)
+    tokenizer = _tokenizer_only(args.model)
+    if tokenizer is not None:
+        encode_prompts(rows, tokenizer, cfg.seq_len - cfg.max_completion_length)
+    return {"reward_funcs": funcs, "reward_weights": weights}
+
+
+def _tokenizer_only(model: str):
+    """The checkpoint's tokenizer without its weights, or None where that is not cheap (the run checks later)."""
+    import warnings
+
+    try:
+        from convert.load import load_tokenizer, open_checkpoint
+        from jaxtune.bundled import resolve_model_path
+
+        _, source, gguf = open_checkpoint(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return source.tokenizer() if gguf is not None else load_tokenizer(resolve_model_path(model))
+    except Exception:  # noqa: BLE001 (the model's own checks, with their messages, come when it loads)
+        return None
 
 
 def _train(args: argparse.Namespace) -> None:
     from jaxtune.distributed import agree_on_checks, initialize_from_env
 
     try:  # bad values and unusable paths refused before the model loads
-        (cfg, rows), failure = _train_checks(args), None
+        (cfg, rows, rewards), failure = _train_checks(args), None
     except Exception as e:  # noqa: BLE001 (every process of a multi-host run must hear of it, then all stop)
-        cfg, rows, failure = None, None, e
+        cfg, rows, rewards, failure = None, None, None, e
     initialize_from_env()  # multi-host launches: before anything else touches JAX
     agree_on_checks(failure)  # a check failed on one host: every process ends, non-zero, with its line
     import jaxtune
@@ -169,7 +220,7 @@ def _train(args: argparse.Namespace) -> None:
     if tokenizer is None:
         raise jaxtune.CheckpointError(f"{args.model} has no tokenizer files; add tokenizer.json to the model directory")
     result = jaxtune.train(model, tokenizer, rows, cfg, out_dir=args.out, resume=args.resume,
-                           base_model=model.name_or_path)
+                           base_model=model.name_or_path, **rewards)
     state = "interrupted at" if result.interrupted else "finished"
     print(f"{state} step {result.steps}: loss {result.losses[-1]:.4f}, packing efficiency "
           f"{result.packing_efficiency:.1%}, {result.tokens_per_second:,.0f} tokens/s; run in {args.out}")
@@ -221,9 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--out", required=True, help="run directory: checkpoints, metrics.jsonl, loss.png")
     tr.add_argument("--format", choices=["chat", "alpaca", "completion", "text"],
                     help="row format of SFT data (default chat)")
-    tr.add_argument("--objective", choices=["sft", "dpo", "orpo"],
+    tr.add_argument("--objective", choices=["sft", "dpo", "orpo", "grpo"],
                     help="sft (default), or preference tuning on prompt/chosen/rejected rows: dpo or orpo")
-    tr.add_argument("--beta", type=float, help="DPO: how far the policy may move from the reference (default 0.1)")
+    tr.add_argument("--beta", type=float, help="DPO: how far the policy may move from the reference (default 0.1); "
+                    "GRPO: the KL term's weight (default 0)")
     tr.add_argument("--dpo-loss", choices=["sigmoid", "ipo", "robust"], help="DPO loss variant (default sigmoid)")
     tr.add_argument("--label-smoothing", type=float,
                     help="DPO sigmoid/robust: assumed probability that a pair's preference is flipped (default 0)")
@@ -234,6 +286,25 @@ def build_parser() -> argparse.ArgumentParser:
                     help="DPO/ORPO: drop pairs whose prompt leaves no room in --seq-len (default: an error)")
     tr.add_argument("--no-share-prompt", action="store_true",
                     help="DPO/ORPO: run each pair's prompt twice, once per response (default: once, both attend to it)")
+    grpo = tr.add_argument_group("GRPO (--objective grpo; data rows: prompt + the columns rewards read)")
+    grpo.add_argument("--reward", action="append", metavar="FILE.py:FUNC",
+                      help="a reward function (TRL's signature), or built-in: last_number (the completion's last "
+                           "number equals the row's answer), regex:PATTERN; repeat for several")
+    grpo.add_argument("--reward-weights", help="comma-separated weights, one per --reward (default 1 each)")
+    grpo.add_argument("--num-generations", type=int, help="completions per prompt (default 8)")
+    grpo.add_argument("--max-completion-length", type=int, help="tokens per completion at most (default 512)")
+    grpo.add_argument("--temperature", type=float, help="sampling temperature (default 1.0)")
+    grpo.add_argument("--top-p", type=float)
+    grpo.add_argument("--top-k", type=int)
+    grpo.add_argument("--epsilon", type=float, help="ratio clip range (default 0.2)")
+    grpo.add_argument("--epsilon-high", type=float, help="upper clip (DAPO: 0.28; default --epsilon)")
+    grpo.add_argument("--delta", type=float, help="two-sided GRPO: the ratio's cap (> 1)")
+    grpo.add_argument("--loss-type", choices=["dapo", "grpo", "dr_grpo", "bnpo"], help="(default dapo)")
+    grpo.add_argument("--scale-rewards", choices=["group", "batch", "none"], help="(default group)")
+    grpo.add_argument("--num-iterations", type=int, help="optimizer steps per batch of completions (default 1)")
+    grpo.add_argument("--importance-sampling-level", choices=["token", "sequence"], help="sequence: GSPO")
+    grpo.add_argument("--mask-truncated-completions", action="store_true",
+                      help="completions cut at --max-completion-length carry no loss")
     tr.add_argument("--config", help="YAML file of TrainConfig options (command-line flags override it)")
     tr.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     tr.add_argument("--max-steps", type=int)

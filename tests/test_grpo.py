@@ -197,3 +197,167 @@ def test_one_step_on_a_tiny_model_gives_trls_loss_and_lora_gradients(tiny_tokeni
     assert logged["kl"] > 1e-4  # the adapters moved the policy from the reference: the KL term was compared
     _grads_close(grads, trainer.model, rtol=3e-4)
     assert COMMON["num_hidden_layers"] == 2
+
+
+# ---- rollouts, rewards and runs as a user drives them ----
+
+ADDITIONS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (2, 2), (5, 1)]]
+
+
+def _tiny_model(tokenizer):
+    from jaxtune.config import ModelConfig
+    from jaxtune.model import init_model
+    from jaxtune.qlora import quantize_layers
+
+    cfg = ModelConfig(model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, eos_token_id=tokenizer.eos_token_id)
+    return quantize_layers(init_model(cfg, dtype="float32", seed=0))
+
+
+def _grpo_config(**overrides):
+    import jaxtune
+
+    values = dict(objective="grpo", seq_len=40, max_completion_length=12, num_generations=4, micro_batch_size=8,
+                  max_steps=2, learning_rate=1e-2, warmup_steps=0, schedule="constant", lora_r=4)
+    return jaxtune.TrainConfig(**{**values, **overrides})
+
+
+def _length_reward(prompts, completions, **_):
+    return [float(len(c) % 3) for c in completions]
+
+
+def test_sampling_uses_the_current_adapters_stops_at_eos_and_is_seeded(tiny_tokenizer):
+    """top_k=1 sampling from (graphdef, adapters, frozen) equals greedy generation of the model holding those
+    adapters; a row ends with its EOS and -1 after it; the same key gives the same completions, another key other
+    ones; ignore_eos never samples EOS."""
+    from flax import nnx
+
+    from conftest import set_random_lora
+    from jaxtune.generate import generate_tokens
+    from jaxtune.qlora import get_peft_model
+    from jaxtune.rl.rollout import completion_lists, sample_completions
+
+    model = set_random_lora(get_peft_model(_tiny_model(tiny_tokenizer), r=4, seed=1), seed=3)
+    graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    prompts = [tiny_tokenizer(r["prompt"])["input_ids"] for r in ADDITIONS] + [[5, 6]]
+    eos = (tiny_tokenizer.eos_token_id,)
+    sample = lambda key, **kw: sample_completions(  # noqa: E731
+        graphdef, lora, frozen, prompts, jax.random.key(key), max_new_tokens=10, eos_ids=eos, pad_id=0,
+        **{"temperature": 1.0, "top_p": 1.0, "top_k": 0, **kw})
+    greedy = generate_tokens(model, prompts, max_new_tokens=10, eos_ids=eos)
+    top1 = completion_lists(sample(0, top_k=1))
+    assert [c[:-1] if c and c[-1] in eos else c for c in top1] == greedy
+    a, b, c = sample(0), sample(0), sample(1)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    for row in completion_lists(a):
+        assert all(t >= 0 for t in row) and all(t not in eos for t in row[:-1])
+    forced = sample(0, ignore_eos=True, temperature=3.0)
+    assert (forced >= 0).all() and not np.isin(forced, eos).any()
+
+
+def test_rollout_rows_put_each_completion_token_where_it_is_predicted():
+    from jaxtune.rl.rollout import rollout_rows
+
+    prompts, completions = [[7, 8, 9], [4]], [[10, 11, 2], [12, 13, 14]]
+    rows, truncated = rollout_rows(prompts, completions, 8, eos_ids=[2], mask_truncated=False)
+    np.testing.assert_array_equal(rows["input_ids"][0], [7, 8, 9, 10, 11, 2, 0, 0])
+    np.testing.assert_array_equal(rows["labels"][0], [IGNORE, IGNORE, 10, 11, 2, IGNORE, IGNORE, IGNORE])
+    np.testing.assert_array_equal(rows["labels"][1], [12, 13, 14, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE])
+    np.testing.assert_array_equal(rows["segment_ids"][1], [1, 1, 1, 1, 0, 0, 0, 0])
+    np.testing.assert_array_equal(rows["positions"][0][:6], np.arange(6))
+    assert truncated.tolist() == [False, True]
+    masked, _ = rollout_rows(prompts, completions, 8, eos_ids=[2], mask_truncated=True)
+    assert (masked["labels"][1] == IGNORE).all() and (masked["labels"][0] == rows["labels"][0]).all()
+
+
+def test_reward_functions_by_callable_file_and_builtin_name(tmp_path):
+    from jaxtune.errors import ConfigError
+    from jaxtune.rl.rewards import resolve_rewards, score
+
+    (tmp_path / "r.py").write_text("def shouty(prompts, completions, **kw):\n"
+                                   "    return [float(c.isupper()) if c else None for c in completions]\n")
+    funcs = resolve_rewards([f"{tmp_path}/r.py:shouty", "last_number", r"regex:.*\d$", _length_reward])
+    assert [f.name for f in funcs] == ["shouty", "last_number", "regex", "_length_reward"]
+    got = score(funcs, ["q"] * 3, ["HI 4", "it is 5", ""], [[1], [2], []], {"answer": ["4", "4", None]},
+                ["r0", "r1", "r2"])
+    want = np.array([[1, 1, 1, 1], [0, 0, 1, 1], [np.nan, np.nan, 0, 0]], np.float32)
+    np.testing.assert_array_equal(got, want)
+    for bad, fix in [(f"{tmp_path}/nope.py:f", "no file"), (f"{tmp_path}/r.py:missing", "no function 'missing'"),
+                     ("regex:(", "not a regular expression"), ("shouty", "unknown reward")]:
+        with pytest.raises(ConfigError, match=fix):
+            resolve_rewards([bad])
+
+
+@pytest.mark.parametrize("body, message", [
+    ("raise KeyError('answer')", r"reward function bad raised KeyError: 'answer' \(batch starting at data\[\d\]\)"),
+    ("return [1.0]", r"reward function bad returned 1 rewards for 8 completions"),
+    ("return ['x'] * len(completions)", r"reward function bad returned 'x' for completion 0 \(data\[\d\]\)"),
+])
+def test_a_bad_reward_function_stops_the_run_with_one_line_and_the_last_checkpoint_intact(
+        tiny_tokenizer, tmp_path, body, message):
+    """It fails at step 2 (step 1 scored fine and was saved): the error names the function and the row, and
+    the run directory's checkpoint of step 1 still resumes."""
+    import jaxtune
+    from jaxtune.rl.rewards import RewardError
+
+    calls = []
+
+    def bad(prompts, completions, **_):
+        calls.append(1)
+        if len(calls) == 1:
+            return [0.0] * len(completions)
+        exec(compile(f"def f(completions):\n    {body}", "<reward>", "exec"), scope := {})
+        return scope["f"](completions)
+
+    run = tmp_path / "run"
+    with pytest.raises(RewardError, match=message):
+        jaxtune.train(_tiny_model(tiny_tokenizer), tiny_tokenizer, ADDITIONS, _grpo_config(save_steps=1, max_steps=3),
+                      out_dir=run, reward_funcs=[bad], progress=False)
+    result = jaxtune.train(_tiny_model(tiny_tokenizer), tiny_tokenizer, ADDITIONS, _grpo_config(max_steps=2),
+                           out_dir=run, resume=True, reward_funcs=[_length_reward], progress=False)
+    assert result.steps == 2 and len(result.losses) == 2
+
+
+def test_a_grpo_run_resumes_exactly_and_logs_trls_metrics_and_completions(tiny_tokenizer, tmp_path):
+    """4 steps straight, or 2 then a resume to 4: the same losses (rollouts are seeded by step, the prompt order
+    is saved; with num_iterations 2 the resume is at a batch's start); metrics.jsonl has TRL's names,
+    completions.jsonl the sampled completions of each new batch with their rewards."""
+    import json
+
+    import jaxtune
+
+    def run(out, steps, resume=False, **kw):
+        return jaxtune.train(_tiny_model(tiny_tokenizer), tiny_tokenizer, ADDITIONS, _grpo_config(max_steps=steps, **kw),
+                             out_dir=out, resume=resume, reward_funcs=[_length_reward, "last_number"],
+                             reward_weights=[1.0, 0.5], progress=False)
+
+    straight = run(tmp_path / "a", 4, beta=0.04, num_iterations=2)
+    run(tmp_path / "b", 2, beta=0.04, num_iterations=2)
+    resumed = run(tmp_path / "b", 4, resume=True, beta=0.04, num_iterations=2)
+    np.testing.assert_allclose(resumed.losses, straight.losses, rtol=1e-6)
+    records = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    for name in ("reward", "reward_std", "frac_reward_zero_std", "rewards/_length_reward/mean",
+                 "rewards/last_number/std", "completions/mean_length", "completions/min_length",
+                 "completions/max_length", "completions/clipped_ratio", "kl", "entropy", "clip_ratio/region_mean"):
+        assert all(np.isfinite(r[name]) for r in records), name
+    assert records[1]["kl"] > 0 and records[0]["kl"] == 0  # the adapters left the reference after step 1
+    samples = [json.loads(x) for x in (tmp_path / "a" / "completions.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {1, 3} and set(samples[0]["rewards"]) == {"_length_reward",
+                                                                                       "last_number"}
+    assert samples[0]["prompt"] in [r["prompt"] for r in ADDITIONS] and isinstance(samples[0]["completion"], str)
+
+
+def test_grpo_settings_are_checked_before_any_work():
+    import jaxtune
+    from jaxtune.errors import ConfigError
+
+    for bad, match in [(dict(micro_batch_size=6), "not a multiple of num_generations 4"),
+                       (dict(max_completion_length=40), "leaves no room for a prompt"),
+                       (dict(num_generations=1), "num_generations must be an integer >= 2"),
+                       (dict(epsilon_high=0.1), "epsilon_high 0.1 is below epsilon"),
+                       (dict(loss_type="ppo"), "unknown loss_type"),
+                       (dict(eval_fraction=0.1), "eval_fraction does not apply to objective 'grpo'")]:
+        with pytest.raises(ConfigError, match=match):
+            _grpo_config(**bad)
+    assert jaxtune.TrainConfig(objective="grpo").beta == 0.0 and jaxtune.TrainConfig(objective="dpo").beta == 0.1

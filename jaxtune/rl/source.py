@@ -36,6 +36,8 @@ class Rollouts:
     num_iterations steps (the steps between reuse it, with the sampling policy's log-probabilities for the
     ratio); `metrics` holds the last batch's reward and completion metrics under TRL's names."""
 
+    ignore_eos = False  # benchmarks set it: every completion runs max_completion_length tokens
+
     def __init__(self, rows: Sequence[Row], prompt_ids: list[list[int]], tokenizer: Any, model, cfg,
                  funcs: Sequence[RewardFunction], weights: np.ndarray, run_dir: str | None, lead: bool):
         self.rows, self.prompt_ids, self.tokenizer, self.cfg = list(rows), prompt_ids, tokenizer, cfg
@@ -52,7 +54,6 @@ class Rollouts:
         self.stream: BatchStream | None = None
         self._cached: dict[str, np.ndarray] | None = None
         self._logps_fn = None
-        self.ignore_eos = False  # benchmarks: every completion runs max_completion_length tokens
 
     def __len__(self) -> int:
         """Completions one pass over the prompts makes (what auto batch may fill)."""

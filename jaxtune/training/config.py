@@ -38,7 +38,8 @@ class TrainConfig:
     eval_fraction: float = 0.0
     seed: int = 0
     # batch
-    micro_batch_size: int | str = 4  # or "auto": the largest that fits device memory
+    # or "auto": the largest that fits device memory; default 4 (GRPO: num_generations, one prompt's group)
+    micro_batch_size: int | str | None = None
     grad_accum: int = 1
     # optimizer
     learning_rate: float = 2e-4
@@ -119,6 +120,8 @@ class TrainConfig:
         """Every field checked (type, range, choices) and the combinations that cannot work refused, each with
         a one-line ConfigError naming the field, the value and the fix; numbers written as YAML strings
         ("2e-4") are read as numbers."""
+        if self.micro_batch_size is None:
+            self.micro_batch_size = self.num_generations if self.objective == "grpo" else 4
         if self.beta is None:
             self.beta = 0.0 if self.objective == "grpo" else 0.1
         for f in dataclasses.fields(self):
