@@ -36,7 +36,13 @@ def main() -> None:
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--compute", default="bf16")
     ap.add_argument("--profile", help="trace step 4 to this folder and print its GPU time by kernel class")
+    ap.add_argument("--fused-rows", type=int, help="NF4 projections of up to this many rows (decoding) take the fused "
+                                                   "kernel instead of dequantize + cuBLAS (the table's default: 16)")
     args = ap.parse_args()
+    if args.fused_rows:
+        from jaxtune.ops import dispatch
+
+        dispatch.NF4_TABLE = ((args.fused_rows, "fused"), (float("inf"), "dequant+dot"))
 
     import jax
     import jax.numpy as jnp
@@ -86,6 +92,7 @@ def main() -> None:
         generated = micro * accum * args.completion
         print(json.dumps({
             "system": "jaxtune", "device": kind, "batch": spec, "completions_per_step": micro * accum,
+            "fused_rows": args.fused_rows or 16,
             "step_s": round(step_s, 3), "rollout_s": round(rollout_s, 3),
             "rest_s": round(step_s - rollout_s, 3), "generated_tok_s": round(generated / rollout_s),
             "step_completion_tok_s": round(generated / step_s),

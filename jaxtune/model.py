@@ -57,10 +57,12 @@ class Embed(nnx.Module):
 
 
 class LayerCache(NamedTuple):
-    """One layer's slice of the KV cache: k, v [B, S, Hkv, D]."""
+    """The KV cache a layer reads and writes: every layer's k, v [L, B, S, Hkv, D] and this layer's index. The
+    stacks are the layer loop's carry, so a step writes its new tokens in place instead of copying the cache."""
 
     k: jax.Array
     v: jax.Array
+    layer: jax.Array | int = 0
 
 
 class KVCache(NamedTuple):
@@ -115,13 +117,16 @@ class Attention(nnx.Module):
         if cache is None:
             out = ops.attention(q, k, v, q_segment_ids=segment_ids, sliding_window=self.sliding_window)
         else:
-            start = (0, cache_index, 0, 0)
+            start = (cache.layer, 0, cache_index, 0, 0)
             cache = LayerCache(
-                jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), start),
-                jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), start),
+                jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), start),
+                jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start),
+                cache.layer,
             )
+            layer_k = jax.lax.dynamic_index_in_dim(cache.k, cache.layer, 0, keepdims=False)
+            layer_v = jax.lax.dynamic_index_in_dim(cache.v, cache.layer, 0, keepdims=False)
             out = ops.attention(
-                q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), q_segment_ids=segment_ids,
+                q, layer_k.astype(q.dtype), layer_v.astype(q.dtype), q_segment_ids=segment_ids,
                 kv_segment_ids=cache_segment_ids, q_offset=cache_index, sliding_window=self.sliding_window,
             )
         out = self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim), fold_rng(rng, 3))
@@ -290,8 +295,8 @@ class CausalLM(nnx.Module):
     ) -> tuple[jax.Array, KVCache]:
         """Runs new tokens [B, T] written at cache slots [cache_index, cache_index + T); returns logits and cache."""
         seg = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids.astype(jnp.int32), (0, cache_index))
-        h, (k, v) = self._decode(input_ids, positions, segment_ids, LayerCache(cache.k, cache.v), (seg, cache_index))
-        return self.logits(h), KVCache(k, v, seg)
+        h, written = self._decode(input_ids, positions, segment_ids, LayerCache(cache.k, cache.v), (seg, cache_index))
+        return self.logits(h), KVCache(written.k, written.v, seg)
 
     def _decode(self, input_ids, positions, segment_ids, cache, cache_args, dropout_rng=None):
         cos, sin = rope_tables(self.config, positions)
@@ -350,8 +355,16 @@ class CausalLM(nnx.Module):
                            (codes_state, cos, sin, segment_ids), self.config.num_layers, unrolled=unrolled)
             return self.norm(h), None
         layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-        h, new_cache = jax.lax.scan(rematerialized(stacked_body), h, (sliced_state, cache, layer_rngs, layers))
-        return self.norm(h), new_cache
+
+        def cached_body(carry, xs):  # the cache stacks ride in the carry: each layer updates them in place
+            h, k, v = carry
+            sliced, rng, index = xs
+            h, written = stacked_body(h, (sliced, LayerCache(k, v, index), rng, index))
+            return (h, written.k, written.v), None
+
+        (h, k, v), _ = jax.lax.scan(rematerialized(cached_body), (h, cache.k, cache.v),
+                                    (sliced_state, layer_rngs, layers))
+        return self.norm(h), LayerCache(k, v)
 
     def _kernel_ready_layers(self) -> nnx.Module:
         """The decoder layers with every NF4 projection's kernel scales prepared for all layers at once (a copy
