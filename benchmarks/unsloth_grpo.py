@@ -52,7 +52,7 @@ def main() -> None:
     path, micro, accum = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     ckpt = {"false": False, "true": True}.get(sys.argv[4].lower(), sys.argv[4]) if len(sys.argv) > 4 else "unsloth"
     profiled = StepProfile(first=3, count=1) if len(sys.argv) > 5 and sys.argv[5] == "profile" else None
-    steps, prompt, completion, g = 4, 256, 512, 8
+    steps, prompt, completion, g = 3, 256, 512, 8
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 

@@ -159,6 +159,17 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="session")
+def smollm2_nf4(smollm2_path, tmp_path_factory):
+    """The bundled SmolLM2 converted to jaxtune's NF4 checkpoint once per worker: the example scripts find it in
+    their output directory and skip converting (the README's shell block and test_convert convert for real)."""
+    import jaxtune
+
+    path = tmp_path_factory.mktemp("smollm2") / "smollm2-nf4"
+    jaxtune.convert("smollm2", path, quantize="nf4")
+    return path
+
+
+@pytest.fixture(scope="session")
 def tuned_smollm2(smollm2_path):
     """The bundled SmolLM2 (float32, unquantized base) after 2 LoRA training steps on tiny chats (trained once per
     worker: the tests that take it only read it)."""

@@ -53,7 +53,8 @@ def test_readme_shell_block_runs_on_the_cli(smollm2_path, tmp_path):
     assert "onto" in proc.stdout and proc.stdout.strip().splitlines()[-1]  # the generation printed something
 
 
-@pytest.mark.parametrize("script", ["train_own_chat.py", "export_and_run_merged.py", "demo.py", "dpo_demo.py"])
+@pytest.mark.parametrize("script", ["train_own_chat.py", "export_and_run_merged.py", "demo.py", "dpo_demo.py",
+                                    "grpo_demo.py"])
 def test_example_scripts_have_help(script):
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--help"], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
@@ -70,7 +71,7 @@ def test_shipped_demo_data_is_what_the_generator_writes(tmp_path):
         assert (tmp_path / "examples" / "data" / name).read_text() == (ROOT / "examples" / "data" / name).read_text()
 
 
-def test_demo_runs_end_to_end(smollm2_path, tmp_path):
+def test_demo_runs_end_to_end(smollm2_path, tmp_path, request):
     """`make demo` runs examples/demo.py. CI runs it in full just before the suite and names its output directory
     in JAXTUNE_TEST_DEMO_RUN: then this checks that run's outputs instead of running it a second time; otherwise
     it runs here with 2 steps scored on 2 prompts (the README's numbers come from the full 30 steps, 24 prompts)."""
@@ -81,6 +82,8 @@ def test_demo_runs_end_to_end(smollm2_path, tmp_path):
         out, steps = Path(done), 30
     else:
         out, steps = tmp_path / "demo", 2
+        out.mkdir()
+        (out / "smollm2-nf4").symlink_to(request.getfixturevalue("smollm2_nf4"))  # converted once per worker
         proc = subprocess.run([sys.executable, "examples/demo.py", "--steps", "2", "--eval-limit", "2", "--out",
                                str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900,
                               env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -93,8 +96,10 @@ def test_demo_runs_end_to_end(smollm2_path, tmp_path):
     assert records[-1]["step"] == steps and all(np.isfinite(r["loss"]) for r in records)
 
 
-def test_dpo_demo_runs_end_to_end(smollm2_path, tmp_path):
+def test_dpo_demo_runs_end_to_end(smollm2_nf4, tmp_path):
     """examples/dpo_demo.py with few steps (docs/training.md's numbers come from the full 40)."""
+    (tmp_path / "dpo").mkdir()
+    (tmp_path / "dpo" / "smollm2-nf4").symlink_to(smollm2_nf4)  # converted once per worker
     proc = subprocess.run([sys.executable, "examples/dpo_demo.py", "--steps", "2", "--eval-limit", "2", "--out",
                            str(tmp_path / "dpo")],
                           cwd=ROOT, capture_output=True, text=True, timeout=900,
@@ -107,3 +112,22 @@ def test_dpo_demo_runs_end_to_end(smollm2_path, tmp_path):
     assert 0.0 <= results["eval_reward_accuracy_after"] <= 1.0
     records = [json.loads(line) for line in (tmp_path / "dpo" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert "rewards/margins" in records[-1] and "eval_rewards/accuracies" in records[-1]
+
+
+def test_grpo_demo_runs_end_to_end(smollm2_nf4, tmp_path):
+    """examples/grpo_demo.py with 2 steps scored on 2 held-out questions (docs/training.md's numbers come from the
+    full 20 steps and 32 questions)."""
+    import json
+
+    (tmp_path / "grpo").mkdir()
+    (tmp_path / "grpo" / "smollm2-nf4").symlink_to(smollm2_nf4)  # converted once per worker
+    proc = subprocess.run([sys.executable, "examples/grpo_demo.py", "--steps", "2", "--eval-limit", "2", "--out",
+                           str(tmp_path / "grpo")], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads((tmp_path / "grpo" / "results.json").read_text())
+    assert results["steps"] == 2 and 0.0 <= results["right_after"] <= 1.0
+    records = [json.loads(line) for line in (tmp_path / "grpo" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0.0 <= r["reward"] <= 1.0 and "rewards/last_number/mean" in r for r in records)
+    samples = (tmp_path / "grpo" / "run" / "completions.jsonl").read_text().splitlines()
+    assert len(samples) == 2 * 8 and "held-out sums right" in proc.stdout
