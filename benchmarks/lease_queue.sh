@@ -8,6 +8,10 @@ t_start=${t_start:-$(date +%s)}
 stage() { echo "=== $1 $(date +%T)" | tee -a /tmp/jt/stages; }
 status() { echo "--- $1 exit $2" | tee -a /tmp/jt/stages /tmp/jt/runs.log; }
 tagged() { json_lines | sed -u "s/^{/{\"run\": \"$1\", /" | tee -a "$out"; }
+run() {  # run NAME COMMAND...: one run, its JSON lines tagged
+  local name=$1; shift
+  stage "$name"; "$@" 2>&1 | tagged "$name"; status "$name" "${PIPESTATUS[0]}"
+}
 jt() {  # jt NAME train_qlora-arguments...
   local name=$1; shift
   stage "$name"; PYTHONPATH=. python3 benchmarks/train_qlora.py "$@" 2>&1 | tagged "$name"; status "$name" "${PIPESTATUS[0]}"

@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 
 import jaxtune
+from bundled_smollm2 import load_converted
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -37,15 +38,7 @@ def main() -> None:
     args = ap.parse_args()
     start = time.perf_counter()
     out = Path(args.out)
-    converted = out / "smollm2-nf4"
-    if not (converted / "jaxtune.json").exists():
-        print(f"[1/4] converting the bundled SmolLM2-135M-Instruct to NF4 -> {converted}")
-        shutil.rmtree(converted, ignore_errors=True)
-        jaxtune.convert("smollm2", converted, quantize="nf4")
-    else:
-        print(f"[1/4] using the converted checkpoint in {converted}")
-    on_cpu = jax.local_devices()[0].platform == "cpu"
-    model, tokenizer = jaxtune.from_pretrained(converted, dtype="float32" if on_cpu else "bfloat16")
+    model, tokenizer, converted = load_converted(out)
     evals = [json.loads(line) for line in (DATA / "people_eval.jsonl").read_text().splitlines()][:args.eval_limit]
 
     print(f"[2/4] scoring the base model on {len(evals)} held-out prompts")

@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 
 import jaxtune
+from bundled_smollm2 import load_converted
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -46,13 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     start = time.perf_counter()
     out = Path(args.out)
-    converted = out / "smollm2-nf4"
-    if not (converted / "jaxtune.json").exists():
-        print(f"[1/4] converting the bundled SmolLM2-135M-Instruct to NF4 -> {converted}")
-        shutil.rmtree(converted, ignore_errors=True)
-        jaxtune.convert("smollm2", converted, quantize="nf4")
-    on_cpu = jax.local_devices()[0].platform == "cpu"
-    model, tokenizer = jaxtune.from_pretrained(converted, dtype="float32" if on_cpu else "bfloat16")
+    model, tokenizer, converted = load_converted(out)
     questions = [json.loads(line)["prompt"] for line in (DATA / "caps_eval.jsonl").read_text().splitlines()]
     questions = questions[:args.eval_limit]
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import jax
 
 import jaxtune
+from bundled_smollm2 import load_converted
 from jaxtune.rl.rewards import last_number
 
 
@@ -48,13 +49,7 @@ def main() -> None:
     args = ap.parse_args()
     start = time.perf_counter()
     out = Path(args.out)
-    converted = out / "smollm2-nf4"
-    if not (converted / "jaxtune.json").exists():
-        print(f"[1/4] converting the bundled SmolLM2-135M-Instruct to NF4 -> {converted}")
-        shutil.rmtree(converted, ignore_errors=True)
-        jaxtune.convert("smollm2", converted, quantize="nf4")
-    on_cpu = jax.local_devices()[0].platform == "cpu"
-    model, tokenizer = jaxtune.from_pretrained(converted, dtype="float32" if on_cpu else "bfloat16")
+    model, tokenizer, converted = load_converted(out)
     held_out = additions(32, seed=1)[:args.eval_limit]
 
     print(f"[2/4] the base model answers {len(held_out)} held-out additions (greedy)")

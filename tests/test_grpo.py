@@ -361,3 +361,12 @@ def test_grpo_settings_are_checked_before_any_work():
         with pytest.raises(ConfigError, match=match):
             _grpo_config(**bad)
     assert jaxtune.TrainConfig(objective="grpo").beta == 0.0 and jaxtune.TrainConfig(objective="dpo").beta == 0.1
+
+
+def test_auto_batch_keeps_whole_groups():
+    from jaxtune.errors import JaxtuneError
+    from jaxtune.training.loop import _whole_groups
+
+    assert _whole_groups(13, 1, 4) == 12 and _whole_groups(7, 2, 8) == 4 and _whole_groups(8, 1, 8) == 8
+    with pytest.raises(JaxtuneError, match="raise grad_accum"):
+        _whole_groups(5, 1, 8)

@@ -235,6 +235,8 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
               f"recomputed from it (one more forward each; {host.describe()})", flush=True)
     if cfg.micro_batch_size == "auto":
         micro = choose_micro_batch(cfg, step_fn, lora, opt_state, frozen, rows=len(batches))
+        if cfg.objective == "grpo":  # whole groups per step: the largest that fits and keeps them whole
+            micro = _whole_groups(micro, cfg.grad_accum, cfg.num_generations)
         if lead:
             print(f"micro_batch_size auto: {micro} (device memory, and the {len(batches)} rows the dataset packs "
                   "into, allow it)", flush=True)
@@ -384,6 +386,16 @@ def _to_host_memory(model: CausalLM, opt_state, frozen, optimizer: bool, embeddi
     if embedding:
         frozen = embedding_to_host(model, frozen)
     return opt_state, frozen
+
+
+def _whole_groups(micro: int, accum: int, generations: int) -> int:
+    """The largest micro-batch <= `micro` whose step (x `accum`) holds whole groups of `generations` completions."""
+    fitting = [m for m in range(micro, 0, -1) if (m * accum) % generations == 0]
+    if not fitting:
+        raise JaxtuneError(f"micro_batch_size auto found {micro} completions per micro-batch fit, but no micro-batch up "
+                           f"to that times grad_accum {accum} is a multiple of num_generations {generations}; raise "
+                           f"grad_accum (e.g. {generations}) or lower num_generations")
+    return fitting[0]
 
 
 def _fits_device(step_fn, lora, opt_state, frozen, cfg: TrainConfig, unit: int) -> bool:

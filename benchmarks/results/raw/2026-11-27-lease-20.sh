@@ -6,10 +6,6 @@
 set -u
 . benchmarks/lease_queue.sh
 ckpt llama3-8b /tmp/bnb4_8b
-run() {  # run NAME COMMAND...: one run, its JSON lines tagged
-  local name=$1; shift
-  stage "$name"; "$@" 2>&1 | tagged "$name"; status "$name" "${PIPESTATUS[0]}"
-}
 run jaxtune-grpo-8x8 env PYTHONPATH=. python3 benchmarks/grpo_qlora.py /tmp/bnb4_8b --batches 8x8 --steps 3
 run unsloth-grpo-8x8 env PYTHONPATH=$here/.site python3 benchmarks/unsloth_grpo.py /tmp/bnb4_8b 8 8 unsloth profile
 stage all-done

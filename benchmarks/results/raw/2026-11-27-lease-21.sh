@@ -5,10 +5,6 @@
 set -u
 . benchmarks/lease_queue.sh
 ckpt llama3-8b /tmp/bnb4_8b
-run() {  # run NAME COMMAND...: one run, its JSON lines tagged
-  local name=$1; shift
-  stage "$name"; "$@" 2>&1 | tagged "$name"; status "$name" "${PIPESTATUS[0]}"
-}
 run jaxtune-grpo-fused64 env PYTHONPATH=. python3 benchmarks/grpo_qlora.py /tmp/bnb4_8b --batches 8x8 --steps 3 --fused-rows 64 --profile /tmp/jt/trace21
 run jaxtune-grpo-default env PYTHONPATH=. python3 benchmarks/grpo_qlora.py /tmp/bnb4_8b --batches 8x8 --steps 3
 stage all-done
