@@ -355,6 +355,9 @@ class CausalLM(nnx.Module):
                            (codes_state, cos, sin, segment_ids), self.config.num_layers, unrolled=unrolled)
             return self.norm(h), None
         layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        if cache is None:  # remat "offload" on one group of layers: the plain loop, no cache
+            h, _ = jax.lax.scan(rematerialized(stacked_body), h, (sliced_state, None, layer_rngs, layers))
+            return self.norm(h), None
 
         def cached_body(carry, xs):  # the cache stacks ride in the carry: each layer updates them in place
             h, k, v = carry
