@@ -59,7 +59,7 @@ def main() -> None:
     shutil.rmtree(run, ignore_errors=True)
     cfg = jaxtune.TrainConfig(objective=args.objective, beta=args.beta, seq_len=256, micro_batch_size=4,
                               max_steps=args.steps, learning_rate=args.lr, schedule="cosine", warmup_steps=2, lora_r=16,
-                              lora_alpha=32, eval_fraction=0.1, eval_steps=max(args.steps // 4, 1))
+                              lora_alpha=32, eval_fraction=0.1, eval_steps=args.steps // 4)  # 0: at the end only
     records: list[dict] = []
     result = jaxtune.train(model, tokenizer, DATA / "caps_train.jsonl", cfg, out_dir=run, base_model=str(converted),
                            callback=records.append)

@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default="runs/grpo-demo")
     ap.add_argument("--eval-limit", type=int, default=None, help="score the first N held-out questions only")
+    ap.add_argument("--prompts-per-step", type=int, default=4, help="questions per step, 8 answers sampled to each")
     args = ap.parse_args()
     start = time.perf_counter()
     out = Path(args.out)
@@ -55,10 +56,11 @@ def main() -> None:
     print(f"[2/4] the base model answers {len(held_out)} held-out additions (greedy)")
     right_before, before = accuracy(model, tokenizer, held_out)
 
-    print(f"[3/4] GRPO for {args.steps} steps: 8 sampled answers to each of 4 questions per step")
+    print(f"[3/4] GRPO for {args.steps} steps: 8 sampled answers to each of {args.prompts_per_step} questions per step")
     run = out / "run"
     shutil.rmtree(run, ignore_errors=True)
-    cfg = jaxtune.TrainConfig(objective="grpo", num_generations=8, micro_batch_size=32, max_completion_length=16,
+    cfg = jaxtune.TrainConfig(objective="grpo", num_generations=8, micro_batch_size=8 * args.prompts_per_step,
+                              max_completion_length=16,
                               seq_len=64, temperature=0.7, max_steps=args.steps, learning_rate=2e-4,
                               schedule="constant", lora_r=16, lora_alpha=32, seed=0)
     records: list[dict] = []

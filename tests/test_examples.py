@@ -115,14 +115,15 @@ def test_dpo_demo_runs_end_to_end(smollm2_nf4, tmp_path):
 
 
 def test_grpo_demo_runs_end_to_end(smollm2_nf4, tmp_path):
-    """examples/grpo_demo.py with 2 steps scored on 2 held-out questions (docs/training.md's numbers come from the
-    full 20 steps and 32 questions)."""
+    """examples/grpo_demo.py with 2 steps of one question's 8 answers, scored on 2 held-out questions
+    (docs/training.md's numbers come from the full 20 steps of 4 questions, 32 held-out)."""
     import json
 
     (tmp_path / "grpo").mkdir()
     (tmp_path / "grpo" / "smollm2-nf4").symlink_to(smollm2_nf4)  # converted once per worker
-    proc = subprocess.run([sys.executable, "examples/grpo_demo.py", "--steps", "2", "--eval-limit", "2", "--out",
-                           str(tmp_path / "grpo")], cwd=ROOT, capture_output=True, text=True, timeout=900,
+    proc = subprocess.run([sys.executable, "examples/grpo_demo.py", "--steps", "2", "--eval-limit", "2",
+                           "--prompts-per-step", "1", "--out", str(tmp_path / "grpo")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads((tmp_path / "grpo" / "results.json").read_text())
