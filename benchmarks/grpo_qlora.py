@@ -38,7 +38,6 @@ def main() -> None:
     ap.add_argument("--profile", help="trace step 4 to this folder and print its GPU time by kernel class")
     ap.add_argument("--fused-rows", type=int, help="NF4 projections of up to this many rows (decoding) take the fused "
                                                    "kernel instead of dequantize + cuBLAS (the table's default: 16)")
-    ap.add_argument("--merged", action="store_true", help="sample from dense weights merged once per rollout")
     args = ap.parse_args()
     if args.fused_rows:
         from jaxtune.ops import dispatch
@@ -53,7 +52,6 @@ def main() -> None:
     from jaxtune.rl.source import Rollouts
 
     Rollouts.ignore_eos = True
-    Rollouts.merged_sampling = args.merged
     model, tokenizer = jaxtune.from_pretrained(args.model, load_in_4bit=True)
     jaxtune.get_peft_model(model, r=16, lora_alpha=16)
     fresh = jax.tree.map(jnp.copy, nnx.state(model, nnx.LoRAParam))
@@ -94,7 +92,7 @@ def main() -> None:
         generated = micro * accum * args.completion
         print(json.dumps({
             "system": "jaxtune", "device": kind, "batch": spec, "completions_per_step": micro * accum,
-            "fused_rows": args.fused_rows or 16, "merged": args.merged,
+            "fused_rows": args.fused_rows or 16,
             "step_s": round(step_s, 3), "rollout_s": round(rollout_s, 3),
             "rest_s": round(step_s - rollout_s, 3), "generated_tok_s": round(generated / rollout_s),
             "step_completion_tok_s": round(generated / step_s),

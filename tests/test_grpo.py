@@ -370,21 +370,3 @@ def test_auto_batch_keeps_whole_groups():
     assert _whole_groups(13, 1, 4) == 12 and _whole_groups(7, 2, 8) == 4 and _whole_groups(8, 1, 8) == 8
     with pytest.raises(JaxtuneError, match="raise grad_accum"):
         _whole_groups(5, 1, 8)
-
-
-def test_sampling_from_merged_weights_follows_the_nf4_and_adapters_model(tiny_tokenizer):
-    """Dense weights merged once for the rollout (dequantized NF4 + scale * B @ A, float32 here) sample what the
-    NF4 model with its adapters samples: the same greedy (top_k=1) completions."""
-    from flax import nnx
-
-    from conftest import set_random_lora
-    from jaxtune.qlora import get_peft_model
-    from jaxtune.rl.rollout import sample_completions
-
-    model = set_random_lora(get_peft_model(_tiny_model(tiny_tokenizer), r=4, seed=1), seed=3)
-    graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
-    prompts = [tiny_tokenizer(r["prompt"])["input_ids"] for r in ADDITIONS]
-    run = lambda merged: sample_completions(  # noqa: E731
-        graphdef, lora, frozen, prompts, jax.random.key(0), max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=1,
-        eos_ids=(tiny_tokenizer.eos_token_id,), pad_id=0, merged=merged)
-    np.testing.assert_array_equal(run(True), run(False))

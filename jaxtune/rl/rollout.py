@@ -12,11 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtune import nf4, ops
 from jaxtune.data.packing import IGNORE
 from jaxtune.data.sources import DataError, Row
 from jaxtune.generate import cache_length, decode, encode_prompt, left_padded
-from jaxtune.qlora import LoRALinear, NF4Linear, _projections
 
 
 def check_prompt_rows(rows: Sequence[Row]) -> None:
@@ -46,65 +44,24 @@ def encode_prompts(rows: Sequence[Row], tokenizer: Any, max_prompt_tokens: int) 
     return out
 
 
-class MergedLinear(nnx.Module):
-    """A projection as one dense weight [layers, out, in]: its NF4 base dequantized with the adapters' product added,
-    so each decoding step runs one GEMM per projection (no dequantization, no LoRA products)."""
-
-    def __init__(self, weight: jax.Array, bias: jax.Array | None):
-        self.weight = nnx.Param(weight)
-        self.bias = None if bias is None else nnx.Param(bias)
-
-    def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
-        return ops.linear(x, self.weight[...], None if self.bias is None else self.bias[...])
-
-
-def merge_for_sampling(model) -> None:
-    """Replaces every NF4 (+ LoRA) projection of a model local to a trace by its merged dense weight, one layer's
-    float32 dequantization at a time (the model's dtype then holds every layer: 2 bytes per weight in bf16)."""
-    for name, parent, proj in _projections(model):
-        lora = proj if isinstance(proj, LoRALinear) else None
-        base = lora.base if lora is not None else proj
-        if not isinstance(base, NF4Linear):
-            continue
-        arrays = (base.codes[...], base.absmax_codes[...], base.nested_absmax[...], base.offset[...],
-                  base.nested_map[...])
-        adapters = (lora.lora_a[...], lora.lora_b[...]) if lora is not None else ()
-
-        def one(xs, scale=lora.scale if lora is not None else 0.0):
-            w = nf4.dequantize(nf4.NF4Weight(*xs[:5]), jnp.float32)
-            if len(xs) > 5:
-                a, b = xs[5].astype(jnp.float32), xs[6].astype(jnp.float32)
-                w = w + scale * jnp.matmul(b, a, precision=jax.lax.Precision.HIGHEST)
-            return w.astype(model.dtype)
-
-        setattr(parent, name, MergedLinear(jax.lax.map(one, arrays + adapters),
-                                           None if base.bias is None else base.bias[...]))
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len", "temperature", "top_p",
-                                             "top_k", "eos_ids", "ignore_eos", "merged"))
+                                             "top_k", "eos_ids", "ignore_eos"))
 def sample(graphdef, lora, frozen, ids, pad, key, *, max_new_tokens: int, cache_len: int, temperature: float,
-           top_p: float, top_k: int, eos_ids: tuple[int, ...], ignore_eos: bool = False,
-           merged: bool = False) -> jax.Array:
-    """Completions [N, max_new_tokens] (-1 after EOS) of left-padded prompts under the adapters `lora`; `merged`:
-    from dense weights merged once for the rollout (`merge_for_sampling`) instead of the NF4 kernels."""
+           top_p: float, top_k: int, eos_ids: tuple[int, ...], ignore_eos: bool = False) -> jax.Array:
+    """Completions [N, max_new_tokens] (-1 after EOS) of left-padded prompts under the adapters `lora`."""
     model = nnx.merge(graphdef, lora, frozen)
-    if merged:
-        merge_for_sampling(model)
-    else:
-        model.prepare_for_kernels()  # the kernels' scales once per rollout, not once per token
+    model.prepare_for_kernels()  # the kernels' scales once per rollout, not once per token
     return decode(model, ids, pad, key, max_new_tokens=max_new_tokens, cache_len=cache_len,
                   temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=eos_ids, ignore_eos=ignore_eos)
 
 
 def sample_completions(graphdef, lora, frozen, prompt_ids: list[list[int]], key: jax.Array, *, max_new_tokens: int,
                        temperature: float, top_p: float, top_k: int, eos_ids: tuple[int, ...], pad_id: int,
-                       ignore_eos: bool = False, merged: bool = False) -> np.ndarray:
+                       ignore_eos: bool = False) -> np.ndarray:
     ids, pad = left_padded(prompt_ids, pad_id)
     out = sample(graphdef, lora, frozen, jnp.asarray(ids), jnp.asarray(pad), key, max_new_tokens=max_new_tokens,
                  cache_len=cache_length(ids.shape[1], max_new_tokens), temperature=float(temperature),
-                 top_p=float(top_p), top_k=int(top_k), eos_ids=tuple(int(e) for e in eos_ids), ignore_eos=ignore_eos,
-                 merged=merged)
+                 top_p=float(top_p), top_k=int(top_k), eos_ids=tuple(int(e) for e in eos_ids), ignore_eos=ignore_eos)
     return np.asarray(out)
 
 

@@ -37,7 +37,6 @@ class Rollouts:
     ratio); `metrics` holds the last batch's reward and completion metrics under TRL's names."""
 
     ignore_eos = False  # benchmarks set it: every completion runs max_completion_length tokens
-    merged_sampling = False  # sample from dense weights merged once per rollout (memory: 2 bytes per weight in bf16)
 
     def __init__(self, rows: Sequence[Row], prompt_ids: list[list[int]], tokenizer: Any, model, cfg,
                  funcs: Sequence[RewardFunction], weights: np.ndarray, run_dir: str | None, lead: bool):
@@ -90,7 +89,7 @@ class Rollouts:
         completions = completion_lists(sample_completions(
             self.sampler_graphdef, lora, frozen[0] if isinstance(frozen, tuple) else frozen, prompt_ids, key,
             max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            eos_ids=self.eos_ids, pad_id=self.pad_id, ignore_eos=self.ignore_eos, merged=self.merged_sampling))
+            eos_ids=self.eos_ids, pad_id=self.pad_id, ignore_eos=self.ignore_eos))
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         prompts = [r.data["prompt"] for r in prompt_rows]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Hold of 2026-11-27 (one H100, one call): jaxtune GRPO 8x8 sampling from dense weights merged once per rollout
-# (dequantized NF4 + the adapters' product, bf16) beside the default (NF4 dequantize + cuBLAS every token).
+# (dequantized NF4 + the adapters' product, bf16) beside the default (NF4 dequantize + cuBLAS every token); ran at
+# 7de4aaf, whose --merged option was then removed: it gave no gain (rollout 13.05 s against 12.55 s).
 # bash benchmarks/results/raw/poll.sh THIS 22 560
 set -u
 . benchmarks/lease_queue.sh
