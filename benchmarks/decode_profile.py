@@ -39,6 +39,27 @@ def busy_ms(events) -> float:
     return total / 1e3
 
 
+def use_fused_tiles(path: str) -> None:
+    """Decode rows (<= 64, forward) through the fused NF4 kernel, each weight shape with its sweep's best tile."""
+    import importlib
+
+    from jaxtune.ops import dispatch
+    from pallas_kernels.nf4_matmul import MatmulTiles
+
+    best = {(r["N"], r["K"]): MatmulTiles(**r["best_fused"]) for r in json.load(open(path))
+            if r["dir"] == "fwd" and r["M"] == 64 and r.get("best_fused")}
+    nf4_linear = importlib.import_module("jaxtune.ops.nf4_linear")  # the package exports a function of that name
+    default = nf4_linear.kernel_tiles
+
+    def kernel_tiles(m, direction, shape=None):
+        if 16 < m <= 64 and direction == "fwd" and tuple(shape or ()) in best:
+            return best[tuple(shape)]
+        return default(m, direction, shape)
+
+    nf4_linear.kernel_tiles = kernel_tiles
+    dispatch.NF4_TABLE = ((16, "fused"), (64, "fused" if best else "dequant+dot"), (float("inf"), "dequant+dot"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")
@@ -47,7 +68,11 @@ def main() -> None:
     ap.add_argument("--completion", type=int, default=512)
     ap.add_argument("--trace", default="/tmp/decode_trace")
     ap.add_argument("--label", default="default")
+    ap.add_argument("--nf4-table", help="benchmarks/nf4_matmul.py --out JSON: up to 64 rows forward take the fused "
+                                        "kernel with its fastest tile per weight shape (else dequantize + cuBLAS)")
     args = ap.parse_args()
+    if args.nf4_table:
+        use_fused_tiles(args.nf4_table)
 
     import jax
     import jax.numpy as jnp

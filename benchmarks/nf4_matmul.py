@@ -12,6 +12,7 @@ measured. Prints JSON lines, a markdown table, and writes the dispatch table (fa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -48,6 +49,11 @@ def candidates(m: int, direction: str) -> list[MatmulTiles]:
                                                   (64, 64, 16, 4, "gather"), (16, 64, 16, 2, "gather"),
                                                   (64, 64, 8, 4, "select"), (128, 64, 8, 4, "gather"))]
         return tensor_core + (gemv if direction == "fwd" and m <= 4 else [])
+    if m <= 64 and direction == "fwd":  # a GRPO rollout's decode rows: one tile of rows reads each code once
+        return [MatmulTiles(64, bn, bb, split, warps, stages, lut=lut)
+                for bn in (32, 64, 128) for bb in (32, 64) for split in (1, 2, 4) for warps in ((4, 8) if bn == 64 else
+                                                                                          (8,) if bn == 128 else (4,))
+                for stages, lut in ((3, "gather"),)]
     if m <= 256:
         return [MatmulTiles(64, 64, 64, 2, 4, 3), MatmulTiles(128, 128, 64, 1, 8, 3), MatmulTiles(64, 128, 32, 2, 4, 3),
                 MatmulTiles(32, 64, 64, 4, 4, 3)]
@@ -87,6 +93,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ms", default="1,16,128,2048,8192,16384")
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--dirs", default="fwd,dx")
     parser.add_argument("--out", default=None, help="write the fastest variant per case as JSON")
     args = parser.parse_args()
     print(json.dumps({"device": jax.local_devices()[0].device_kind, "jax": jax.__version__}), flush=True)
@@ -98,7 +105,7 @@ def main() -> None:
         absmax = jnp.asarray(rng.uniform(0.01, 0.1, (n, k // 64)).astype(np.float32))
         w = nf4_dequantize_reference(codes, absmax)
         for m in [int(s) for s in args.ms.split(",")]:
-            for direction in ("fwd", "dx"):
+            for direction in args.dirs.split(","):
                 a_len = k if direction == "fwd" else n
                 a = jnp.asarray(rng.standard_normal((m, a_len)), jnp.bfloat16)
                 flops = 2 * m * n * k
@@ -121,6 +128,7 @@ def main() -> None:
                                      for t in candidates(m, direction)})
                     ref = a @ w
                 case = {}
+                tiles_of = {tiles_name(t): t for t in candidates(m, direction)}
                 for name, (op, rest) in variants.items():
                     row = {"shape": shape_name, "N": n, "K": k, "M": m, "dir": direction, "impl": name}
                     try:
@@ -139,7 +147,11 @@ def main() -> None:
                 nf4_impls = {name: us for name, us in case.items() if name != "bf16"}
                 if nf4_impls:
                     best = min(nf4_impls, key=nf4_impls.get)
+                    fused = {name: us for name, us in nf4_impls.items() if name in tiles_of}
+                    best_fused = min(fused, key=fused.get) if fused else None
                     table.append({"N": n, "K": k, "M": m, "dir": direction, "best": best, "us": nf4_impls[best],
+                                  "best_fused": best_fused and dataclasses.asdict(tiles_of[best_fused]),
+                                  "best_fused_us": fused.get(best_fused),
                                   "bf16_us": case.get("bf16"), "speedup_vs_bf16": case.get("bf16", 0) / nf4_impls[best]})
     print("\n| shape | M | dir | bf16 us | xla us | dequant+dot us | best fused | fused us | best/bf16 |")
     print("|---|---|---|---|---|---|---|---|---|")
