@@ -2,7 +2,7 @@
 (benchmarks/make_bnb4_checkpoint.py), through `jaxtune.train` itself, on the prompts benchmarks/unsloth_grpo.py
 gives Unsloth + TRL.
 
-    PYTHONPATH=. python3 benchmarks/grpo_qlora.py /tmp/bnb4_8b --batches 8x8,16x4 [--profile DIR]
+    PYTHONPATH=. python3 benchmarks/grpo_qlora.py /tmp/bnb4_8b --batches 8x8,16x4 [--profile DIR] [--cap-gib 24]
 8 prompts of 256 words (one word is one token), 8 completions each, 512 tokens each with EOS never sampled (both
 sides generate the same number of tokens), LoRA r=16 on the 7 projections, loss dapo, beta 0. A batch is
 MICROxACCUM completions per optimizer step (64 = 8 prompts x 8). One JSON line per batch: the median over the
@@ -38,7 +38,12 @@ def main() -> None:
     ap.add_argument("--profile", help="trace step 4 to this folder and print its GPU time by kernel class")
     ap.add_argument("--fused-rows", type=int, help="NF4 projections of up to this many rows (decoding) take the fused "
                                                    "kernel instead of dequantize + cuBLAS (the table's default: 16)")
+    ap.add_argument("--cap-gib", type=float, help="use only this much GPU memory (a card of that size)")
     args = ap.parse_args()
+    if args.cap_gib:
+        from context_ladder import cap_device_memory
+
+        cap_device_memory(args.cap_gib)
     if args.fused_rows:
         from jaxtune.ops import dispatch
 
@@ -92,6 +97,7 @@ def main() -> None:
         generated = micro * accum * args.completion
         print(json.dumps({
             "system": "jaxtune", "device": kind, "batch": spec, "completions_per_step": micro * accum,
+            "cap_gib": args.cap_gib,
             "fused_rows": args.fused_rows or 16,
             "step_s": round(step_s, 3), "rollout_s": round(rollout_s, 3),
             "rest_s": round(step_s - rollout_s, 3), "generated_tok_s": round(generated / rollout_s),

@@ -80,7 +80,7 @@ def decode(model: CausalLM, ids: jax.Array, pad: jax.Array, key: jax.Array, *, m
     seg = (idx >= pad[:, None]).astype(jnp.int32)  # left padding is segment 0: never attended by real tokens
     pos = jnp.maximum(idx - pad[:, None], 0)
     cache = KVCache.empty(model.config, batch, cache_len, model.dtype)
-    logits, cache = model.forward_with_cache(ids, pos, seg, cache, jnp.int32(0))
+    logits, cache = model.forward_with_cache(ids, pos, seg, cache, jnp.int32(0), last_only=True)
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
 
     def pick(logits, key):

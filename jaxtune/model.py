@@ -292,11 +292,14 @@ class CausalLM(nnx.Module):
         segment_ids: jax.Array,
         cache: KVCache,
         cache_index: jax.Array,
+        last_only: bool = False,
     ) -> tuple[jax.Array, KVCache]:
-        """Runs new tokens [B, T] written at cache slots [cache_index, cache_index + T); returns logits and cache."""
+        """Runs new tokens [B, T] written at cache slots [cache_index, cache_index + T); returns logits and cache.
+        `last_only`: logits of the last token only ([B, 1, V]; a prefill needs no more, and all T positions' float32
+        logits would be the largest array of a sampled batch's prefill)."""
         seg = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids.astype(jnp.int32), (0, cache_index))
         h, written = self._decode(input_ids, positions, segment_ids, LayerCache(cache.k, cache.v), (seg, cache_index))
-        return self.logits(h), KVCache(written.k, written.v, seg)
+        return self.logits(h[:, -1:] if last_only else h), KVCache(written.k, written.v, seg)
 
     def _decode(self, input_ids, positions, segment_ids, cache, cache_args, dropout_rng=None):
         cos, sin = rope_tables(self.config, positions)

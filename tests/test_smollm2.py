@@ -71,6 +71,13 @@ def test_kv_cache_decode_equals_full_forward(smol):
     seg = jnp.ones((1, n), jnp.int32)
     logits, cache = model.forward_with_cache(jnp.asarray(full[:, :n]), jnp.arange(n)[None], seg, cache, jnp.int32(0))
     got = [np.asarray(logits)[0]]
+    # a prefill's last_only logits are the full prefill's last row, its cache the same
+    last, last_cache = model.forward_with_cache(jnp.asarray(full[:, :n]), jnp.arange(n)[None], seg,
+                                                KVCache.empty(model.config, 1, 64, model.dtype), jnp.int32(0),
+                                                last_only=True)
+    assert last.shape == (1, 1, logits.shape[-1])
+    np.testing.assert_allclose(np.asarray(last)[0, -1], got[0][-1], rtol=0, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(last_cache.k), np.asarray(cache.k))
     for i in range(n, full.shape[1]):
         step, cache = model.forward_with_cache(
             jnp.asarray(full[:, i:i + 1]), jnp.asarray([[i]]), jnp.ones((1, 1), jnp.int32), cache, jnp.int32(i)
