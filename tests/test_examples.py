@@ -10,23 +10,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import example_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_quickstart_notebook_executes(smollm2_path):
-    """Every cell runs, with 6 training steps on 2 held-out prompts instead of 50 on 4 (that the fine-tune learns is
-    what CI's full `make demo` checks: 0% -> 79%); the reloaded adapter answers as the trained model."""
+    """Every cell runs, with 2 training steps on 2 held-out prompts instead of 50 on 4 (that the fine-tune learns is
+    what CI's full `make demo` checks: 0% -> 88%); the reloaded adapter answers as the trained model."""
     import nbformat
     from nbclient import NotebookClient
 
     nb = nbformat.read(ROOT / "examples" / "quickstart.ipynb", as_version=4)
-    shortened = {"max_steps=50": "max_steps=6", "[:4]": "[:2]", "max_steps=3": "max_steps=1"}
+    shortened = {"max_steps=50": "max_steps=2", "[:4]": "[:2]", "max_steps=3": "max_steps=1"}
     for cell in nb.cells:
         for old, new in shortened.items():
             cell.source = cell.source.replace(old, new)
     assert sum(new in cell.source for cell in nb.cells for new in shortened.values()) == len(shortened)
     NotebookClient(nb, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(ROOT / "examples")}}).execute()
+                   resources={"metadata": {"path": str(ROOT / "examples")}}).execute(env=example_env())
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
     assert "the reloaded adapter reproduces the fine-tuned answers" in text
@@ -37,15 +39,15 @@ def test_quickstart_notebook_executes(smollm2_path):
 
 def test_readme_shell_block_runs_on_the_cli(smollm2_path, tmp_path):
     """The README's shell walkthrough (convert -> train -> export PEFT + GGUF -> generate with the adapter) runs as
-    written, in a scratch directory, with 2 training steps instead of 30."""
+    written, in a scratch directory, with 1 training step instead of 12."""
     import re
 
     blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     script = blocks[1]
-    assert script.startswith("source .venv/bin/activate\n") and "--max-steps 30" in script
-    script = script.replace("source .venv/bin/activate\n", "").replace("--max-steps 30", "--max-steps 2")
+    assert script.startswith("source .venv/bin/activate\n") and "--max-steps 12" in script
+    script = script.replace("source .venv/bin/activate\n", "").replace("--max-steps 12", "--max-steps 1")
     (tmp_path / "examples").symlink_to(ROOT / "examples")
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "JAX_PLATFORMS": "cpu"}
+    env = example_env(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -74,19 +76,19 @@ def test_shipped_demo_data_is_what_the_generator_writes(tmp_path):
 def test_demo_runs_end_to_end(smollm2_path, tmp_path, request):
     """`make demo` runs examples/demo.py. CI runs it in full just before the suite and names its output directory
     in JAXTUNE_TEST_DEMO_RUN: then this checks that run's outputs instead of running it a second time; otherwise
-    it runs here with 2 steps scored on 2 prompts (the README's numbers come from the full 30 steps, 24 prompts)."""
+    it runs here with 2 steps scored on 2 prompts (the README's numbers come from the full 12 steps, 24 prompts)."""
     import json
 
     done = os.environ.get("JAXTUNE_TEST_DEMO_RUN")
     if done:
-        out, steps = Path(done), 30
+        out, steps = Path(done), 12
     else:
         out, steps = tmp_path / "demo", 2
         out.mkdir()
         (out / "smollm2-nf4").symlink_to(request.getfixturevalue("smollm2_nf4"))  # converted once per worker
         proc = subprocess.run([sys.executable, "examples/demo.py", "--steps", "2", "--eval-limit", "2", "--out",
                                str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                              env=example_env())
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "exact match on held-out prompts" in proc.stdout
     results = json.loads((out / "results.json").read_text())
@@ -97,38 +99,38 @@ def test_demo_runs_end_to_end(smollm2_path, tmp_path, request):
 
 
 def test_dpo_demo_runs_end_to_end(smollm2_nf4, tmp_path):
-    """examples/dpo_demo.py with few steps (docs/training.md's numbers come from the full 40)."""
+    """examples/dpo_demo.py with one step (docs/training.md's numbers come from the full 40)."""
     (tmp_path / "dpo").mkdir()
     (tmp_path / "dpo" / "smollm2-nf4").symlink_to(smollm2_nf4)  # converted once per worker
-    proc = subprocess.run([sys.executable, "examples/dpo_demo.py", "--steps", "2", "--eval-limit", "2", "--out",
+    proc = subprocess.run([sys.executable, "examples/dpo_demo.py", "--steps", "1", "--eval-limit", "2", "--out",
                            str(tmp_path / "dpo")],
                           cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                          env=example_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     import json
 
     results = json.loads((tmp_path / "dpo" / "results.json").read_text())
-    assert results["steps"] == 2 and 0.0 <= results["capitals_after"] <= 1.0
+    assert results["steps"] == 1 and 0.0 <= results["capitals_after"] <= 1.0
     assert 0.0 <= results["eval_reward_accuracy_after"] <= 1.0
     records = [json.loads(line) for line in (tmp_path / "dpo" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert "rewards/margins" in records[-1] and "eval_rewards/accuracies" in records[-1]
 
 
 def test_grpo_demo_runs_end_to_end(smollm2_nf4, tmp_path):
-    """examples/grpo_demo.py with 2 steps of one question's 8 answers, scored on 2 held-out questions
+    """examples/grpo_demo.py with one step of one question's 8 answers, scored on 2 held-out questions
     (docs/training.md's numbers come from the full 20 steps of 4 questions, 32 held-out)."""
     import json
 
     (tmp_path / "grpo").mkdir()
     (tmp_path / "grpo" / "smollm2-nf4").symlink_to(smollm2_nf4)  # converted once per worker
-    proc = subprocess.run([sys.executable, "examples/grpo_demo.py", "--steps", "2", "--eval-limit", "2",
+    proc = subprocess.run([sys.executable, "examples/grpo_demo.py", "--steps", "1", "--eval-limit", "2",
                            "--prompts-per-step", "1", "--out", str(tmp_path / "grpo")], cwd=ROOT,
                           capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                          env=example_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads((tmp_path / "grpo" / "results.json").read_text())
-    assert results["steps"] == 2 and 0.0 <= results["right_after"] <= 1.0
+    assert results["steps"] == 1 and 0.0 <= results["right_after"] <= 1.0
     records = [json.loads(line) for line in (tmp_path / "grpo" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(0.0 <= r["reward"] <= 1.0 and "rewards/last_number/mean" in r for r in records)
     samples = (tmp_path / "grpo" / "run" / "completions.jsonl").read_text().splitlines()
-    assert len(samples) == 2 * 8 and "held-out sums right" in proc.stdout
+    assert len(samples) == 1 * 8 and "held-out sums right" in proc.stdout
