@@ -123,10 +123,15 @@ def _generate_ids(
                   top_p=top_p, eos_ids=eos_ids)
 
 
+def prompt_bucket(length: int) -> int:
+    """The padded prompt length a prompt of `length` tokens is decoded at (a multiple of 16)."""
+    return _round_up(length, _BUCKET)
+
+
 def left_padded(prompt_ids: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """(ids [N, P], each row's padding [N]): prompts right-aligned in rows of P, a multiple of 16 (nearby lengths
     share one compilation)."""
-    prompt_len = _round_up(max(len(p) for p in prompt_ids), _BUCKET)
+    prompt_len = prompt_bucket(max(len(p) for p in prompt_ids))
     ids = np.full((len(prompt_ids), prompt_len), pad_id, np.int32)
     pad = np.zeros(len(prompt_ids), np.int32)
     for row, p in enumerate(prompt_ids):

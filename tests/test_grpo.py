@@ -247,6 +247,7 @@ def test_sampling_uses_the_current_adapters_stops_at_eos_and_is_seeded(tiny_toke
     greedy = generate_tokens(model, prompts, max_new_tokens=10, eos_ids=eos)
     top1 = completion_lists(sample(0, top_k=1))
     assert [c[:-1] if c and c[-1] in eos else c for c in top1] == greedy
+    assert completion_lists(sample(0, top_k=1, rows_per_call=2)) == top1  # in calls of 2, 2 and 1 rows
     a, b, c = sample(0), sample(0), sample(1)
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
@@ -254,6 +255,49 @@ def test_sampling_uses_the_current_adapters_stops_at_eos_and_is_seeded(tiny_toke
         assert all(t >= 0 for t in row) and all(t not in eos for t in row[:-1])
     forced = sample(0, ignore_eos=True, temperature=3.0)
     assert (forced >= 0).all() and not np.isin(forced, eos).any()
+
+
+def test_rows_per_call_is_the_largest_even_split_that_fits():
+    from jaxtune.rl.rollout import rows_per_call
+
+    assert rows_per_call(12, lambda rows: rows <= 12) == 12
+    assert rows_per_call(12, lambda rows: rows <= 5) == 4
+    assert rows_per_call(12, lambda rows: False) is None
+
+
+def test_the_rollout_is_split_to_fit_the_device_or_refused_in_one_line(tiny_tokenizer, tmp_path, monkeypatch,
+                                                                         capsys):
+    """A device whose free memory holds the sampler's KV cache and prefill for half a step's completions (XLA's
+    plan of the compiled sampler) samples them in two calls; one that cannot hold one completion's stops with one
+    line naming what to lower."""
+    from flax import nnx
+
+    import jaxtune
+    import jaxtune.rl.source as source
+    from jaxtune.qlora import get_peft_model
+    from jaxtune.rl.rollout import sampling_bytes
+    from jaxtune.training.autobatch import MARGIN, StepTooLarge
+
+    cfg = _grpo_config(max_steps=1)
+    model = get_peft_model(_tiny_model(tiny_tokenizer), r=cfg.lora_r)
+    graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    longest = max(len(tiny_tokenizer(r["prompt"])["input_ids"]) for r in ADDITIONS)
+    need = {rows: sampling_bytes(graphdef, lora, frozen, rows, longest, max_new_tokens=cfg.max_completion_length,
+                                 temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
+                                 eos_ids=(tiny_tokenizer.eos_token_id,))
+            for rows in (1, 4, 8)}
+    assert need[1] < need[4] < need[8]
+
+    def run(limit):
+        monkeypatch.setattr(source, "memory_stats", lambda: {"bytes_limit": limit, "bytes_in_use": 0})
+        return jaxtune.train(_tiny_model(tiny_tokenizer), tiny_tokenizer, ADDITIONS, cfg, out_dir=tmp_path / str(limit),
+                             reward_funcs=["last_number"], progress=False)
+
+    assert run(int((need[4] + need[8]) / 2 / MARGIN)).steps == 1
+    assert "sampling: 4 completions per call, 2 calls per rollout" in capsys.readouterr().out
+    with pytest.raises(StepTooLarge, match="sampling one completion of up to 12 tokens .* lower "
+                                           "--max-completion-length"):
+        run(int(need[1] / 2 / MARGIN))
 
 
 def test_rollout_rows_put_each_completion_token_where_it_is_predicted():

@@ -4,7 +4,7 @@ training rows they make."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxtune.data.packing import IGNORE
 from jaxtune.data.sources import DataError, Row
-from jaxtune.generate import cache_length, decode, encode_prompt, left_padded
+from jaxtune.generate import cache_length, decode, encode_prompt, left_padded, prompt_bucket
 
 
 def check_prompt_rows(rows: Sequence[Row]) -> None:
@@ -55,14 +55,51 @@ def sample(graphdef, lora, frozen, ids, pad, key, *, max_new_tokens: int, cache_
                   temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=eos_ids, ignore_eos=ignore_eos)
 
 
+def _options(max_new_tokens: int, prompt_len: int, temperature: float, top_p: float, top_k: int,
+             eos_ids: Sequence[int], ignore_eos: bool) -> dict[str, Any]:
+    return dict(max_new_tokens=max_new_tokens, cache_len=cache_length(prompt_len, max_new_tokens),
+                temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
+                eos_ids=tuple(int(e) for e in eos_ids), ignore_eos=ignore_eos)
+
+
 def sample_completions(graphdef, lora, frozen, prompt_ids: list[list[int]], key: jax.Array, *, max_new_tokens: int,
                        temperature: float, top_p: float, top_k: int, eos_ids: tuple[int, ...], pad_id: int,
-                       ignore_eos: bool = False) -> np.ndarray:
-    ids, pad = left_padded(prompt_ids, pad_id)
-    out = sample(graphdef, lora, frozen, jnp.asarray(ids), jnp.asarray(pad), key, max_new_tokens=max_new_tokens,
-                 cache_len=cache_length(ids.shape[1], max_new_tokens), temperature=float(temperature),
-                 top_p=float(top_p), top_k=int(top_k), eos_ids=tuple(int(e) for e in eos_ids), ignore_eos=ignore_eos)
-    return np.asarray(out)
+                       ignore_eos: bool = False, rows_per_call: int | None = None) -> np.ndarray:
+    """Completions [N, max_new_tokens] of the prompts, `rows_per_call` rows at a time (None: all in one call; in
+    several calls each takes its own key, folded from `key` by the call's index)."""
+    ids, pad = left_padded(prompt_ids, pad_id)  # one prompt length for every call: one compilation
+    options = _options(max_new_tokens, ids.shape[1], temperature, top_p, top_k, eos_ids, ignore_eos)
+    step = rows_per_call or len(ids)
+    if step >= len(ids):
+        return np.asarray(sample(graphdef, lora, frozen, jnp.asarray(ids), jnp.asarray(pad), key, **options))
+    return np.concatenate([
+        np.asarray(sample(graphdef, lora, frozen, jnp.asarray(ids[s:s + step]), jnp.asarray(pad[s:s + step]),
+                          jax.random.fold_in(key, s // step), **options))
+        for s in range(0, len(ids), step)])
+
+
+def sampling_bytes(graphdef, lora, frozen, rows: int, prompt_len: int, *, max_new_tokens: int, temperature: float,
+                   top_p: float, top_k: int, eos_ids: Sequence[int], ignore_eos: bool = False) -> int:
+    """Device bytes one sampling call of `rows` prompts of `prompt_len` tokens needs beside the weights it reads (the
+    KV cache, the prefill's activations, the outputs): XLA's plan of the compiled sampler, nothing run."""
+    prompt_len = prompt_bucket(prompt_len)
+    ids = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32)
+    pad = jax.ShapeDtypeStruct((rows,), jnp.int32)
+    options = _options(max_new_tokens, prompt_len, temperature, top_p, top_k, eos_ids, ignore_eos)
+    gpu = jax.default_backend() == "gpu"  # the plan does not depend on the GEMM algorithms: skip autotuning
+    compiled = sample.lower(graphdef, lora, frozen, ids, pad, jax.random.key(0), **options).compile(
+        compiler_options={"xla_gpu_autotune_level": 0} if gpu else None)
+    mem = compiled.memory_analysis()
+    return int(mem.temp_size_in_bytes + mem.output_size_in_bytes)
+
+
+def rows_per_call(total: int, fits: Callable[[int], bool]) -> int | None:
+    """The most rows (a divisor of `total`, so every call has the same shape) whose sampling `fits`; None: not even
+    one row fits."""
+    for rows in sorted((d for d in range(1, total + 1) if total % d == 0), reverse=True):
+        if fits(rows):
+            return rows
+    return None
 
 
 def completion_lists(completions: np.ndarray) -> list[list[int]]:

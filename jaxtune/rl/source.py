@@ -16,11 +16,14 @@ from flax import nnx
 
 from jaxtune.data import BatchStream, PackedRows
 from jaxtune.data.sources import Row
+from jaxtune.distributed import memory_stats
 from jaxtune.generate import eos_token_ids
+from jaxtune.host_info import GIB
 from jaxtune.rl.advantages import _nanstd, group_advantages
 from jaxtune.rl.loss import GRPO
 from jaxtune.rl.rewards import RewardFunction, score
-from jaxtune.rl.rollout import completion_lists, rollout_rows, sample_completions
+from jaxtune.rl.rollout import completion_lists, rollout_rows, rows_per_call, sample_completions, sampling_bytes
+from jaxtune.training.autobatch import MARGIN, StepTooLarge
 
 SAMPLES_PER_LOG = 8  # completions written to completions.jsonl at each logging step
 
@@ -52,6 +55,9 @@ class Rollouts:
         self.single_sequence_rows, self.efficiency = True, 0.0
         self.metrics: dict[str, float] = {}
         self.stream: BatchStream | None = None
+        self.lead = lead
+        self.rows_per_call: int | None = None  # sampling calls' rows (None: a step's completions in one call)
+        self._planned = False
         self._cached: dict[str, np.ndarray] | None = None
         self._logps_fn = None
 
@@ -86,10 +92,12 @@ class Rollouts:
         prompt_rows = [self.rows[i] for i in take for _ in range(g)]  # each prompt's group consecutive
         prompt_ids = [self.prompt_ids[i] for i in take for _ in range(g)]
         key = jax.random.fold_in(jax.random.key(cfg.seed), step)
+        frozen = frozen[0] if isinstance(frozen, tuple) else frozen
+        if not self._planned:
+            self.rows_per_call, self._planned = self._plan_sampling(lora, frozen, len(prompt_ids)), True
         completions = completion_lists(sample_completions(
-            self.sampler_graphdef, lora, frozen[0] if isinstance(frozen, tuple) else frozen, prompt_ids, key,
-            max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            eos_ids=self.eos_ids, pad_id=self.pad_id, ignore_eos=self.ignore_eos))
+            self.sampler_graphdef, lora, frozen, prompt_ids, key, pad_id=self.pad_id,
+            rows_per_call=self.rows_per_call, **self._sampling_options()))
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         prompts = [r.data["prompt"] for r in prompt_rows]
@@ -110,6 +118,40 @@ class Rollouts:
         if self.samples_path is not None and step % cfg.logging_steps == 0:
             self._write_samples(step + 1, prompts, texts, rewards, advantages)
         return batch
+
+    def _sampling_options(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return dict(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
+                    top_k=cfg.top_k, eos_ids=self.eos_ids, ignore_eos=self.ignore_eos)
+
+    def _plan_sampling(self, lora, frozen, total: int) -> int | None:
+        """Rows per sampling call: a step's completions at once when their KV cache and prefill fit the device beside
+        what it holds (the training step's temporaries are freed by then), else the largest even split that fits.
+        None on CPU (host memory: one call)."""
+        stats = memory_stats()
+        if stats.get("bytes_limit") is None:
+            return None
+        held = stats.get("bytes_in_use", 0)
+        free = MARGIN * stats["bytes_limit"] - held
+        prompt_len = max(len(p) for p in self.prompt_ids)
+        needs: dict[int, int] = {}
+
+        def fits(rows: int) -> bool:
+            needs[rows] = sampling_bytes(self.sampler_graphdef, lora, frozen, rows, prompt_len,
+                                         **self._sampling_options())
+            return needs[rows] <= free
+
+        rows = rows_per_call(total, fits)
+        if rows is None:
+            raise StepTooLarge(
+                f"sampling one completion of up to {self.cfg.max_completion_length} tokens after a {prompt_len}-token "
+                f"prompt needs {needs[1] / GIB:,.1f} GiB beside the {held / GIB:,.1f} GiB the model and optimizer "
+                f"hold, over the {MARGIN * stats['bytes_limit'] / GIB:,.1f} GiB the device has to use; lower "
+                "--max-completion-length or shorten the prompts")
+        if rows < total and self.lead:
+            print(f"sampling: {rows} completions per call, {total // rows} calls per rollout (all {total} at once "
+                  f"need {needs[total] / GIB:,.1f} GiB; the device has {free / GIB:,.1f} GiB free)")
+        return None if rows == total else rows
 
     def _old_logps(self, lora, frozen, batch: dict[str, np.ndarray]) -> np.ndarray:
         if self._logps_fn is None:
