@@ -86,9 +86,10 @@ def sampling_bytes(graphdef, lora, frozen, rows: int, prompt_len: int, *, max_ne
     ids = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32)
     pad = jax.ShapeDtypeStruct((rows,), jnp.int32)
     options = _options(max_new_tokens, prompt_len, temperature, top_p, top_k, eos_ids, ignore_eos)
-    gpu = jax.default_backend() == "gpu"  # the plan does not depend on the GEMM algorithms: skip autotuning
+    from jaxtune.training.autobatch import SIZING_OPTIONS_GPU  # the plan does not depend on the GEMM algorithms
+
     compiled = sample.lower(graphdef, lora, frozen, ids, pad, jax.random.key(0), **options).compile(
-        compiler_options={"xla_gpu_autotune_level": 0} if gpu else None)
+        compiler_options=SIZING_OPTIONS_GPU if jax.default_backend() == "gpu" else None)
     mem = compiled.memory_analysis()
     return int(mem.temp_size_in_bytes + mem.output_size_in_bytes)
 
