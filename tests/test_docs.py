@@ -33,9 +33,9 @@ DOC_PAGES_WITH_PYTHON = [p for p in PAGES if p.name != "README.md" and any(l == 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", DOC_PAGES_WITH_PYTHON, ids=lambda p: p.name)
-def test_the_python_blocks_of_a_page_run(page, smollm2_path, tmp_path, monkeypatch):
-    """Each page's Python blocks in order, in one namespace, from a scratch directory (README's quickstart runs in
-    test_readme_example.py)."""
+def test_the_python_blocks_of_a_page_run(page, short_smollm2, tmp_path, monkeypatch):
+    """Each page's Python blocks in order, in one namespace, from a scratch directory, `smollm2` cut to 2 layers
+    (README's quickstart runs in test_readme_example.py)."""
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     for i, (lang, code) in enumerate(_blocks(page)):

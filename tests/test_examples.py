@@ -1,4 +1,6 @@
-"""The quickstart notebook and the example scripts run as shipped (CPU)."""
+"""The quickstart notebook and the example scripts run as shipped (CPU), on SmolLM2 cut to 2 layers (the
+`short_smollm2` fixture): every call the user makes runs; what the fine-tune learns is what CI's `make demo` checks
+on the full model."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from conftest import example_env
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_quickstart_notebook_executes(smollm2_path):
+def test_quickstart_notebook_executes(short_smollm2):
     """Every cell runs, with 2 training steps on 2 held-out prompts instead of 50 on 4 (that the fine-tune learns is
     what CI's full `make demo` checks: 0% -> 88%); the reloaded adapter answers as the trained model."""
     import nbformat
@@ -37,7 +39,7 @@ def test_quickstart_notebook_executes(smollm2_path):
     assert not [o for o in outputs if o.get("output_type") == "error"]
 
 
-def test_readme_shell_block_runs_on_the_cli(smollm2_path, tmp_path):
+def test_readme_shell_block_runs_on_the_cli(short_smollm2, tmp_path):
     """The README's shell walkthrough (convert -> train -> export PEFT + GGUF -> generate with the adapter) runs as
     written, in a scratch directory, with 1 training step instead of 12."""
     import re
@@ -73,7 +75,7 @@ def test_shipped_demo_data_is_what_the_generator_writes(tmp_path):
         assert (tmp_path / "examples" / "data" / name).read_text() == (ROOT / "examples" / "data" / name).read_text()
 
 
-def test_demo_runs_end_to_end(smollm2_path, tmp_path, request):
+def test_demo_runs_end_to_end(short_smollm2, tmp_path, request):
     """`make demo` runs examples/demo.py. CI runs it in full just before the suite and names its output directory
     in JAXTUNE_TEST_DEMO_RUN: then this checks that run's outputs instead of running it a second time; otherwise
     it runs here with 2 steps scored on 2 prompts (the README's numbers come from the full 12 steps, 24 prompts)."""
@@ -98,7 +100,7 @@ def test_demo_runs_end_to_end(smollm2_path, tmp_path, request):
     assert records[-1]["step"] == steps and all(np.isfinite(r["loss"]) for r in records)
 
 
-def test_dpo_demo_runs_end_to_end(smollm2_nf4, tmp_path):
+def test_dpo_demo_runs_end_to_end(short_smollm2, smollm2_nf4, tmp_path):
     """examples/dpo_demo.py with one step (docs/training.md's numbers come from the full 40)."""
     (tmp_path / "dpo").mkdir()
     (tmp_path / "dpo" / "smollm2-nf4").symlink_to(smollm2_nf4)  # converted once per worker
@@ -116,7 +118,7 @@ def test_dpo_demo_runs_end_to_end(smollm2_nf4, tmp_path):
     assert "rewards/margins" in records[-1] and "eval_rewards/accuracies" in records[-1]
 
 
-def test_grpo_demo_runs_end_to_end(smollm2_nf4, tmp_path):
+def test_grpo_demo_runs_end_to_end(short_smollm2, smollm2_nf4, tmp_path):
     """examples/grpo_demo.py with one step of one question's 8 answers, scored on 2 held-out questions
     (docs/training.md's numbers come from the full 20 steps of 4 questions, 32 held-out)."""
     import json

@@ -132,7 +132,8 @@ def test_adapter_for_another_shape_is_a_clear_error(tmp_path):
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no partial outputs anywhere
 
 
-def test_smollm2_after_training_round_trips_through_peft(tmp_path, tuned_smollm2, smollm2_path):
+def test_smollm2_after_training_round_trips_through_peft(tmp_path, tuned_smollm2, short_smollm2_path):
+    smollm2_path = short_smollm2_path
     from peft import PeftModel
 
     model, tokenizer = tuned_smollm2
@@ -143,7 +144,7 @@ def test_smollm2_after_training_round_trips_through_peft(tmp_path, tuned_smollm2
     ids = np.asarray([tokenizer("The capital of France is")["input_ids"]])
     with torch.no_grad():
         ref = peft_model(torch.as_tensor(ids)).logits.numpy()
-    _close(model(ids), ref, tol=1e-3)  # 30 layers, 49k vocab: fp32 CPU accumulation-order differences
+    _close(model(ids), ref, tol=1e-4)  # 49k vocab: fp32 CPU accumulation-order differences
     assert np.abs(np.asarray(model.layers.self_attn.q_proj.lora_b[...])).max() > 0
 
 

@@ -77,8 +77,12 @@ GEMV_TILES = [MatmulTiles(1, 32, 64, 4, 4, lut="gather", gemv=True), MatmulTiles
               MatmulTiles(4, 32, 64, 2, 2, gemv=True), MatmulTiles(8, 128, 32, 1, 4, gemv=True)]
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize("tiles", GEMV_TILES)
+# each tile's row block against a row count it splits over programs or pads (or, at 4 x 4, runs exactly)
+GEMV_CASES = [(1, GEMV_TILES[0]), (3, GEMV_TILES[0]), (2, GEMV_TILES[1]), (4, GEMV_TILES[1]),
+              (3, GEMV_TILES[2]), (4, GEMV_TILES[2]), (1, GEMV_TILES[3]), (3, GEMV_TILES[3])]
+
+
+@pytest.mark.parametrize("m, tiles", GEMV_CASES)
 def test_gemv_forward_matches_float64(m, tiles):
     """The forward kernel's CUDA-core mode (few rows, no tensor-core dot) on every test shape, rows padded to a
     power of two or split over programs, and reading one layer of a stack in place."""
@@ -154,16 +158,21 @@ def test_dequant_kernel_reads_one_layer_of_a_stack(dtype, transpose):
         nf4_dequantize(stack, prepared[:, :, :64], layer=jnp.int32(0), interpret=True)
 
 
-@pytest.mark.parametrize("n, k", [(128, 576), (64, 1024)])
-@pytest.mark.parametrize("scaled", ["rows", "blocks"])
-@pytest.mark.parametrize("transpose", [False, True])
-@pytest.mark.parametrize("columns_first", [False, True])
-@pytest.mark.parametrize("permute", [False, True])
-def test_dequant_kernel_divides_by_fp8_scales(n, k, scaled, transpose, columns_first, permute):
+# every launch layout (transpose x columns_first x permute, on which the index arithmetic depends) once; each shape
+# and each scaling meets each value of every flag (two shapes: one 64-block per tile, K/2 = 288, and two, K/2 = 512)
+FP8_SCALE_CASES = [((128, 576), "rows", False, False, False), ((128, 576), "rows", False, False, True),
+                   ((64, 1024), "blocks", False, True, False), ((64, 1024), "blocks", False, True, True),
+                   ((64, 1024), "rows", True, False, False), ((128, 576), "blocks", True, False, True),
+                   ((64, 1024), "rows", True, True, False), ((128, 576), "blocks", True, True, True)]
+
+
+@pytest.mark.parametrize("shape, scaled, transpose, columns_first, permute", FP8_SCALE_CASES)
+def test_dequant_kernel_divides_by_fp8_scales(shape, scaled, transpose, columns_first, permute):
     """`row_scale` (per row) or `block_scale` (per 64-block of W's columns), each also as a stack per layer, divide
     W as bnb's float32 NF4[code] * absmax / scale rounded once to e4m3: bitwise numpy's float64 value rounded by
     ml_dtypes (powers of two divide exactly), through the per-value path and through byte tables and permutes
     (`permute`, what FP8 runs), with one 64-block per tile (K/2 = 288) and two (K/2 = 512), 9 and 16 blocks."""
+    n, k = shape
     stack, absmax, prepared = stacked_weights(n, k)
     e4m3 = jnp.float8_e4m3fn
     size, key = (n, "row_scale") if scaled == "rows" else (k // 64, "block_scale")

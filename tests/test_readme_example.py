@@ -15,7 +15,8 @@ def test_readme_starts_with_the_two_commands():
     assert commands == ["make demo", "make test"]
 
 
-def test_readme_python_example_runs(smollm2_path, tmp_path, monkeypatch, capsys):
+def test_readme_python_example_runs(short_smollm2, tmp_path, monkeypatch, capsys):
+    """On SmolLM2 cut to 2 layers (`short_smollm2`): the code runs as written; `make demo` shows what it learns."""
     code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
     monkeypatch.chdir(README.parent)
     code = code.replace('out_dir="runs/readme"', f'out_dir="{tmp_path / "run"}"')
