@@ -180,9 +180,35 @@ def load_tokenizer(path: str):
     ):
         warnings.warn(f"{path} has no tokenizer files; returning tokenizer=None", stacklevel=3)
         return None
+    named = _tokenizers_backed_class(path)
+    if named is not None:
+        return named.from_pretrained(path)
     from transformers import AutoTokenizer  # slow import: only when a tokenizer is needed
 
     return AutoTokenizer.from_pretrained(path)
+
+
+# the classes that are tokenizer.json and nothing else: loaded by name, they are what AutoTokenizer builds, without
+# the model-config machinery AutoTokenizer imports (PyTorch too, where it is installed: ~4 s on every command)
+_TOKENIZER_JSON_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _tokenizers_backed_class(path: str):
+    """transformers' class for a tokenizer saved as tokenizer.json whose tokenizer_config.json names one of
+    `_TOKENIZER_JSON_CLASSES` (what jaxtune writes, Llama 3's); None: AutoTokenizer decides."""
+    config = os.path.join(path, "tokenizer_config.json")
+    if not (os.path.isfile(config) and os.path.isfile(os.path.join(path, "tokenizer.json"))):
+        return None
+    try:
+        with open(config) as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None  # AutoTokenizer reports what is wrong with it
+    if name not in _TOKENIZER_JSON_CLASSES:
+        return None
+    import transformers
+
+    return getattr(transformers, name, None)
 
 
 def open_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, Any, str | None]:

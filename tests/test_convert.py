@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -19,6 +22,8 @@ from jaxtune.qlora import LORA_TARGETS
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _arrays(model) -> dict:
@@ -54,6 +59,19 @@ def test_convert_gguf_keeps_the_tokenizer(tmp_path, smollm2_path):
     out = jaxtune.generate(model, tokenizer, [[{"role": "user", "content": "What is the capital of France?"}]],
                            max_new_tokens=12)
     assert "Paris" in out[0]
+    # the tokenizer it wrote loads by its class: AutoTokenizer's tokenizer, without AutoTokenizer's PyTorch import
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(tmp_path / "smol")
+    assert type(tokenizer) is type(auto) and tokenizer.special_tokens_map == auto.special_tokens_map
+    for text in ("Hello 12345 world <|im_start|>user\nhi<|im_end|>", "  spaces\tand tabs", "日本語 é 🎉"):
+        assert tokenizer(text)["input_ids"] == auto(text)["input_ids"]
+    chat = [{"role": "user", "content": "hi"}]
+    assert tokenizer.apply_chat_template(chat, tokenize=False) == auto.apply_chat_template(chat, tokenize=False)
+    code = f"import sys; from convert.load import load_tokenizer; load_tokenizer({str(tmp_path / 'smol')!r}); " \
+           "print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.stdout.strip() == "False", proc.stderr[-2000:]
 
 
 def _save_bnb_checkpoint(hf_dir, out_dir, *, corrupt_state: bool = False):

@@ -113,12 +113,28 @@ def tok_dir(tiny_tokenizer, tmp_path):
     return tmp_path / "tok"
 
 
-def test_two_processes_train_to_the_same_losses_as_one(tok_dir, tmp_path):
-    want = _single(tok_dir, tmp_path / "one", {"batch": 8})
-    assert want["devices"] == 1 and len(want["losses"]) == 5
+@pytest.fixture(scope="session")
+def one_process(tiny_tokenizer, tmp_path_factory) -> dict:
+    """6 steps of 8 rows in one process, one device: what the two-process runs must reproduce. Run once for all
+    test workers (the first writes it, under a lock, where the others read it)."""
+    from filelock import FileLock
 
+    shared = tmp_path_factory.getbasetemp().parent  # pytest-xdist's workers share this directory
+    done = shared / "one_process.json"
+    with FileLock(str(done) + ".lock"):
+        if not done.exists():
+            tmp = tmp_path_factory.mktemp("one_process")
+            tiny_tokenizer.save_pretrained(tmp / "tok")
+            done.write_text(json.dumps(_single(tmp / "tok", tmp / "run", {"batch": 8, "steps": 6, "save_steps": 0})))
+    want = json.loads(done.read_text())
+    assert want["devices"] == 1 and len(want["losses"]) == 6
+    return want
+
+
+def test_two_processes_train_to_the_same_losses_as_one(tok_dir, tmp_path, one_process):
+    want = one_process
     # "auto": each process reads only its own device's memory (another's is not addressable), and all agree
-    outs = _two_processes(tok_dir, tmp_path / "two", {"batch": "auto"})
+    outs = _two_processes(tok_dir, tmp_path / "two", {"batch": "auto", "steps": 6, "save_steps": 6})
     for code, _, err, _ in outs:
         assert code == 0, err[-3000:]
     got = [_json_lines(out)[0] for _, out, _, _ in outs]
@@ -129,17 +145,18 @@ def test_two_processes_train_to_the_same_losses_as_one(tok_dir, tmp_path):
         assert g["processes"] == 2 and g["devices"] == 2
         assert g["losses"] == pytest.approx(want["losses"], rel=1e-5)
     # one checkpoint, written once for both processes; metrics written by process 0 only
-    assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["5"]
+    assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["6"]
     with open(tmp_path / "two" / "metrics.jsonl") as f:
-        assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4, 5]
+        assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4, 5, 6]
 
 
-def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resume_continues(tok_dir, tmp_path):
+def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resume_continues(tok_dir, tmp_path, one_process):
     """A preempted host: SIGTERM to process 1 after step 2. Both processes stop after one agreed step, save it
     once, exit 0; the same command with resume reaches the losses of an uninterrupted run."""
-    want = _single(tok_dir, tmp_path / "one", {"steps": 6, "save_steps": 0})
+    want = one_process
     run = tmp_path / "two"
-    outs = _two_processes(tok_dir, run, {"steps": 6, "save_steps": 0, "sigterm_at": {"process": 1, "step": 2}})
+    outs = _two_processes(tok_dir, run, {"batch": 8, "steps": 6, "save_steps": 0,
+                                         "sigterm_at": {"process": 1, "step": 2}})
     for code, _, err, _ in outs:
         assert code == 0, err[-3000:]
     got = [_json_lines(out)[0] for _, out, _, _ in outs]
@@ -147,7 +164,7 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resume_contin
     assert len(stopped) == 1 and 2 <= stopped.pop() < 6 and all(g["interrupted"] for g in got)
     assert sorted(os.listdir(run / "checkpoints")) == [str(got[0]["steps"])]
 
-    outs = _two_processes(tok_dir, run, {"steps": 6, "save_steps": 0, "resume": True})
+    outs = _two_processes(tok_dir, run, {"batch": 8, "steps": 6, "save_steps": 0, "resume": True})
     for code, _, err, _ in outs:
         assert code == 0, err[-3000:]
     for _, out, _, _ in outs:
