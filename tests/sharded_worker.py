@@ -119,12 +119,11 @@ def check_grads() -> None:
 def train(tokenizer_dir: str, out_dir: str, mesh: str | None = None, options: str = "{}") -> None:
     import signal
 
-    from transformers import PreTrainedTokenizerFast  # the tiny tokenizer's class: AutoTokenizer would import torch
-
+    from convert.load import load_tokenizer
     from jaxtune.distributed import memory_stats, peak_memory_gib
 
     opts = json.loads(options)
-    tok = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    tok = load_tokenizer(tokenizer_dir)
     rows = [{"text": f"row {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 4)} for i in range(48)]
     cfg = jaxtune.TrainConfig(format="text", seq_len=64, micro_batch_size=opts.get("batch", 4),
                               max_steps=opts.get("steps", 5), learning_rate=3e-3, warmup_steps=0,

@@ -133,12 +133,12 @@ def test_adapter_for_another_shape_is_a_clear_error(tmp_path):
 
 
 def test_smollm2_after_training_round_trips_through_peft(tmp_path, tuned_smollm2, short_smollm2_path):
-    smollm2_path = short_smollm2_path
     from peft import PeftModel
 
     model, tokenizer = tuned_smollm2
     jaxtune.save_peft(model, tmp_path / "adapter")
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path),
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(short_smollm2_path),
+                                              gguf_file=os.path.basename(short_smollm2_path),
                                               dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
     ids = np.asarray([tokenizer("The capital of France is")["input_ids"]])

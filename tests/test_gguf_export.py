@@ -184,12 +184,11 @@ def test_sentencepiece_style_tokenizer_reads_back_equal(tmp_path):
 def test_smollm2_fine_tune_round_trips_through_gguf(tmp_path, tuned_smollm2, short_smollm2_path):
     """SmolLM2's tokenizer, chat template and layout survive the export; the 2-layer cut's greedy answers sit near
     ties, so it goes through f32 (bf16's rounding is test_gguf_reads_back_like_the_merged_checkpoint's)."""
-    smollm2_path = short_smollm2_path
     model, tokenizer = tuned_smollm2
     prompts = [[{"role": "user", "content": c}] for c in ("Say 3", "What is the capital of France?",
                                                           "Write a haiku about rain.")]
     want = jaxtune.generate(model, tokenizer, prompts, max_new_tokens=12)
-    jaxtune.save_gguf(model, tmp_path / "tuned.gguf", tokenizer=tokenizer, base=smollm2_path, gguf_type="f32")
+    jaxtune.save_gguf(model, tmp_path / "tuned.gguf", tokenizer=tokenizer, base=short_smollm2_path, gguf_type="f32")
     reimported, gguf_tok = jaxtune.from_pretrained(tmp_path / "tuned.gguf", dtype="float32")
     assert jaxtune.generate(reimported, gguf_tok, prompts, max_new_tokens=12) == want
     assert gguf_tok("Hello 12345 world")["input_ids"] == tokenizer("Hello 12345 world")["input_ids"]

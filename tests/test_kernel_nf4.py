@@ -160,19 +160,18 @@ def test_dequant_kernel_reads_one_layer_of_a_stack(dtype, transpose):
 
 # every launch layout (transpose x columns_first x permute, on which the index arithmetic depends) once; each shape
 # and each scaling meets each value of every flag (two shapes: one 64-block per tile, K/2 = 288, and two, K/2 = 512)
-FP8_SCALE_CASES = [((128, 576), "rows", False, False, False), ((128, 576), "rows", False, False, True),
-                   ((64, 1024), "blocks", False, True, False), ((64, 1024), "blocks", False, True, True),
-                   ((64, 1024), "rows", True, False, False), ((128, 576), "blocks", True, False, True),
-                   ((64, 1024), "rows", True, True, False), ((128, 576), "blocks", True, True, True)]
+FP8_SCALE_CASES = [(128, 576, "rows", False, False, False), (128, 576, "rows", False, False, True),
+                   (64, 1024, "blocks", False, True, False), (64, 1024, "blocks", False, True, True),
+                   (64, 1024, "rows", True, False, False), (128, 576, "blocks", True, False, True),
+                   (64, 1024, "rows", True, True, False), (128, 576, "blocks", True, True, True)]
 
 
-@pytest.mark.parametrize("shape, scaled, transpose, columns_first, permute", FP8_SCALE_CASES)
-def test_dequant_kernel_divides_by_fp8_scales(shape, scaled, transpose, columns_first, permute):
+@pytest.mark.parametrize("n, k, scaled, transpose, columns_first, permute", FP8_SCALE_CASES)
+def test_dequant_kernel_divides_by_fp8_scales(n, k, scaled, transpose, columns_first, permute):
     """`row_scale` (per row) or `block_scale` (per 64-block of W's columns), each also as a stack per layer, divide
     W as bnb's float32 NF4[code] * absmax / scale rounded once to e4m3: bitwise numpy's float64 value rounded by
     ml_dtypes (powers of two divide exactly), through the per-value path and through byte tables and permutes
     (`permute`, what FP8 runs), with one 64-block per tile (K/2 = 288) and two (K/2 = 512), 9 and 16 blocks."""
-    n, k = shape
     stack, absmax, prepared = stacked_weights(n, k)
     e4m3 = jnp.float8_e4m3fn
     size, key = (n, "row_scale") if scaled == "rows" else (k // 64, "block_scale")
