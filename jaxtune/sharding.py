@@ -133,6 +133,16 @@ def batch_shards(mesh) -> int:
     return math.prod(mesh.shape.get(a, 1) for a in BATCH_AXES)
 
 
+def global_rows(mesh: Mesh, rows: np.ndarray) -> jax.Array:
+    """The global [N, ...] array, its rows split over every device, from the (identical on every host) host array;
+    each process transfers only its own rows."""
+    n, p = jax.process_count(), jax.process_index()
+    if len(rows) % n:
+        raise MeshError(f"{len(rows)} rows do not split over {n} processes; use a multiple of {n}")
+    local = rows[p * len(rows) // n:(p + 1) * len(rows) // n]
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, P(BATCH_AXES)), local, rows.shape)
+
+
 def global_batch(mesh: Mesh, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """The global [accum, B, T] arrays from this process's rows of the (identical on every host) host batch.
 

@@ -2,6 +2,7 @@
 
     python tests/sharded_worker.py grads            # with XLA_FLAGS=--xla_force_host_platform_device_count=8
     python tests/sharded_worker.py train TOKENIZER_DIR OUT_DIR [MESH [OPTIONS_JSON]]  # optionally under jax.distributed
+    python tests/sharded_worker.py grpo TOKENIZER_DIR OUT_DIR MESH[;MESH...]  # GRPO runs, one per mesh ("": none)
 OPTIONS_JSON: {"steps": 5, "batch": 4 or "auto", "save_steps": 5, "resume": false,
                "sigterm_at": {"process": 1, "step": 2}, "raise_at": {"process": 1, "step": 2}}
 Prints JSON lines.
@@ -144,5 +145,31 @@ def train(tokenizer_dir: str, out_dir: str, mesh: str | None = None, options: st
           flush=True)
 
 
+def grpo(tokenizer_dir: str, out_dir: str, meshes: str) -> None:
+    """GRPO with a KL term and two updates per rollout (the sampling policy's log-probabilities kept) on each mesh:
+    its losses, rewards and sampled completions."""
+    from convert.load import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
+    cfg = ModelConfig(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, eos_token_id=tok.eos_token_id)
+    prompts = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (2, 2), (5, 1)]]
+    samples = []
+
+    def length_reward(prompts, completions, **_):
+        samples.append(list(completions))
+        return [float(len(c) % 3) for c in completions]
+
+    for i, mesh in enumerate(meshes.split(";")):
+        samples.clear()
+        config = jaxtune.TrainConfig(objective="grpo", seq_len=40, max_completion_length=12, num_generations=4,
+                                     micro_batch_size=8, max_steps=3, learning_rate=1e-2, warmup_steps=0,
+                                     schedule="constant", lora_r=4, beta=0.04, num_iterations=2, mesh=mesh or None)
+        result = jaxtune.train(quantize_layers(init_model(cfg, dtype="float32", seed=0)), tok, prompts, config,
+                               out_dir=os.path.join(out_dir, str(i)), reward_funcs=[length_reward], progress=False)
+        print(json.dumps({"mesh": mesh, "devices": jax.device_count(), "losses": result.losses,
+                          "completions": samples}), flush=True)
+
+
 if __name__ == "__main__":
-    {"grads": check_grads, "train": train}[sys.argv[1]](*sys.argv[2:])
+    {"grads": check_grads, "train": train, "grpo": grpo}[sys.argv[1]](*sys.argv[2:])

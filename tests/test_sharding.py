@@ -73,6 +73,26 @@ def test_sharded_step_matches_single_device_on_8_devices():
             assert r["shard_maps"] >= 2, r
 
 
+def test_grpo_samples_and_trains_on_a_mesh_as_on_one_device(tok_dir, tmp_path):
+    """GRPO on two devices, data-parallel or FSDP: each device samples its share of a rollout, and the run samples
+    the completions and reaches the losses of one device (KL term and the kept sampling log-probabilities
+    included)."""
+    def runs(devices: int, meshes: str) -> list[dict]:
+        proc = subprocess.run([sys.executable, WORKER, "grpo", str(tok_dir), str(tmp_path / str(devices)), meshes],
+                              capture_output=True, text=True, timeout=600,
+                              env=_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return _json_lines(proc.stdout)
+
+    (want,) = runs(1, "")
+    got = runs(2, "data=2;fsdp=2")
+    assert want["devices"] == 1 and [g["mesh"] for g in got] == ["data=2", "fsdp=2"] and got[0]["devices"] == 2
+    assert len(want["completions"]) == 2 and len(set(map(str, want["completions"][0]))) > 1  # 2 rollouts, varied
+    for g in got:
+        assert g["completions"] == want["completions"], g["mesh"]
+        assert g["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-7), g["mesh"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))

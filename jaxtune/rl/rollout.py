@@ -3,6 +3,7 @@ training rows they make."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -11,10 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental.multihost_utils import process_allgather
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxtune.data.packing import IGNORE
 from jaxtune.data.sources import DataError, Row
 from jaxtune.generate import cache_length, decode, encode_prompt, left_padded, prompt_bucket
+from jaxtune.sharding import BATCH_AXES, global_rows
 
 
 def check_prompt_rows(rows: Sequence[Row]) -> None:
@@ -64,40 +69,52 @@ def _options(max_new_tokens: int, prompt_len: int, temperature: float, top_p: fl
 
 def sample_completions(graphdef, lora, frozen, prompt_ids: list[list[int]], key: jax.Array, *, max_new_tokens: int,
                        temperature: float, top_p: float, top_k: int, eos_ids: tuple[int, ...], pad_id: int,
-                       ignore_eos: bool = False, rows_per_call: int | None = None) -> np.ndarray:
+                       ignore_eos: bool = False, rows_per_call: int | None = None, mesh=None) -> np.ndarray:
     """Completions [N, max_new_tokens] of the prompts, `rows_per_call` rows at a time (None: all in one call; in
-    several calls each takes its own key, folded from `key` by the call's index)."""
+    several calls each takes its own key, folded from `key` by the call's index). On a mesh each device samples
+    its share of the rows (split as the training step splits a micro-batch); every process gets all of them."""
     ids, pad = left_padded(prompt_ids, pad_id)  # one prompt length for every call: one compilation
     options = _options(max_new_tokens, ids.shape[1], temperature, top_p, top_k, eos_ids, ignore_eos)
     step = rows_per_call or len(ids)
+
+    def call(s: int, key: jax.Array) -> np.ndarray:
+        part_ids, part_pad = ids[s:s + step], pad[s:s + step]
+        if mesh is None:
+            return np.asarray(sample(graphdef, lora, frozen, jnp.asarray(part_ids), jnp.asarray(part_pad), key,
+                                     **options))
+        with jax.set_mesh(mesh):
+            out = sample(graphdef, lora, frozen, global_rows(mesh, part_ids), global_rows(mesh, part_pad), key,
+                         **options)
+        return np.asarray(process_allgather(out, tiled=True))
+
     if step >= len(ids):
-        return np.asarray(sample(graphdef, lora, frozen, jnp.asarray(ids), jnp.asarray(pad), key, **options))
-    return np.concatenate([
-        np.asarray(sample(graphdef, lora, frozen, jnp.asarray(ids[s:s + step]), jnp.asarray(pad[s:s + step]),
-                          jax.random.fold_in(key, s // step), **options))
-        for s in range(0, len(ids), step)])
+        return call(0, key)
+    return np.concatenate([call(s, jax.random.fold_in(key, s // step)) for s in range(0, len(ids), step)])
 
 
 def sampling_bytes(graphdef, lora, frozen, rows: int, prompt_len: int, *, max_new_tokens: int, temperature: float,
-                   top_p: float, top_k: int, eos_ids: Sequence[int], ignore_eos: bool = False) -> int:
+                   top_p: float, top_k: int, eos_ids: Sequence[int], ignore_eos: bool = False, mesh=None) -> int:
     """Device bytes one sampling call of `rows` prompts of `prompt_len` tokens needs beside the weights it reads (the
-    KV cache, the prefill's activations, the outputs): XLA's plan of the compiled sampler, nothing run."""
+    KV cache, the prefill's activations, the outputs): XLA's plan of the compiled sampler, nothing run (on a mesh,
+    one device's share)."""
     prompt_len = prompt_bucket(prompt_len)
-    ids = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32)
-    pad = jax.ShapeDtypeStruct((rows,), jnp.int32)
+    split = {} if mesh is None else {"sharding": NamedSharding(mesh, P(BATCH_AXES))}
+    ids = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, **split)
+    pad = jax.ShapeDtypeStruct((rows,), jnp.int32, **split)
     options = _options(max_new_tokens, prompt_len, temperature, top_p, top_k, eos_ids, ignore_eos)
     from jaxtune.training.autobatch import SIZING_OPTIONS_GPU  # the plan does not depend on the GEMM algorithms
 
-    compiled = sample.lower(graphdef, lora, frozen, ids, pad, jax.random.key(0), **options).compile(
-        compiler_options=SIZING_OPTIONS_GPU if jax.default_backend() == "gpu" else None)
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        compiled = sample.lower(graphdef, lora, frozen, ids, pad, jax.random.key(0), **options).compile(
+            compiler_options=SIZING_OPTIONS_GPU if jax.default_backend() == "gpu" else None)
     mem = compiled.memory_analysis()
     return int(mem.temp_size_in_bytes + mem.output_size_in_bytes)
 
 
-def rows_per_call(total: int, fits: Callable[[int], bool]) -> int | None:
-    """The most rows (a divisor of `total`, so every call has the same shape) whose sampling `fits`; None: not even
-    one row fits."""
-    for rows in sorted((d for d in range(1, total + 1) if total % d == 0), reverse=True):
+def rows_per_call(total: int, fits: Callable[[int], bool], shards: int = 1) -> int | None:
+    """The most rows (a divisor of `total` and a multiple of `shards`, so every call has the same shape and splits
+    evenly over the devices) whose sampling `fits`; None: not even the smallest fits."""
+    for rows in sorted((d for d in range(shards, total + 1, shards) if total % d == 0), reverse=True):
         if fits(rows):
             return rows
     return None

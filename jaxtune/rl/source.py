@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental.multihost_utils import process_allgather
 
 from jaxtune.data import BatchStream, PackedRows
 from jaxtune.data.sources import Row
@@ -23,6 +24,7 @@ from jaxtune.rl.advantages import _nanstd, group_advantages
 from jaxtune.rl.loss import GRPO
 from jaxtune.rl.rewards import RewardFunction, score
 from jaxtune.rl.rollout import completion_lists, rollout_rows, rows_per_call, sample_completions, sampling_bytes
+from jaxtune.sharding import batch_shards, global_rows
 from jaxtune.training.autobatch import MARGIN, StepTooLarge
 
 SAMPLES_PER_LOG = 8  # completions written to completions.jsonl at each logging step
@@ -60,6 +62,11 @@ class Rollouts:
         self._planned = False
         self._cached: dict[str, np.ndarray] | None = None
         self._logps_fn = None
+        self.mesh = None  # set by place_on: sampling and the ratio's log-probabilities split over its devices
+
+    def place_on(self, mesh) -> None:
+        """Sample on `mesh` (each device its share of a rollout's rows, as the step splits a micro-batch)."""
+        self.mesh = mesh
 
     def __len__(self) -> int:
         """Completions one pass over the prompts makes (what auto batch may fill)."""
@@ -97,7 +104,7 @@ class Rollouts:
             self.rows_per_call, self._planned = self._plan_sampling(lora, frozen, len(prompt_ids)), True
         completions = completion_lists(sample_completions(
             self.sampler_graphdef, lora, frozen, prompt_ids, key, pad_id=self.pad_id,
-            rows_per_call=self.rows_per_call, **self._sampling_options()))
+            rows_per_call=self.rows_per_call, mesh=self.mesh, **self._sampling_options()))
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         prompts = [r.data["prompt"] for r in prompt_rows]
@@ -137,15 +144,17 @@ class Rollouts:
         needs: dict[int, int] = {}
 
         def fits(rows: int) -> bool:
-            needs[rows] = sampling_bytes(self.sampler_graphdef, lora, frozen, rows, prompt_len,
+            needs[rows] = sampling_bytes(self.sampler_graphdef, lora, frozen, rows, prompt_len, mesh=self.mesh,
                                          **self._sampling_options())
             return needs[rows] <= free
 
-        rows = rows_per_call(total, fits)
+        rows = rows_per_call(total, fits, 1 if self.mesh is None else batch_shards(self.mesh))
         if rows is None:
+            least = min(needs)  # one completion per device
+            what = "one completion" if least == 1 else f"{least} completions (one per device)"
             raise StepTooLarge(
-                f"sampling one completion of up to {self.cfg.max_completion_length} tokens after a {prompt_len}-token "
-                f"prompt needs {needs[1] / GIB:,.1f} GiB beside the {held / GIB:,.1f} GiB the model and optimizer "
+                f"sampling {what} of up to {self.cfg.max_completion_length} tokens after a {prompt_len}-token "
+                f"prompt needs {needs[least] / GIB:,.1f} GiB beside the {held / GIB:,.1f} GiB the model and optimizer "
                 f"hold, over the {MARGIN * stats['bytes_limit'] / GIB:,.1f} GiB the device has to use; lower "
                 "--max-completion-length or shorten the prompts")
         if rows < total and self.lead:
@@ -164,9 +173,15 @@ class Rollouts:
 
             self._logps_fn = logps
         keys = ("input_ids", "labels", "segment_ids", "positions")
-        out = [np.asarray(self._logps_fn(lora, frozen, {k: jnp.asarray(batch[k][s:s + self.micro_batch])
-                                                        for k in keys}))
-               for s in range(0, len(batch["input_ids"]), self.micro_batch)]
+        out = []
+        for s in range(0, len(batch["input_ids"]), self.micro_batch):
+            micro = {k: batch[k][s:s + self.micro_batch] for k in keys}
+            if self.mesh is None:
+                out.append(np.asarray(self._logps_fn(lora, frozen, {k: jnp.asarray(v) for k, v in micro.items()})))
+                continue
+            with jax.set_mesh(self.mesh):
+                logps = self._logps_fn(lora, frozen, {k: global_rows(self.mesh, v) for k, v in micro.items()})
+            out.append(np.asarray(process_allgather(logps, tiled=True)))
         return np.concatenate(out).astype(np.float32)
 
     def _metrics(self, completions: list[list[int]], truncated: np.ndarray, rewards: np.ndarray,

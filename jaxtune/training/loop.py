@@ -148,9 +148,11 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
     batches = make_batches(data, tokenizer, cfg, model, progress=progress, run_dir=run_dir, lead=lead, **rewards)
     eval_rows = getattr(batches, "eval_rows", None)
     mesh = make_mesh(cfg.mesh) if cfg.mesh or jax.device_count() > 1 else None
+    if cfg.objective == "grpo" and jax.process_count() > 1:
+        raise JaxtuneError("objective 'grpo' runs in one process for now; start one process per host with all its "
+                           "GPUs (--mesh data=N or fsdp=N) instead of one process per GPU")
     if mesh is not None and cfg.objective == "grpo":
-        raise JaxtuneError("objective 'grpo' runs on one device for now; run it on one GPU (CUDA_VISIBLE_DEVICES=0) "
-                           "without --mesh")
+        batches.place_on(mesh)  # each device samples its share of a rollout
     unit = 1 if mesh is None else batch_shards(mesh)  # micro-batches split into this many equal parts
     # the flag lives in the step's graphdef only, so the model keeps honouring segment ids after training
     single_sequence_rows = batches.single_sequence_rows
@@ -236,7 +238,7 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
     if cfg.micro_batch_size == "auto":
         micro = choose_micro_batch(cfg, step_fn, lora, opt_state, frozen, rows=len(batches))
         if cfg.objective == "grpo":  # whole groups per step: the largest that fits and keeps them whole
-            micro = _whole_groups(micro, cfg.grad_accum, cfg.num_generations)
+            micro = _whole_groups(micro, cfg.grad_accum, cfg.num_generations, unit)
         if lead:
             print(f"micro_batch_size auto: {micro} (device memory, and the {len(batches)} rows the dataset packs "
                   "into, allow it)", flush=True)
@@ -388,9 +390,10 @@ def _to_host_memory(model: CausalLM, opt_state, frozen, optimizer: bool, embeddi
     return opt_state, frozen
 
 
-def _whole_groups(micro: int, accum: int, generations: int) -> int:
-    """The largest micro-batch <= `micro` whose step (x `accum`) holds whole groups of `generations` completions."""
-    fitting = [m for m in range(micro, 0, -1) if (m * accum) % generations == 0]
+def _whole_groups(micro: int, accum: int, generations: int, unit: int = 1) -> int:
+    """The largest micro-batch <= `micro` whose step (x `accum`) holds whole groups of `generations` completions
+    and that splits over the `unit` devices of the mesh."""
+    fitting = [m for m in range(micro, 0, -1) if (m * accum) % generations == 0 and m % unit == 0]
     if not fitting:
         raise JaxtuneError(f"micro_batch_size auto found {micro} completions per micro-batch fit, but no micro-batch up "
                            f"to that times grad_accum {accum} is a multiple of num_generations {generations}; raise "
