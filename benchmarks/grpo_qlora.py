@@ -2,7 +2,7 @@
 (benchmarks/make_bnb4_checkpoint.py), through `jaxtune.train` itself, on the prompts benchmarks/unsloth_grpo.py
 gives Unsloth + TRL.
 
-    PYTHONPATH=. python3 benchmarks/grpo_qlora.py /tmp/bnb4_8b --batches 8x8,16x4 [--profile DIR] [--cap-gib 24]
+    PYTHONPATH=. python3 benchmarks/grpo_qlora.py /tmp/bnb4_8b --batches 8x8,16x4 [--profile DIR] [--cap-gib 24] [--mesh data=2]
 8 prompts of 256 words (one word is one token), 8 completions each, 512 tokens each with EOS never sampled (both
 sides generate the same number of tokens), LoRA r=16 on the 7 projections, loss dapo, beta 0. A batch is
 MICROxACCUM completions per optimizer step (64 = 8 prompts x 8). One JSON line per batch: the median over the
@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--fused-rows", type=int, help="NF4 projections of up to this many rows (decoding) take the fused "
                                                    "kernel instead of dequantize + cuBLAS (the table's default: 16)")
     ap.add_argument("--cap-gib", type=float, help="use only this much GPU memory (a card of that size)")
+    ap.add_argument("--mesh", help="device mesh, e.g. data=2 (default: one device)")
     args = ap.parse_args()
     if args.cap_gib:
         from context_ladder import cap_device_memory
@@ -70,7 +71,8 @@ def main() -> None:
         cfg = jaxtune.TrainConfig(objective="grpo", num_generations=args.generations, micro_batch_size=micro,
                                   grad_accum=accum, max_completion_length=args.completion,
                                   seq_len=prompt_tokens + args.completion, max_steps=args.steps, learning_rate=5e-6,
-                                  lora_r=16, lora_alpha=16, compute=args.compute, temperature=1.0)
+                                  lora_r=16, lora_alpha=16, compute=args.compute, temperature=1.0,
+                                  mesh=args.mesh)
         records, times = [], []
         trace = f"{args.profile}/{spec}" if args.profile else None
         t = [time.perf_counter()]
@@ -97,7 +99,7 @@ def main() -> None:
         generated = micro * accum * args.completion
         print(json.dumps({
             "system": "jaxtune", "device": kind, "batch": spec, "completions_per_step": micro * accum,
-            "cap_gib": args.cap_gib,
+            "cap_gib": args.cap_gib, "mesh": args.mesh, "devices": jax.device_count(),
             "fused_rows": args.fused_rows or 16,
             "step_s": round(step_s, 3), "rollout_s": round(rollout_s, 3),
             "rest_s": round(step_s - rollout_s, 3), "generated_tok_s": round(generated / rollout_s),
