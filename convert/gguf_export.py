@@ -25,9 +25,10 @@ from convert.peft_io import lora_modules
 from jaxtune.config import ModelConfig
 from jaxtune.errors import CheckpointError, UnsupportedModelError
 from jaxtune.model import CausalLM
+from jaxtune.quant import quantize_q4_0
 from jaxtune.rope import inverse_frequencies, unscaled_inverse_frequencies
 
-GGUF_TYPES = ("bf16", "f16", "q8_0", "f32")
+GGUF_TYPES = ("bf16", "f16", "q8_0", "q4_0", "f32")
 GGUF_MODEL_TYPES = ("llama", "mistral")  # written as llama.cpp's "llama" architecture
 _GGUF_NAMES = {hf: gguf for gguf, hf in _TOP_NAMES.items()}
 _GGUF_LAYER_NAMES = {hf: gguf for gguf, hf in _LAYER_NAMES.items()}
@@ -127,36 +128,43 @@ def _add_tokenizer(writer: Any, tokenizer: Any, cfg: ModelConfig) -> None:
         (writer.add_bool if isinstance(value, bool) else writer.add_uint32)(key, value)
 
 
-def _encoding(shape: tuple[int, ...], gguf_type: str) -> tuple[Any, Any]:
+def _encoding(name: str, shape: tuple[int, ...], gguf_type: str, tied: bool) -> tuple[Any, Any]:
     """(raw GGML type or None, numpy dtype of the stored array) of one tensor; 1-D tensors stay f32, as llama.cpp
-    keeps them, and q8_0 rows that are not whole blocks fall back to f16."""
+    keeps them, and rows that are not whole blocks fall back to f16. In a q4_0 file the output projection (the
+    embedding when it is tied) is q8_0: llama.cpp's quantizer gives it 6 bits (q6_K, which `gguf` cannot write)."""
     import gguf
 
     q = gguf.GGMLQuantizationType
     if len(shape) == 1 or gguf_type == "f32":
         return None, np.float32
-    if gguf_type == "q8_0" and shape[-1] % gguf.GGML_QUANT_SIZES[q.Q8_0][0] == 0:
-        return q.Q8_0, np.uint8
+    if gguf_type == "q4_0" and (name == "output.weight" or (tied and name == "token_embd.weight")):
+        gguf_type = "q8_0"
+    for kind, raw in (("q8_0", q.Q8_0), ("q4_0", q.Q4_0)):
+        if gguf_type == kind and shape[-1] % gguf.GGML_QUANT_SIZES[raw][0] == 0:
+            return raw, np.uint8
     if gguf_type == "bf16":
         return q.BF16, np.uint8
     return None, np.float16
 
 
-def _stored_info(shape: tuple[int, ...], gguf_type: str) -> tuple[tuple[int, ...], Any, int, Any]:
+def _stored_info(name: str, shape: tuple[int, ...], gguf_type: str, tied: bool) -> tuple[tuple[int, ...], Any, int, Any]:
     """(stored shape, dtype, bytes, raw type) of a float32 tensor of `shape` once encoded: the tensor table is
     written before any data, so each tensor can be computed and written alone."""
     import gguf
 
-    raw, dtype = _encoding(shape, gguf_type)
+    raw, dtype = _encoding(name, shape, gguf_type, tied)
     stored = tuple(gguf.quants.quant_shape_to_byte_shape(shape, raw)) if raw is not None else shape
     return stored, dtype, int(np.prod(stored, dtype=np.int64)) * np.dtype(dtype).itemsize, raw
 
 
-def _encode(w: np.ndarray, gguf_type: str) -> np.ndarray:
-    """The stored array of one float32 tensor (see `_encoding`)."""
+def _encode(name: str, w: np.ndarray, gguf_type: str, tied: bool) -> np.ndarray:
+    """The stored array of one float32 tensor (see `_encoding`): q4_0 by jaxtune's quantizer (byte-equal to
+    ggml's), the other types by the `gguf` package's."""
     import gguf
 
-    raw, dtype = _encoding(w.shape, gguf_type)
+    raw, dtype = _encoding(name, w.shape, gguf_type, tied)
+    if raw == gguf.GGMLQuantizationType.Q4_0:
+        return quantize_q4_0(w)
     return gguf.quants.quantize(w, raw) if raw is not None else w.astype(dtype)
 
 
@@ -169,7 +177,7 @@ def save_gguf(
     gguf_type: str = "bf16",
     name: str | None = None,
 ) -> None:
-    """Writes the merged model as a llama.cpp GGUF file (`gguf_type`: bf16, f16, q8_0 or f32).
+    """Writes the merged model as a llama.cpp GGUF file (`gguf_type`: bf16, f16, q8_0, q4_0 or f32).
 
     With `base` (the HF directory or .gguf of the ORIGINAL weights) the adapters are added onto those; without it,
     onto the dequantized NF4 weights (a warning says so), exactly as `save_merged`.
@@ -185,7 +193,8 @@ def save_gguf(
     parent = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(parent, exist_ok=True)
     file_type = {"bf16": gguf.LlamaFileType.MOSTLY_BF16, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "f32": gguf.LlamaFileType.ALL_F32}[gguf_type]
+                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+                 "f32": gguf.LlamaFileType.ALL_F32}[gguf_type]
     source = open_original(model, base)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out_path)}.partial-", dir=parent)
     os.close(fd)
@@ -197,8 +206,9 @@ def save_gguf(
         if rope is not None:
             writer.add_tensor_info("rope_freqs.weight", rope.shape, rope.dtype, rope.nbytes)
         tensors = list(merged_tensors(model, source))
+        tied = not any(gguf_name(t.name) == "output.weight" for t in tensors)
         for t in tensors:  # the whole tensor table first; the data then follows one tensor at a time
-            stored, dtype, nbytes, raw = _stored_info(t.shape, gguf_type)
+            stored, dtype, nbytes, raw = _stored_info(gguf_name(t.name), t.shape, gguf_type, tied)
             writer.add_tensor_info(gguf_name(t.name), stored, np.dtype(dtype), nbytes, raw_dtype=raw)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -211,7 +221,7 @@ def save_gguf(
                 w = permute_qk(w, cfg.num_heads)
             elif t.name.endswith("k_proj.weight"):
                 w = permute_qk(w, cfg.num_kv_heads)
-            writer.write_tensor_data(_encode(w, gguf_type))
+            writer.write_tensor_data(_encode(gguf_name(t.name), w, gguf_type, tied))
         writer.close()
         plain_permissions(tmp)
         os.replace(tmp, out_path)

@@ -44,6 +44,7 @@ def _rounded(w: np.ndarray, gguf_type: str) -> np.ndarray:
     (lambda v: LlamaConfig(vocab_size=v, **SMALL, tie_word_embeddings=True, head_dim=32), "f16", 5e-3),
     (lambda v: MistralConfig(vocab_size=v, **SMALL, sliding_window=None), "bf16", 3e-2),
     (lambda v: LlamaConfig(vocab_size=v, **{**SMALL, "num_hidden_layers": 3}), "q8_0", 5e-2),
+    (lambda v: LlamaConfig(vocab_size=v, **SMALL, tie_word_embeddings=True, head_dim=32), "q4_0", 0.5),  # 4 bits
 ])
 def test_gguf_reads_back_like_the_merged_checkpoint(tmp_path, tiny_tokenizer, make_config, gguf_type, tol):
     from safetensors.numpy import load_file
@@ -57,9 +58,16 @@ def test_gguf_reads_back_like_the_merged_checkpoint(tmp_path, tiny_tokenizer, ma
     merged_tensors = {k: v for f in (tmp_path / "merged").glob("*.safetensors") for k, v in load_file(f).items()}
     with GGUFSource(tmp_path / "out" / "model.gguf") as source:
         assert sorted(source.names()) == sorted(merged_tensors)
-        if gguf_type != "q8_0":  # every tensor is the merged one, rounded once
+        if gguf_type not in ("q8_0", "q4_0"):  # every tensor is the merged one, rounded once
             for name, want in merged_tensors.items():
                 np.testing.assert_array_equal(source.get(name), _rounded(want, gguf_type), err_msg=name)
+    if gguf_type == "q4_0":  # the matrices in 4 bits; the tied embedding (llama.cpp's output too) in 8
+        import gguf
+
+        types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "out" / "model.gguf").tensors}
+        assert types["token_embd.weight"] == "Q8_0" and "output.weight" not in types
+        assert {types[f"blk.{i}.{m}.weight"] for i in range(2) for m in ("attn_q", "attn_k", "attn_v", "attn_output",
+                                                                          "ffn_gate", "ffn_up", "ffn_down")} == {"Q4_0"}
     ids = np.random.default_rng(0).integers(0, len(tiny_tokenizer), size=(2, 12))
     merged = _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval(), ids)
     via_transformers = AutoModelForCausalLM.from_pretrained(tmp_path / "out", gguf_file="model.gguf",
@@ -67,6 +75,8 @@ def test_gguf_reads_back_like_the_merged_checkpoint(tmp_path, tiny_tokenizer, ma
     reimported, gguf_tok = jaxtune.from_pretrained(tmp_path / "out" / "model.gguf", dtype="float32")
     assert np.abs(_logits(via_transformers, ids) - merged).max() < tol
     assert np.abs(np.asarray(reimported(ids)) - merged).max() < tol
+    if gguf_type in ("q8_0", "q4_0"):  # the same quantized bytes, read two ways
+        assert np.abs(np.asarray(reimported(ids)) - _logits(via_transformers, ids)).max() < 1e-4
     hf_tok = AutoTokenizer.from_pretrained(tmp_path / "out", gguf_file="model.gguf")
     want = tok(TEXT)["input_ids"]
     assert gguf_tok(TEXT)["input_ids"] == want and hf_tok(TEXT)["input_ids"] == want
@@ -207,11 +217,11 @@ def test_gguf_export_refusals_are_clear_and_leave_no_file(tmp_path, tiny_tokeniz
         jaxtune.save_gguf(model, out / "m.gguf", tokenizer=tok, gguf_type="q4_k")
     calls = []
 
-    def fail_on_third(w, gguf_type):
+    def fail_on_third(*args):
         calls.append(1)
         if len(calls) == 3:
             raise OSError("disk full")
-        return real_encode(w, gguf_type)
+        return real_encode(*args)
 
     real_encode = gguf_export._encode
     monkeypatch.setattr(gguf_export, "_encode", fail_on_third)
