@@ -58,3 +58,13 @@ def test_q4_0_refuses_rows_of_partial_blocks():
 
     with pytest.raises(ValueError, match="rows of whole 32-weight blocks; a row has 48 weights"):
         quantize_q4_0(np.zeros((2, 48), np.float32))
+
+
+@pytest.mark.gpu
+def test_q4_0_bytes_equal_ggmls_on_the_gpu_at_8b_shapes():
+    """On the GPU (where a reciprocal may differ from IEEE's in the last bit, and a multiply-add may fuse) every
+    block of an 8B MLP matrix (1.8M blocks) is ggml's."""
+    from jaxtune.quant import quantize_q4_0
+
+    w = np.random.default_rng(0).standard_normal((14336, 4096), dtype=np.float32)
+    np.testing.assert_array_equal(quantize_q4_0(w), _gguf(w))

@@ -15,12 +15,20 @@ BLOCK = 32  # weights per block
 BLOCK_BYTES = 2 + BLOCK // 2  # f16 scale + 16 bytes of codes
 
 
+def _in_blocks(w: jax.Array) -> jax.Array:
+    return w.astype(jnp.float32).reshape(*w.shape[:-1], w.shape[-1] // BLOCK, BLOCK)
+
+
 @jax.jit
-def _blocks(w: jax.Array) -> jax.Array:
-    blocks = w.astype(jnp.float32).reshape(*w.shape[:-1], w.shape[-1] // BLOCK, BLOCK)
-    first_largest = jnp.argmax(jnp.abs(blocks), axis=-1, keepdims=True)  # the first on ties, as ggml's scan
-    d = jnp.take_along_axis(blocks, first_largest, axis=-1) / -8
-    inverse = jnp.where(d == 0, 0.0, 1 / jnp.where(d == 0, 1.0, d))
+def _scales(w: jax.Array) -> jax.Array:
+    """Each block's d [..., blocks, 1]: its weight of largest magnitude (the first on ties, as ggml's scan) / -8."""
+    blocks = _in_blocks(w)
+    return jnp.take_along_axis(blocks, jnp.argmax(jnp.abs(blocks), axis=-1, keepdims=True), axis=-1) / -8
+
+
+@jax.jit
+def _pack(w: jax.Array, d: jax.Array, inverse: jax.Array) -> jax.Array:
+    blocks = _in_blocks(w)
     scaled = jax.lax.optimization_barrier(blocks * inverse)  # rounded before the add, as ggml: no fused multiply-add
     codes = jnp.minimum(jnp.trunc(scaled + 8.5), 15).astype(jnp.uint8)
     packed = codes[..., :BLOCK // 2] | (codes[..., BLOCK // 2:] << 4)
@@ -32,7 +40,11 @@ def quantize_q4_0(w: np.ndarray | jax.Array) -> np.ndarray:
     """The q4_0 bytes [..., K / 32 * 18] of a float tensor [..., K] (K a multiple of 32), as GGUF stores them."""
     if w.shape[-1] % BLOCK:
         raise ValueError(f"q4_0 quantizes rows of whole {BLOCK}-weight blocks; a row has {w.shape[-1]} weights")
-    return np.asarray(_blocks(jnp.asarray(w)))
+    w = jnp.asarray(w)
+    d = np.asarray(_scales(w))
+    with np.errstate(divide="ignore", over="ignore"):  # 1 / d on the host: IEEE-rounded, as ggml's (a GPU's
+        inverse = np.where(d == 0, np.float32(0), np.float32(1) / d)  # reciprocal may differ in the last bit)
+    return np.asarray(_pack(w, jnp.asarray(d), jnp.asarray(inverse, jnp.float32)))
 
 
 @jax.jit
