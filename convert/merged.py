@@ -24,6 +24,10 @@ from jaxtune.model import CausalLM, Linear
 from jaxtune.qlora import LORA_TARGETS, PARENT_MODULE, LoRALinear, NF4Linear, projection
 
 _DTYPES = {"bfloat16": jax.numpy.bfloat16, "float16": np.float16, "float32": np.float32}
+MERGED_DTYPES = (*_DTYPES, "nf4")  # nf4: the projections re-quantized as bitsandbytes stores them, the rest bf16
+BNB_CONFIG = {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False, "bnb_4bit_quant_type": "nf4",
+              "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8",
+              "llm_int8_skip_modules": ["lm_head"]}
 
 
 def _layer(array: Any, i: int) -> np.ndarray:
@@ -97,6 +101,15 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
         yield whole("lm_head.weight", model.lm_head.weight[...])
 
 
+def _is_projection_weight(name: str) -> bool:
+    return name.startswith("model.layers.") and name.rsplit(".", 2)[-2] in LORA_TARGETS and name.endswith(".weight")
+
+
+def _bnb_name(weight_name: str, suffix: str) -> str:
+    """bnb's serialized name of one of an NF4 weight's tensors (`weight` itself, or `weight.absmax`, ...)."""
+    return weight_name if suffix == "weight" else f"{weight_name}.{suffix}"
+
+
 def open_original(model: CausalLM, base: str | os.PathLike | None):
     """A tensor source of the ORIGINAL weights `base` (HF directory or .gguf) checked against the model, or None.
 
@@ -135,23 +148,42 @@ def save_merged(
     """Writes a merged HF checkpoint (sharded safetensors, config.json, tokenizer) atomically.
 
     With `base` (the HF directory or .gguf of the ORIGINAL weights) the adapters are added onto those; without it, onto
-    the dequantized NF4 weights, which loses quality (a warning says so).
+    the dequantized NF4 weights, which loses quality (a warning says so). `dtype="nf4"` re-quantizes the merged
+    projections to NF4 as bitsandbytes stores them (double-quantized, blocks of 64; the rest in bfloat16): a
+    bnb-4bit checkpoint that transformers + bitsandbytes, and jaxtune, load.
     """
-    if dtype not in _DTYPES:
-        raise CheckpointError(f"unknown dtype {dtype!r}; choose one of: {', '.join(_DTYPES)}")
+    if dtype not in MERGED_DTYPES:
+        raise CheckpointError(f"unknown dtype {dtype!r}; choose one of: {', '.join(MERGED_DTYPES)}")
     if not lora_modules(model):
         raise CheckpointError("the model has no LoRA adapters to merge; call jaxtune.get_peft_model first")
     source = open_original(model, base)
-    out_dtype = _DTYPES[dtype]
+    in_nf4 = dtype == "nf4"
+    out_dtype = _DTYPES["bfloat16" if in_nf4 else dtype]
     try:
         with atomic_directory(out_dir) as tmp:
             tensors = list(merged_tensors(model, source))
-            specs = [(t.name, t.shape, np.dtype(out_dtype)) for t in tensors]
+            quantized = {t.name for t in tensors if in_nf4 and _is_projection_weight(t.name)}
+            specs = []
+            for t in tensors:
+                if t.name in quantized:
+                    specs += [(_bnb_name(t.name, k), shape, dt) for k, (shape, dt) in nf4.bnb_tensor_specs(t.shape).items()]
+                else:
+                    specs.append((t.name, t.shape, np.dtype(out_dtype)))
             with ShardedSafetensorsWriter(tmp, specs, metadata={"format": "pt"}) as writer:
                 for t in tqdm(tensors, desc="merging", unit="tensor", leave=False):
-                    writer.write(t.name, t.compute().astype(out_dtype))
+                    if t.name in quantized:
+                        for k, array in nf4.to_bnb(t.compute()).items():
+                            if k == "quant_state.bitsandbytes__nf4":  # padded to the size laid out
+                                array = np.frombuffer(array.tobytes().ljust(nf4.QUANT_STATE_BYTES), np.uint8)
+                            writer.write(_bnb_name(t.name, k), array)
+                    else:
+                        writer.write(t.name, t.compute().astype(out_dtype))
+            config = {**model.config.to_hf(), "torch_dtype": "bfloat16" if in_nf4 else dtype,
+                      "dtype": "bfloat16" if in_nf4 else dtype}
+            if in_nf4:
+                config["quantization_config"] = dict(BNB_CONFIG)
             with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump({**model.config.to_hf(), "torch_dtype": dtype, "dtype": dtype}, f, indent=2)
+                json.dump(config, f, indent=2)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
     finally:

@@ -354,8 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tensor type of the GGUF's matrices (norms stay f32)")
     ex.add_argument("--base", help="HF directory or .gguf of the original weights to merge onto (default: the run's "
                                    "base model, or the checkpoint it was converted from, when those are unquantized)")
-    ex.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                    help="dtype of the merged weights")
+    ex.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "nf4"],
+                    help="dtype of the merged weights (nf4: the projections re-quantized as a bitsandbytes 4-bit "
+                         "checkpoint)")
     ex.set_defaults(func=_export)
     return parser
 

@@ -173,12 +173,27 @@ def dequantize(q: NF4Weight, dtype: jnp.dtype = jnp.float32) -> jax.Array:
     return w.reshape(values.shape).astype(dtype)
 
 
+QUANT_STATE_BYTES = 256  # room for the quant state's JSON when a writer must size it before quantizing
+
+
 def _quant_state_json(shape: tuple[int, int], offset: float, dtype: str) -> bytes:
     state = {
         "quant_type": "nf4", "blocksize": BLOCK, "dtype": dtype, "shape": list(shape),
         "nested_blocksize": NESTED_BLOCK, "nested_dtype": "float32", "nested_offset": float(offset),
     }
     return json.dumps(state).encode()
+
+
+def bnb_tensor_specs(shape: tuple[int, int]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """(shape, dtype) of each of `to_bnb_tensors`' arrays for a weight [out, in], known before quantizing (a
+    writer lays out its files first); the quant state's JSON padded with spaces to QUANT_STATE_BYTES (JSON allows
+    them; bitsandbytes and jaxtune parse it with json.loads)."""
+    blocks = shape[0] * shape[1] // BLOCK
+    return {"weight": ((shape[0] * shape[1] // 2, 1), np.dtype(np.uint8)), "absmax": ((blocks,), np.dtype(np.uint8)),
+            "quant_map": ((16,), np.dtype(np.float32)),
+            "nested_absmax": ((-(-blocks // NESTED_BLOCK),), np.dtype(np.float32)),
+            "nested_quant_map": ((256,), np.dtype(np.float32)),
+            "quant_state.bitsandbytes__nf4": ((QUANT_STATE_BYTES,), np.dtype(np.uint8))}
 
 
 def to_bnb_tensors(q: NF4Weight, *, dtype: str = "bfloat16") -> dict[str, np.ndarray]:

@@ -191,3 +191,47 @@ def test_export_finds_the_original_weights_behind_a_converted_checkpoint(tmp_pat
     assert original_weights(smollm2_path) == smollm2_path
     (tmp_path / "hf").rename(tmp_path / "moved")
     assert original_weights(str(tmp_path / "nf4")) is None
+
+
+def test_merged_in_nf4_loads_in_transformers_with_bitsandbytes_as_in_jaxtune(tmp_path):
+    """`dtype="nf4"`: the merged projections re-quantized as a bitsandbytes 4-bit checkpoint. transformers +
+    bitsandbytes read it to jaxtune's logits (the same bytes), and those are what bitsandbytes' own NF4
+    quantization of the float32 merge gives."""
+    import bitsandbytes.functional as F
+    from bitsandbytes.nn import Linear4bit
+
+    build_hf_model(LlamaConfig(**COMMON), tmp_path / "base")
+    qmodel, tok = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=True)
+    jaxtune.get_peft_model(qmodel, r=8, lora_alpha=16)
+    _randomize_lora(qmodel)
+    jaxtune.save_merged(qmodel, tmp_path / "nf4", base=tmp_path / "base", dtype="nf4")
+    jaxtune.save_merged(qmodel, tmp_path / "f32", base=tmp_path / "base", dtype="float32")
+    config = json.loads((tmp_path / "nf4" / "config.json").read_text())
+    assert config["quantization_config"]["bnb_4bit_quant_type"] == "nf4"
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "nf4", dtype=torch.float32).eval()
+    layers = [m for m in hf.modules() if isinstance(m, Linear4bit)]
+    assert len(layers) == 7 * COMMON["num_hidden_layers"]
+    for m in layers:  # compare in float32 (the file asks bf16, as bnb checkpoints do)
+        m.compute_dtype = m.weight.quant_state.dtype = torch.float32
+    for p in hf.parameters():  # the bf16 embedding, norms and head (exact in float32)
+        if p.dtype == torch.bfloat16:
+            p.data = p.data.float()
+    ours, _ = jaxtune.from_pretrained(tmp_path / "nf4", dtype="float32")
+    _close(ours(IDS), _torch_logits(hf), 1e-4)
+
+    # each projection as bitsandbytes quantizes the float32 merge: the same 4-bit codes; the 8-bit absmax codes
+    # of a few blocks one apart (bnb's CPU rounding, as tests/test_nf4.py measures)
+    from safetensors.numpy import load_file
+
+    stored = {k: v for f in (tmp_path / "nf4").glob("*.safetensors") for k, v in load_file(f).items()}
+    merged = {k: v for f in (tmp_path / "f32").glob("*.safetensors") for k, v in load_file(f).items()}
+    projections = [k for k in merged if k.rsplit(".", 2)[-2] in LORA_TARGETS]
+    assert len(projections) == 7 * COMMON["num_hidden_layers"]
+    for name in projections:
+        q, state = F.quantize_4bit(torch.from_numpy(merged[name]), blocksize=64, compress_statistics=True,
+                                   quant_type="nf4")
+        np.testing.assert_array_equal(stored[name], q.numpy(), err_msg=name)
+        assert np.abs(stored[f"{name}.absmax"].astype(int) - state.absmax.numpy().astype(int)).max() <= 1, name
+    assert np.abs(np.asarray(ours(IDS)) - _torch_logits(AutoModelForCausalLM.from_pretrained(
+        tmp_path / "f32", dtype=torch.float32).eval())).max() > 1e-3  # and it is the 4-bit model, not the float one
