@@ -243,6 +243,9 @@ class CausalLM(nnx.Module):
         # into and out of (faster), a compile time that grows with the layer count; remat "offload" keeps its
         # own loops
         self.unroll_layers: bool = False
+        # quantization-aware training: "q4_0" or "nf4" puts each LoRA projection's merged weight through that
+        # format's quantizer in the forward pass (straight-through gradient); set by train() like `compute`
+        self.qat: str | None = None
 
     def __call__(
         self,
@@ -273,7 +276,7 @@ class CausalLM(nnx.Module):
                 positions = segment_positions(segment_ids)
         if self.single_sequence_rows:
             segment_ids = None
-        with ops.frozen_compute(self.compute):
+        with ops.frozen_compute(self.compute), ops.fake_quantized(self.qat):
             h, _ = self._decode(input_ids, positions, segment_ids, None, None, dropout_rng)
         return h
 

@@ -92,6 +92,9 @@ class LoRALinear(nnx.Module):
         self.dropout = float(dropout)
 
     def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+        fmt = ops.fake_quantize_format()
+        if fmt is not None:
+            return self._fake_quantized(x, fmt)
         y = self.base(x)
         if rng is not None and self.dropout > 0.0:
             keep = jax.random.bernoulli(rng, 1.0 - self.dropout, x.shape)
@@ -101,6 +104,23 @@ class LoRALinear(nnx.Module):
         # rewriter turns into one cuBLAS call accumulating onto y (no separate [tokens, out] product and add)
         hidden = checkpoint_name(ops.linear(x, a) * jnp.asarray(self.scale, x.dtype), "lora_hidden")
         return y + ops.linear(hidden, b, out_dtype=y.dtype)
+
+
+    def merged_weight(self) -> jax.Array:
+        """W + scale * B @ A [out, in] in float32 (the base dequantized when it is NF4)."""
+        base = self.base
+        w = nf4.dequantize(base.weight_nf4) if isinstance(base, NF4Linear) else base.weight[...].astype(jnp.float32)
+        a, b = whole_on_every_device(self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32))
+        return w + self.scale * (b @ a)
+
+    def _fake_quantized(self, x: jax.Array, fmt: str) -> jax.Array:
+        """QAT: x @ fake_quantize(W + scale * B @ A).T (+ bias), the gradient reaching A and B straight through
+        the quantizer (no dropout: the merged weight has no separate LoRA path)."""
+        from jaxtune.quant.fake import fake_quantize
+
+        y = ops.linear(x, fake_quantize(self.merged_weight(), fmt).astype(x.dtype))
+        bias = self.base.bias
+        return y if bias is None else (y.astype(jnp.float32) + bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
 def projection(model: CausalLM, name: str) -> nnx.Module:

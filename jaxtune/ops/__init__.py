@@ -15,9 +15,9 @@ import jax.numpy as jnp
 
 from jaxtune.ops import dispatch
 from jaxtune.ops.attention import attention, attention_mask
-from jaxtune.ops.context import (COMPUTE_MODES, barrier, frozen_compute, frozen_compute_mode, segments_share_prefixes,
-                                 dequantize_at_use, dequantizing_at_use, shared_prefix_segments, stacked_layer,
-                                 stacked_layer_index)
+from jaxtune.ops.context import (COMPUTE_MODES, barrier, fake_quantize_format, fake_quantized, frozen_compute,
+                                 frozen_compute_mode, segments_share_prefixes, dequantize_at_use, dequantizing_at_use,
+                                 shared_prefix_segments, stacked_layer, stacked_layer_index)
 from jaxtune.ops.dense import dot_out, linear, rows
 from jaxtune.ops.fp8_linear import FP8_GRAD_FORMAT, fp8_dx_nf4_matmul, fp8_input, fp8_nf4_matmul
 from jaxtune.ops.kernel_operands import kernel_shaped, kernels_read_prepared_scales, prepare_kernel_scales
@@ -53,6 +53,8 @@ __all__ = [
     "dequantize_at_use",
     "dispatch",
     "dot_out",
+    "fake_quantize_format",
+    "fake_quantized",
     "frozen_compute",
     "frozen_compute_mode",
     "kernels_read_prepared_scales",

@@ -21,6 +21,7 @@ _frozen_compute: contextvars.ContextVar[str] = contextvars.ContextVar("frozen_co
 _fp8_inputs: contextvars.ContextVar[list | None] = contextvars.ContextVar("fp8_inputs", default=None)
 _shared_prefix: contextvars.ContextVar[bool] = contextvars.ContextVar("shared_prefix", default=False)
 _at_use: contextvars.ContextVar[bool] = contextvars.ContextVar("dequantize_at_use", default=False)
+_fake_quantized: contextvars.ContextVar[str | None] = contextvars.ContextVar("fake_quantized", default=None)
 
 
 @contextlib.contextmanager
@@ -51,6 +52,22 @@ def frozen_compute(mode: str) -> Iterator[None]:
         _frozen_compute.reset(token)
         if inputs is not None:
             _fp8_inputs.reset(inputs)
+
+
+@contextlib.contextmanager
+def fake_quantized(fmt: str | None) -> Iterator[None]:
+    """Within the block, LoRA projections traced use their merged weight through `fmt`'s quantizer (QAT;
+    `jaxtune.quant.fake`); None: the usual base + LoRA path."""
+    token = _fake_quantized.set(fmt)
+    try:
+        yield
+    finally:
+        _fake_quantized.reset(token)
+
+
+def fake_quantize_format() -> str | None:
+    """The format `fake_quantized` set for what is traced now (None outside any block)."""
+    return _fake_quantized.get()
 
 
 def frozen_compute_mode() -> str:

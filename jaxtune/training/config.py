@@ -67,6 +67,9 @@ class TrainConfig:
     # activations to copy), a compile time that grows with the depth (~1 min at 80 layers instead of ~10 s);
     # remat "offload" keeps its own loops
     unroll_layers: bool = False
+    # quantization-aware training for a 4-bit export: "q4_0" (GGUF) or "nf4" (bitsandbytes) puts each LoRA
+    # projection's merged weight through that quantizer in the forward pass, the gradient passing straight through
+    qat: str = "none"
     # AdamW's state (8 bytes per LoRA parameter: 1.5 GiB at 70B r=16, 0.6 GiB at 8B r=32) lives in host memory
     # between steps, copied in once the backward pass is done and out after the update, so the forward and backward
     # passes, where the peak is, run without it; it costs a host round trip of that state per step
@@ -142,6 +145,12 @@ class TrainConfig:
         self._check_combinations()
 
     def _check_combinations(self) -> None:
+        if self.qat != "none" and self.compute == "fp8":
+            raise ConfigError("qat and compute 'fp8' do not combine: QAT multiplies by the fake-quantized merged "
+                              "weight, not the NF4 base; use compute 'bf16'", field="qat")
+        if self.qat != "none" and self.lora_dropout > 0:
+            raise ConfigError("qat merges LoRA into the weight it quantizes, so LoRA dropout cannot apply; set "
+                              "lora_dropout 0", field="qat")
         if self.objective in ("dpo", "orpo") and self.beta == 0:
             raise ConfigError("beta must be > 0 for DPO (0.1 is usual)", field="beta")
         if self.objective == "grpo":
@@ -306,6 +315,7 @@ _RULES: dict[str, _Rule] = {
     "compute": _Rule("choice", choices=COMPUTE_MODES),
     "compile_cache": _Rule("bool"),
     "unroll_layers": _Rule("bool"),
+    "qat": _Rule("choice", choices=("none", "q4_0", "nf4"), fix="the format the fine-tune will be exported in"),
     "offload_optimizer": _Rule("bool"),
     "offload_embedding": _Rule("bool"),
     "logging_steps": _Rule("int", 1),

@@ -166,12 +166,13 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
         model.single_sequence_rows, model.compute = single_sequence_rows, cfg.compute
         model.offload_device_layers, model.offload_group = layout
         model.unroll_layers = cfg.unroll_layers
+        model.qat = None if cfg.qat == "none" else cfg.qat
         try:
             return split_model(model)
         finally:
             model.single_sequence_rows, model.compute, model.offload_device_layers, model.offload_group = (
                 False, "bf16", 0, 1)
-            model.unroll_layers = False
+            model.unroll_layers, model.qat = False, None
 
     def first_layouts(remat: str) -> tuple[Any, list[tuple[int, int]]]:
         """(host budget or None, remat "offload"'s (layers whose inputs stay on device, offload group) to try)."""

@@ -1,0 +1,133 @@
+"""Quantization-aware training: the forward is the exported 4-bit model's (against the `gguf` package's q4_0 and
+bitsandbytes' NF4 on the same merged weights), the LoRA gradient passes straight through the quantizer (against
+torch autograd and the chain rule)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import jaxtune
+from conftest import build_hf_model
+from jaxtune.qlora import LORA_TARGETS, PARENT_MODULE, projection
+
+CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2)
+IDS = np.random.default_rng(0).integers(0, 128, size=(2, 12))
+
+
+def _tuned(tmp_path, load_in_4bit: bool):
+    build_hf_model(LlamaConfig(**CONFIG), tmp_path / "base")
+    model, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=load_in_4bit)
+    jaxtune.get_peft_model(model, r=4, lora_alpha=8)
+    rng = np.random.default_rng(1)
+    for _, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
+        var.set_value(np.asarray(rng.standard_normal(var.get_value().shape) * 0.1, np.float32))
+    return model
+
+
+def _merged(model, name: str, layer: int) -> np.ndarray:
+    p = projection(model, name)
+    a, b = np.asarray(p.lora_a[...][layer], np.float64), np.asarray(p.lora_b[...][layer], np.float64)
+    base = p.base
+    if hasattr(base, "weight_nf4"):
+        import jax
+
+        from jaxtune import nf4
+        w = np.asarray(nf4.dequantize(jax.tree.map(lambda x: x[layer], base.weight_nf4)), np.float64)
+    else:
+        w = np.asarray(base.weight[...][layer], np.float64)
+    return (w + p.scale * b @ a).astype(np.float32)
+
+
+def _round_trip(w: np.ndarray, fmt: str) -> np.ndarray:
+    """What the deployed file holds, by the independent quantizers."""
+    if fmt == "q4_0":
+        import gguf
+
+        q = gguf.GGMLQuantizationType.Q4_0
+        return gguf.quants.dequantize(gguf.quants.quantize(w, q), q).astype(np.float32)
+    import bitsandbytes.functional as F
+
+    q, state = F.quantize_4bit(torch.from_numpy(w), blocksize=64, compress_statistics=True, quant_type="nf4")
+    return F.dequantize_4bit(q, state).numpy()
+
+
+def _deployed(tmp_path, model, fmt: str):
+    """transformers' model of the base, its projections replaced by the quantized merged weights."""
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in range(CONFIG["num_hidden_layers"]):
+            for name in LORA_TARGETS:
+                module = getattr(getattr(hf.model.layers[layer], PARENT_MODULE[name]), name)
+                module.weight.copy_(torch.from_numpy(_round_trip(_merged(model, name, layer), fmt)))
+    return hf
+
+
+@pytest.mark.parametrize("fmt, load_in_4bit, tol", [("q4_0", False, 1e-4), ("q4_0", True, 1e-4),
+                                                     ("nf4", True, 2e-3)])  # bnb's absmax codes: a few one apart
+def test_the_qat_forward_is_the_exported_4bit_models(tmp_path, fmt, load_in_4bit, tol):
+    model = _tuned(tmp_path, load_in_4bit)
+    plain = np.asarray(model(IDS))
+    model.qat = fmt
+    qat = np.asarray(model(IDS))
+    model.qat = None
+    with torch.no_grad():
+        want = _deployed(tmp_path, model, fmt)(torch.as_tensor(IDS)).logits.numpy()
+    assert np.abs(qat - want).max() < tol
+    assert np.abs(plain - want).max() > 10 * tol  # the 4-bit model, not the float one
+
+
+def test_the_lora_gradient_passes_straight_through_the_quantizer(tmp_path):
+    """dL/dA = s B^T dL/dW and dL/dB = s dL/dW A^T, with dL/dW torch's gradient of the deployed q4_0 model."""
+    import jax
+
+    from jaxtune.training.step import split_model
+
+    model = _tuned(tmp_path, load_in_4bit=False)
+    hf = _deployed(tmp_path, model, "q4_0")
+    logits = hf(torch.as_tensor(IDS)).logits
+    logits.square().mean().backward()
+    model.qat = "q4_0"
+    graphdef, lora, frozen = split_model(model)
+
+    def loss(lora):
+        return jax.numpy.mean(jax.numpy.square(nnx.merge(graphdef, lora, frozen)(IDS)))
+
+    grads = jax.grad(loss)(lora)
+    got = {k: v for k, v in nnx.to_flat_state(grads)}
+    for name in LORA_TARGETS:
+        p = projection(model, name)
+        path = tuple(k for k, _ in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))
+                     if name in k and "lora_a" in k)[0][:-1]
+        for layer in range(CONFIG["num_hidden_layers"]):
+            dw = getattr(getattr(hf.model.layers[layer], PARENT_MODULE[name]), name).weight.grad.numpy()
+            a, b = np.asarray(p.lora_a[...][layer]), np.asarray(p.lora_b[...][layer])
+            np.testing.assert_allclose(np.asarray(got[(*path, "lora_a")].get_value()[layer]), p.scale * b.T @ dw,
+                                       rtol=2e-3, atol=1e-7)
+            np.testing.assert_allclose(np.asarray(got[(*path, "lora_b")].get_value()[layer]), p.scale * dw @ a.T,
+                                       rtol=2e-3, atol=1e-7)
+
+
+def test_qat_trains_and_refuses_what_it_cannot_combine_with(tiny_tokenizer):
+    with pytest.raises(jaxtune.ConfigError, match="qat and compute 'fp8' do not combine"):
+        jaxtune.TrainConfig(qat="q4_0", compute="fp8")
+    with pytest.raises(jaxtune.ConfigError, match="LoRA dropout cannot apply; set lora_dropout 0"):
+        jaxtune.TrainConfig(qat="nf4", lora_dropout=0.05)
+    with pytest.raises(jaxtune.ConfigError, match="qat"):
+        jaxtune.TrainConfig(qat="q4_k")
+    from jaxtune.config import ModelConfig
+    from jaxtune.model import init_model
+    from jaxtune.qlora import quantize_layers
+
+    cfg = ModelConfig(model_type="llama", vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, eos_token_id=tiny_tokenizer.eos_token_id)
+    model = quantize_layers(init_model(cfg, dtype="float32", seed=0))
+    rows = [{"text": "the quick brown fox jumps over the lazy dog " * 3}] * 16
+    result = jaxtune.train(model, tiny_tokenizer, rows, jaxtune.TrainConfig(
+        format="text", seq_len=32, micro_batch_size=4, max_steps=8, learning_rate=3e-3, warmup_steps=0, qat="q4_0"),
+        progress=False)
+    assert result.losses[-1] < result.losses[0] and model.qat is None  # the model keeps its plain forward
