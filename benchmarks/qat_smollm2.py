@@ -1,0 +1,100 @@
+"""What quantization-aware training recovers of a 4-bit export's loss, on the bundled SmolLM2-135M-Instruct and the
+demo's task (examples/data/people_*.jsonl: answer in a fixed JSON schema; held-out names).
+
+    PYTHONPATH=.:examples python benchmarks/qat_smollm2.py [--steps 12] [--out runs/qat] [--formats q4_0,nf4]
+For each run (plain LoRA, then QAT per format), the same data, steps and seed: the held-out loss on the answers and
+the exact match of greedy answers, of (a) the fine-tune in memory, (b) its 4-bit export, read back as a user runs it
+(q4_0: the GGUF file through jaxtune's GGUF loader; nf4: the merged bitsandbytes checkpoint through jaxtune's
+loader). The adapters merge onto the NF4 base the run trained (the weights QAT simulates). One JSON line per
+(run, model); the last line has the recovered fraction (PTQ - QAT) / (PTQ - unquantized) of the held-out loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxtune
+from bundled_smollm2 import load_converted
+from demo import DATA, exact_match
+
+
+def answer_loss(model, tokenizer, evals: list[dict]) -> float:
+    """Mean negative log-likelihood of the held-out answers' tokens after their chat prompts."""
+    total, count = 0.0, 0
+    for e in evals:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": e["prompt"]}], tokenize=False,
+                                               add_generation_prompt=True)
+        full = tokenizer.apply_chat_template([{"role": "user", "content": e["prompt"]},
+                                              {"role": "assistant", "content": e["answer"]}], tokenize=False)
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(full, add_special_tokens=False)["input_ids"]
+        logits = jnp.asarray(model(np.asarray([ids])))[0, :-1]
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        targets = np.asarray(ids[1:])
+        picked = np.asarray(jnp.take_along_axis(logp, jnp.asarray(targets)[:, None], axis=-1))[:, 0]
+        total -= float(picked[len(p) - 1:].sum())
+        count += len(targets) - (len(p) - 1)
+    return total / count
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--out", default="runs/qat")
+    ap.add_argument("--formats", default="q4_0,nf4")
+    ap.add_argument("--eval-limit", type=int, default=None)
+    args = ap.parse_args()
+    out = Path(args.out)
+    evals = [json.loads(line) for line in (DATA / "people_eval.jsonl").read_text().splitlines()][:args.eval_limit]
+    losses: dict[tuple[str, str], float] = {}
+
+    def score(run: str, what: str, model, tokenizer) -> None:
+        loss = answer_loss(model, tokenizer, evals)
+        match, _ = exact_match(model, tokenizer, evals)
+        losses[(run, what)] = loss
+        print(json.dumps({"run": run, "model": what, "held_out_loss": round(loss, 4), "exact_match": match,
+                          "device": jax.local_devices()[0].device_kind}), flush=True)
+
+    formats = args.formats.split(",")
+    for qat in ["none", *formats]:
+        model, tokenizer, _ = load_converted(out)
+        cfg = jaxtune.TrainConfig(format="chat", seq_len=192, micro_batch_size=4, max_steps=args.steps,
+                                  learning_rate=1e-3, schedule="cosine", warmup_steps=3, lora_r=16, lora_alpha=32,
+                                  qat=qat)
+        t0 = time.perf_counter()
+        result = jaxtune.train(model, tokenizer, DATA / "people_train.jsonl", cfg, progress=False)
+        print(json.dumps({"run": qat, "train_s": round(time.perf_counter() - t0, 1),
+                          "final_loss": round(result.losses[-1], 4)}), flush=True)
+        if qat == "none":
+            score(qat, "in memory", model, tokenizer)
+        for fmt in ([qat] if qat != "none" else formats):
+            exported = out / f"{qat}-{fmt}"
+            shutil.rmtree(exported, ignore_errors=True)
+            exported.mkdir(parents=True)
+            import warnings
+
+            with warnings.catch_warnings():  # merging onto the dequantized NF4 base, on purpose (see the docstring)
+                warnings.simplefilter("ignore")
+                if fmt == "q4_0":
+                    jaxtune.save_gguf(model, exported / "model.gguf", tokenizer=tokenizer, gguf_type="q4_0")
+                    deployed, deployed_tok = jaxtune.from_pretrained(exported / "model.gguf", dtype="float32")
+                else:
+                    jaxtune.save_merged(model, exported / "merged", tokenizer=tokenizer, dtype="nf4")
+                    deployed, deployed_tok = jaxtune.from_pretrained(exported / "merged", dtype="float32")
+            score(qat, f"{fmt} export", deployed, deployed_tok)
+    for fmt in formats:
+        full, ptq, qat = losses[("none", "in memory")], losses[("none", f"{fmt} export")], losses[(fmt, f"{fmt} export")]
+        print(json.dumps({"format": fmt, "unquantized": round(full, 4), "ptq": round(ptq, 4), "qat": round(qat, 4),
+                          "recovered": round((ptq - qat) / (ptq - full), 3) if ptq != full else None}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
