@@ -114,11 +114,18 @@ class LoRALinear(nnx.Module):
         return w + self.scale * (b @ a)
 
     def _fake_quantized(self, x: jax.Array, fmt: str) -> jax.Array:
-        """QAT: x @ fake_quantize(W + scale * B @ A).T (+ bias), the gradient reaching A and B straight through
-        the quantizer (no dropout: the merged weight has no separate LoRA path)."""
-        from jaxtune.quant.fake import fake_quantize
+        """QAT: y = x @ round_trip(W + scale * B @ A).T (+ bias), the exported model's output. Its gradient to A and
+        B is the straight-through one (the rounding's derivative taken as 1), which is plain LoRA's: a LoRA term of
+        value zero carries it, so no [out, in] weight gradient is ever formed; x's gradient is dy @ the rounded
+        weight. The rounded weight is not differentiated (a remat policy recomputes it from the codes)."""
+        from jaxtune.quant.fake import round_trip
 
-        y = ops.linear(x, fake_quantize(self.merged_weight(), fmt).astype(x.dtype))
+        weight = jax.lax.stop_gradient(round_trip(self.merged_weight(), fmt)).astype(x.dtype)
+        y = ops.linear(x, weight)
+        a, b = whole_on_every_device(self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype))
+        lora = ops.linear(ops.linear(jax.lax.stop_gradient(x), a) * jnp.asarray(self.scale, x.dtype), b,
+                          out_dtype=y.dtype)
+        y = y + (lora - jax.lax.stop_gradient(lora))
         bias = self.base.bias
         return y if bias is None else (y.astype(jnp.float32) + bias[...].astype(jnp.float32)).astype(x.dtype)
 

@@ -1,6 +1,5 @@
-"""Quantization-aware training: a weight seen through the quantizer it will be deployed in, with a straight-through
-gradient (the forward uses the quantized values, the backward passes the gradient on unchanged), so LoRA learns
-what survives the export."""
+"""Quantization-aware training: what a weight becomes in the 4-bit format it will be deployed in, so the forward pass
+sees the exported model (the adapters' gradient passes straight through the rounding: `qlora.LoRALinear`)."""
 
 from __future__ import annotations
 
@@ -27,7 +26,6 @@ def nf4_round_trip(w: jax.Array) -> jax.Array:
     return nf4.dequantize(nf4.quantize_traced(w.astype(jnp.float32)))
 
 
-def fake_quantize(w: jax.Array, fmt: str) -> jax.Array:
-    """`w` with the values of its `fmt` round trip and the gradient of the identity (straight through)."""
-    round_trip = {"q4_0": q4_0_round_trip, "nf4": nf4_round_trip}[fmt](jax.lax.stop_gradient(w))
-    return w + jax.lax.stop_gradient(round_trip - w)
+def round_trip(w: jax.Array, fmt: str) -> jax.Array:
+    """`w` [out, in] as the `fmt` export stores it and a loader reads it back (float32)."""
+    return {"q4_0": q4_0_round_trip, "nf4": nf4_round_trip}[fmt](w)
