@@ -92,6 +92,7 @@ def configure(model, args: argparse.Namespace):
     model.single_sequence_rows = args.data == "dense"
     model.compute = args.compute
     model.unroll_layers = args.unroll_layers
+    model.qat = None if args.qat == "none" else args.qat
     return model
 
 
@@ -108,6 +109,8 @@ def main() -> None:
                          "(cuDNN); dense-segmented: the same rows through the segment-aware Pallas kernel; "
                          "varlen: packed variable-length samples")
     ap.add_argument("--compute", default="bf16", choices=["bf16", "fp8"], help="frozen projections in bf16 or FP8")
+    ap.add_argument("--qat", default="none", choices=["none", "q4_0", "nf4"],
+                    help="quantization-aware training: the merged weights seen as that 4-bit export stores them")
     ap.add_argument("--unroll-layers", action="store_true",
                     help="one traced layer per decoder layer (no stacks of saved activations) instead of a loop")
     ap.add_argument("--offload-optimizer", action="store_true",
@@ -171,7 +174,7 @@ def main() -> None:
     choose_s = time.perf_counter() - t0
     base = {"system": "jaxtune", "device": jax.local_devices()[0].device_kind, "batch": micro, "batch_arg": args.batch,
             "seq": args.seq, "remat": args.remat, "data": args.data, "compute": args.compute,
-            "unroll_layers": args.unroll_layers,
+            "unroll_layers": args.unroll_layers, "qat": args.qat,
             "offload_optimizer": args.offload_optimizer, "offload_embedding": args.offload_embedding,
             "compile_first": args.compile_first, "warm_autotune": args.warm_autotune, "warm_compile_s": warm_s}
     if compiled is None:
