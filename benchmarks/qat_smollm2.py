@@ -27,21 +27,24 @@ from demo import DATA, exact_match
 
 
 def answer_loss(model, tokenizer, evals: list[dict]) -> float:
-    """Mean negative log-likelihood of the held-out answers' tokens after their chat prompts."""
-    total, count = 0.0, 0
+    """Mean negative log-likelihood of the held-out answers' tokens after their chat prompts (all rows in one
+    right-padded batch: one compilation; a causal model's logits do not see the padding after them)."""
+    rows, starts = [], []
     for e in evals:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": e["prompt"]}], tokenize=False,
-                                               add_generation_prompt=True)
-        full = tokenizer.apply_chat_template([{"role": "user", "content": e["prompt"]},
-                                              {"role": "assistant", "content": e["answer"]}], tokenize=False)
-        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        ids = tokenizer(full, add_special_tokens=False)["input_ids"]
-        logits = jnp.asarray(model(np.asarray([ids])))[0, :-1]
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        targets = np.asarray(ids[1:])
-        picked = np.asarray(jnp.take_along_axis(logp, jnp.asarray(targets)[:, None], axis=-1))[:, 0]
-        total -= float(picked[len(p) - 1:].sum())
-        count += len(targets) - (len(p) - 1)
+        chat = [{"role": "user", "content": e["prompt"]}]
+        prompt = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template([*chat, {"role": "assistant", "content": e["answer"]}], tokenize=False)
+        rows.append(tokenizer(full, add_special_tokens=False)["input_ids"])
+        starts.append(len(tokenizer(prompt, add_special_tokens=False)["input_ids"]))
+    ids = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = r
+    logp = np.asarray(jax.nn.log_softmax(jnp.asarray(model(ids), jnp.float32), axis=-1))
+    total, count = 0.0, 0
+    for i, r in enumerate(rows):
+        targets = np.asarray(r[starts[i]:])
+        total -= float(logp[i, np.arange(starts[i] - 1, len(r) - 1), targets].sum())
+        count += len(targets)
     return total / count
 
 
