@@ -19,18 +19,25 @@ def _in_blocks(w: jax.Array) -> jax.Array:
     return w.astype(jnp.float32).reshape(*w.shape[:-1], w.shape[-1] // BLOCK, BLOCK)
 
 
+def _block_scales(blocks: jax.Array) -> jax.Array:
+    """Each block's d [..., blocks, 1]: its weight of largest magnitude (the first on ties, as ggml's scan) / -8."""
+    return jnp.take_along_axis(blocks, jnp.argmax(jnp.abs(blocks), axis=-1, keepdims=True), axis=-1) / -8
+
+
+def _codes(blocks: jax.Array, inverse: jax.Array) -> jax.Array:
+    """The 4-bit codes (as float32) of blocks scaled by 1 / d."""
+    scaled = jax.lax.optimization_barrier(blocks * inverse)  # rounded before the add, as ggml: no fused multiply-add
+    return jnp.minimum(jnp.trunc(scaled + 8.5), 15)
+
+
 @jax.jit
 def _scales(w: jax.Array) -> jax.Array:
-    """Each block's d [..., blocks, 1]: its weight of largest magnitude (the first on ties, as ggml's scan) / -8."""
-    blocks = _in_blocks(w)
-    return jnp.take_along_axis(blocks, jnp.argmax(jnp.abs(blocks), axis=-1, keepdims=True), axis=-1) / -8
+    return _block_scales(_in_blocks(w))
 
 
 @jax.jit
 def _pack(w: jax.Array, d: jax.Array, inverse: jax.Array) -> jax.Array:
-    blocks = _in_blocks(w)
-    scaled = jax.lax.optimization_barrier(blocks * inverse)  # rounded before the add, as ggml: no fused multiply-add
-    codes = jnp.minimum(jnp.trunc(scaled + 8.5), 15).astype(jnp.uint8)
+    codes = _codes(_in_blocks(w), inverse).astype(jnp.uint8)
     packed = codes[..., :BLOCK // 2] | (codes[..., BLOCK // 2:] << 4)
     scale_bytes = jax.lax.bitcast_convert_type(d.astype(jnp.float16), jnp.uint8).reshape(*d.shape[:-1], 2)
     return jnp.concatenate([scale_bytes, packed], axis=-1).reshape(*w.shape[:-1], -1)
@@ -45,6 +52,15 @@ def quantize_q4_0(w: np.ndarray | jax.Array) -> np.ndarray:
     with np.errstate(divide="ignore", over="ignore"):  # 1 / d on the host: IEEE-rounded, as ggml's (a GPU's
         inverse = np.where(d == 0, np.float32(0), np.float32(1) / d)  # reciprocal may differ in the last bit)
     return np.asarray(_pack(w, jnp.asarray(d), jnp.asarray(inverse, jnp.float32)))
+
+
+def round_trip_q4_0(w: jax.Array) -> jax.Array:
+    """W [..., K] as a q4_0 file reads it back, traced (QAT): d * (q - 8), d in float16. The reciprocal is the
+    device's, so a code on a rounding edge may differ from the export's."""
+    blocks = _in_blocks(w)
+    d = _block_scales(blocks)
+    codes = _codes(blocks, jnp.where(d == 0, 0.0, 1 / jnp.where(d == 0, 1.0, d)))
+    return (d.astype(jnp.float16).astype(jnp.float32) * (codes - 8)).reshape(w.shape)
 
 
 @jax.jit
