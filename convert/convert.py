@@ -22,6 +22,7 @@ from convert.load import (TensorPlan, abstract_state, bnb_quantization, from_pre
 from convert.safetensors_writer import ShardedSafetensorsWriter
 from jaxtune.bundled import resolve_model_path
 from jaxtune.errors import CheckpointError
+from jaxtune.moe.experts import NF4Experts
 from jaxtune.qlora import NF4Linear
 
 
@@ -40,7 +41,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quantize: str = "
     if os.path.isdir(resolved) and is_jaxtune_checkpoint(resolved):  # re-quantizing a jaxtune checkpoint
         model, tokenizer = from_pretrained(resolved, dtype=dtype, load_in_4bit=quantize == "nf4")
         write_checkpoint(model, tokenizer, dst, source=os.path.abspath(resolved),
-                         quantization="nf4" if isinstance(model.layers.mlp.up_proj, NF4Linear) else "none")
+                         quantization="nf4" if isinstance(model.layers.mlp.up_proj, (NF4Linear, NF4Experts)) else "none")
     else:
         _convert_streaming(resolved, os.fspath(dst), quantize=quantize, dtype=jnp.dtype(dtype),
                            name=os.path.basename(os.fspath(src).rstrip("/")))

@@ -70,6 +70,7 @@ def check_gguf_output(out_path: str | os.PathLike) -> str:
 
 def _check_exportable(model: CausalLM, gguf_type: str) -> ModelConfig:
     cfg = model.config
+    cfg.require_dense("exporting to GGUF")
     if gguf_type not in GGUF_TYPES:
         raise CheckpointError(f"unknown GGUF type {gguf_type!r}; choose one of: {', '.join(GGUF_TYPES)}")
     if cfg.model_type not in GGUF_MODEL_TYPES:

@@ -31,11 +31,28 @@ _IGNORED_TENSORS = re.compile(r"rotary_emb\.inv_freq$")
 _BNB_COMPANION = re.compile(r"\.weight\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\.bitsandbytes__nf4)$")
 
 
-def hf_name_to_path(name: str) -> tuple[Path, int | None] | None:
-    """HF tensor name -> (path in the model's state, layer index for stacked layers), or None if foreign."""
+# a mixture of experts' tensors (Qwen3-MoE's `mlp.experts.E.gate_proj`, Mixtral's `block_sparse_moe.experts.E.w1`)
+# -> the model's stacks [layers, experts, ...] under `mlp`
+_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.(weight.*)")
+_EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_ROUTER = re.compile(r"(?:mlp|block_sparse_moe)\.gate\.weight")
+
+Index = int | tuple[int, int] | None  # a layer, (layer, expert) for an expert's tensor, or None (not stacked)
+
+
+def hf_name_to_path(name: str) -> tuple[Path, Index] | None:
+    """HF tensor name -> (path in the model's state, layer index for stacked layers or (layer, expert) for an
+    expert's weight), or None if foreign."""
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
     if m:
-        return ("layers", *m.group(2).split(".")), int(m.group(1))
+        layer, rest = int(m.group(1)), m.group(2)
+        expert = _EXPERT.fullmatch(rest)
+        if expert:
+            proj = _EXPERT_PROJ.get(expert.group(2), expert.group(2))
+            return ("layers", "mlp", proj, *expert.group(3).split(".")), (layer, int(expert.group(1)))
+        if _ROUTER.fullmatch(rest):
+            return ("layers", "mlp", "router", "weight"), layer
+        return ("layers", *rest.split(".")), layer
     if name.startswith("model."):
         return tuple(name[len("model."):].split(".")), None
     if name == "lm_head.weight":
@@ -45,7 +62,14 @@ def hf_name_to_path(name: str) -> tuple[Path, int | None] | None:
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _set_layer(buf: jax.Array, index: jax.Array, value: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_update_index_in_dim(buf, value, index, 0)
+    """buf[index] = value for an index of the leading axes (a layer, or a layer and an expert)."""
+    start = (*index, *([0] * value.ndim))
+    return jax.lax.dynamic_update_slice(buf, value.reshape((1,) * index.shape[0] + value.shape),
+                                        tuple(jnp.asarray(i, jnp.int32) for i in start))
+
+
+def _indices(index: Index) -> tuple[int, ...]:
+    return () if index is None else (index,) if isinstance(index, int) else tuple(index)
 
 
 _NF4_ARRAYS = ("codes", "absmax_codes", "nested_absmax", "offset", "nested_map")
@@ -63,10 +87,10 @@ def _slots(expected: dict[Path, jax.ShapeDtypeStruct]) -> dict[Path, tuple[tuple
     return slots
 
 
-def _plan(source, cfg: ModelConfig, slots: dict[Path, tuple[tuple[int, ...], bool]]) -> dict[str, tuple[Path, int | None]]:
+def _plan(source, cfg: ModelConfig, slots: dict[Path, tuple[tuple[int, ...], bool]]) -> dict[str, tuple[Path, Index]]:
     """Matches every checkpoint tensor to a model slot, checking names, shapes and completeness first."""
-    plan: dict[str, tuple[Path, int | None]] = {}
-    filled: set[tuple[Path, int | None]] = set()
+    plan: dict[str, tuple[Path, Index]] = {}
+    filled: set[tuple[Path, Index]] = set()
     names = set(source.names())
     for name in names:
         if _IGNORED_TENSORS.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
@@ -81,11 +105,14 @@ def _plan(source, cfg: ModelConfig, slots: dict[Path, tuple[tuple[int, ...], boo
                 f"checkpoint tensor {name!r} has no place in a {cfg.model_type} model with this config; "
                 "the weights and config.json do not match"
             )
-        path, layer = target
+        path, index = target
+        layer, *expert = _indices(index) or (None,)
         if layer is not None and layer >= cfg.num_layers:
             raise CheckpointError(f"checkpoint has layer {layer} but config.json says num_hidden_layers={cfg.num_layers}")
+        if expert and expert[0] >= cfg.num_experts:
+            raise CheckpointError(f"checkpoint has expert {expert[0]} but config.json says {cfg.num_experts} experts")
         shape = slots[path][0]
-        want = shape[1:] if layer is not None else shape
+        want = shape[len(_indices(index)):]
         got = source.shape(name)
         if slots[path][1] and f"{name}.absmax" in names:
             pass  # a bnb-4bit packed weight: its quant_state shape is checked when it is read
@@ -95,11 +122,16 @@ def _plan(source, cfg: ModelConfig, slots: dict[Path, tuple[tuple[int, ...], boo
         filled.add(target)
     for path in slots:
         layers = range(cfg.num_layers) if path[0] == "layers" else [None]
+        experts = range(cfg.num_experts) if path[:2] == ("layers", "mlp") and path[2] != "router" and cfg.num_experts else None
         for layer in layers:
-            if (path, layer) not in filled:
-                where = f"model.layers.{layer}." if layer is not None else ("" if path[0] == "lm_head" else "model.")
-                where += ".".join(path[1:] if layer is not None else path)
-                raise CheckpointError(f"checkpoint lacks tensor {where}; the download is incomplete or the config does not match")
+            for index in [layer] if experts is None else [(layer, e) for e in experts]:
+                if (path, index) not in filled:
+                    where = f"model.layers.{layer}." if layer is not None else ("" if path[0] == "lm_head" else "model.")
+                    inner = path[1:] if layer is not None else path
+                    if experts is not None:
+                        inner = ("mlp", "experts", str(index[1]), *inner[1:])
+                    raise CheckpointError(f"checkpoint lacks tensor {where + '.'.join(inner)}; the download is "
+                                          "incomplete or the config does not match")
     return plan
 
 
@@ -170,7 +202,7 @@ def load_model(
                 continue
             if path not in values:
                 values[path] = jnp.zeros(expected[path].shape, expected[path].dtype)
-            values[path] = _set_layer(values[path], jnp.int32(layer), value)
+            values[path] = _set_layer(values[path], jnp.asarray(_indices(layer), jnp.int32), value)
     return merge_filled(graphdef, state, pure, values)
 
 

@@ -154,6 +154,7 @@ def save_merged(
     """
     if dtype not in MERGED_DTYPES:
         raise CheckpointError(f"unknown dtype {dtype!r}; choose one of: {', '.join(MERGED_DTYPES)}")
+    model.config.require_dense("exporting a merged checkpoint")
     if not lora_modules(model):
         raise CheckpointError("the model has no LoRA adapters to merge; call jaxtune.get_peft_model first")
     source = open_original(model, base)

@@ -32,6 +32,7 @@ def lora_modules(model: CausalLM) -> dict[str, LoRALinear]:
 
 def save_peft(model: CausalLM, out_dir: str | os.PathLike, *, base_model_name_or_path: str | None = None) -> None:
     """Writes the model's LoRA adapters as a PEFT LoRA adapter directory (atomically)."""
+    model.config.require_dense("exporting the adapters to PEFT")
     modules = lora_modules(model)
     if not modules:
         raise CheckpointError("the model has no LoRA adapters to save; call jaxtune.get_peft_model first")

@@ -68,25 +68,30 @@ class SafetensorsFile:
             done = os.pwrite(self._fd, view[:_MAX_WRITE], offset)
             view, offset = view[done:], offset + done
 
-    def write(self, name: str, value: Any, index: int | None = None) -> None:
+    def write(self, name: str, value: Any, index: int | tuple[int, ...] | None = None) -> None:
+        """Writes tensor `name`, or one slab of it: `index` picks it along the leading axis (a layer) or axes (a
+        layer and an expert)."""
         shape, dtype, start = self._layout[name]
         value = np.ascontiguousarray(np.asarray(value).astype(dtype, copy=False))
-        want = shape if index is None else shape[1:]
-        if index is not None and value.shape == (1, *want):  # a one-layer slab, as lax.dynamic_update_index_in_dim takes
-            value = value[0]
+        lead = 0 if index is None else 1 if isinstance(index, (int, np.integer)) else len(index)
+        want = shape[lead:]
+        if index is not None and value.shape == (1,) * lead + tuple(want):  # a slab, as dynamic updates take it
+            value = value.reshape(want)
         if value.shape != want:
             raise ValueError(f"{name}{'' if index is None else f'[{index}]'}: shape {value.shape}, expected {want}")
         if index is None:
             self._written[name] = True
         else:
-            if not 0 <= index < shape[0]:
-                raise IndexError(f"{name}: index {index} outside the leading axis of {shape[0]}")
-            start += index * value.nbytes
+            slabs = int(np.prod(shape[:lead]))
+            if not all(0 <= i < n for i, n in zip(np.atleast_1d(index), shape[:lead])):
+                raise IndexError(f"{name}: index {index} outside the leading axes of {tuple(shape[:lead])}")
+            flat = int(np.ravel_multi_index(tuple(np.atleast_1d(index)), shape[:lead]))
+            start += flat * value.nbytes
             flags = self._written[name]
             if flags is False:
-                flags = self._written[name] = np.zeros(shape[0], bool)
+                flags = self._written[name] = np.zeros(slabs, bool)
             if flags is not True:
-                flags[index] = True
+                flags[flat] = True
         if value.nbytes:
             self._pwrite(value.reshape(-1).view(np.uint8), self._data_start + start)
 
@@ -139,7 +144,7 @@ class ShardedSafetensorsWriter:
         else:
             self.close()
 
-    def write(self, name: str, value: Any, index: int | None = None) -> None:
+    def write(self, name: str, value: Any, index: int | tuple[int, ...] | None = None) -> None:
         self._file_of[name].write(name, value, index)
 
     def close(self) -> None:

@@ -8,7 +8,8 @@ from typing import Any
 
 from jaxtune.errors import CheckpointError, UnsupportedModelError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -40,6 +41,14 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    # mixture of experts (Qwen3-MoE, Mixtral): every layer's MLP is `num_experts` SwiGLU experts of width
+    # `moe_intermediate_size`, each token routed to its top `num_experts_per_tok` (0 experts: a dense MLP)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the top-k routing weights renormalized to sum to 1
+    output_router_logits: bool = False  # transformers adds the load-balancing loss only when this is set
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -47,6 +56,13 @@ class ModelConfig:
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads="
                 f"{self.num_kv_heads}; fix the checkpoint's config.json"
             )
+
+    def require_dense(self, what: str) -> None:
+        """Refuses, in one line, what a mixture-of-experts model cannot do yet."""
+        if self.num_experts:
+            raise UnsupportedModelError(
+                f"{what} is not supported yet for mixture-of-experts models ({self.model_type}); the run directory's "
+                "checkpoint keeps the trained adapters (jaxtune train --resume continues from it)")
 
     @property
     def q_per_kv(self) -> int:
@@ -82,7 +98,7 @@ class ModelConfig:
         sliding_window = None
         if model_type == "mistral":
             sliding_window = hf.get("sliding_window")
-        elif model_type in ("qwen2", "qwen3"):
+        elif model_type in ("qwen2", "qwen3", "qwen3_moe"):
             layer_types = hf.get("layer_types") or []
             if hf.get("use_sliding_window") or "sliding_attention" in layer_types:
                 raise UnsupportedModelError(
@@ -91,6 +107,9 @@ class ModelConfig:
                 )
         attention_bias = bool(hf.get("attention_bias", False))
         eos = hf.get("eos_token_id")
+        moe = _moe_fields(model_type, hf, inter) if model_type in MOE_MODEL_TYPES else {}
+        if model_type == "mixtral":
+            sliding_window = hf.get("sliding_window")
         return cls(
             model_type=model_type,
             vocab_size=vocab,
@@ -110,12 +129,13 @@ class ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type in ("llama", "qwen3") and attention_bias,
+            o_bias=model_type in ("llama", "qwen3", "qwen3_moe") and attention_bias,
             mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=int(sliding_window) if sliding_window else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            **moe,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -131,7 +151,7 @@ class ModelConfig:
                 original_max_position_embeddings=self.rope_original_max_position,
             )
         arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
         out: dict[str, Any] = {
             "architectures": [arch[self.model_type]],
             "model_type": self.model_type,
@@ -158,9 +178,45 @@ class ModelConfig:
             out["sliding_window"] = self.sliding_window
         if self.model_type == "qwen2":
             out.update(use_sliding_window=False, sliding_window=None)
-        if self.model_type == "qwen3":
+        if self.model_type in ("qwen3", "qwen3_moe"):
             out.update(attention_bias=self.qkv_bias, use_sliding_window=False, sliding_window=None)
+        if self.model_type == "qwen3_moe":
+            out.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
+                       norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+        if self.model_type == "mixtral":
+            out.update(num_local_experts=self.num_experts, sliding_window=self.sliding_window, router_jitter_noise=0.0)
+        if self.num_experts:
+            out.update(num_experts_per_tok=self.num_experts_per_tok, output_router_logits=self.output_router_logits,
+                       router_aux_loss_coef=self.router_aux_loss_coef)
         return out
+
+
+def _moe_fields(model_type: str, hf: dict[str, Any], intermediate: int) -> dict[str, Any]:
+    """The routing options of a Qwen3-MoE or Mixtral config.json, refused in one line where unsupported."""
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    top_k = hf.get("num_experts_per_tok")
+    if not experts or not top_k or not 0 < int(top_k) <= int(experts):
+        raise UnsupportedModelError(
+            f"{model_type} config.json has num_experts={experts!r}, num_experts_per_tok={top_k!r}; a mixture of "
+            "experts needs 1 <= num_experts_per_tok <= num_experts")
+    if model_type == "qwen3_moe":
+        step, dense = hf.get("decoder_sparse_step") or 1, list(hf.get("mlp_only_layers") or [])
+        if step != 1 or dense:
+            raise UnsupportedModelError(
+                f"qwen3_moe with dense MLP layers among the sparse ones (decoder_sparse_step={step}, mlp_only_layers="
+                f"{dense}) is not supported yet; released Qwen3-MoE checkpoints have every layer sparse (1, [])")
+        width, normalize = int(hf.get("moe_intermediate_size") or 0), bool(hf.get("norm_topk_prob", False))
+    else:
+        if float(hf.get("router_jitter_noise") or 0.0):
+            raise UnsupportedModelError(
+                f"mixtral with router_jitter_noise={hf['router_jitter_noise']} is not supported; set it to 0.0 "
+                "(released Mixtral checkpoints use 0)")
+        width, normalize = intermediate, True
+    if width <= 0:
+        raise UnsupportedModelError(f"{model_type} config.json lacks moe_intermediate_size; is it a complete config?")
+    return dict(num_experts=int(experts), num_experts_per_tok=int(top_k), moe_intermediate_size=width,
+                norm_topk_prob=normalize, output_router_logits=bool(hf.get("output_router_logits", False)),
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0))
 
 
 def load_hf_config(model_dir: str | os.PathLike) -> ModelConfig:

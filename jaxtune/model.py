@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtune import ops
 from jaxtune.config import ModelConfig
 from jaxtune.layer_loop import layer_loop
+from jaxtune.moe.block import SparseMoE
 from jaxtune.rope import apply_rope, rope_tables
 
 _INIT_STD = 0.02
@@ -175,7 +176,7 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = SparseMoE(cfg, dtype=dtype, rngs=rngs) if cfg.num_experts else MLP(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, cos, sin, segment_ids, cache=None, cache_segment_ids=None, cache_index=None, rng=None,
                  mlp_token_tile=None):

@@ -17,6 +17,7 @@ from flax import nnx
 from jaxtune import nf4, ops
 from jaxtune.errors import ConfigError
 from jaxtune.model import CausalLM, Linear
+from jaxtune.moe.experts import ExpertLinear, LoRAExperts, NF4Experts
 from jaxtune.sharding import whole_on_every_device
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -142,16 +143,24 @@ def _projections(model: CausalLM):
         yield name, parent, getattr(parent, name)
 
 
+# one compiled program per weight shape: run op by op, the vmapped quantizer compiled a dozen small programs per
+# projection (seconds per model on CPU, paid again by every process)
+_quantize_stack = jax.jit(jax.vmap(nf4.quantize_traced))
+_quantize_experts = jax.jit(jax.vmap(jax.vmap(nf4.quantize_traced)))
+
+
 def quantize_layers(model: CausalLM) -> CausalLM:
     """Replaces every dense projection of the decoder layers by a frozen NF4 one (in place; returns model).
 
     Embeddings, norms and lm_head stay in the model dtype. Works on abstract models too (eval_shape).
     """
     for name, parent, proj in _projections(model):
+        if isinstance(proj, ExpertLinear):  # each expert quantized on its own, as bnb does an expert's Linear
+            setattr(parent, name, NF4Experts(_quantize_experts(proj.weight[...])))
+            continue
         if not isinstance(proj, Linear):
             continue
-        w = proj.weight[...]
-        q = jax.vmap(nf4.quantize_traced)(w)
+        q = _quantize_stack(proj.weight[...])
         setattr(parent, name, NF4Linear(q, None if proj.bias is None else proj.bias[...]))
     return model
 
@@ -181,16 +190,22 @@ def get_peft_model(
     for key, (name, parent, proj) in zip(keys, _projections(model)):
         if name not in target_modules:
             continue
-        if isinstance(proj, LoRALinear):
+        if isinstance(proj, (LoRALinear, LoRAExperts)):
             raise ConfigError(f"{name} already has a LoRA adapter; call get_peft_model once per model")
         out_f, in_f = _features(cfg, name)
+        if isinstance(proj, (ExpertLinear, NF4Experts)):  # an adapter per expert
+            setattr(parent, name, LoRAExperts(proj, cfg.num_experts, in_f, out_f, r=r, alpha=lora_alpha,
+                                              use_rslora=use_rslora, key=key, leading=(cfg.num_layers,),
+                                              dropout=lora_dropout))
+            continue
         setattr(parent, name, LoRALinear(proj, in_f, out_f, r=r, alpha=lora_alpha, use_rslora=use_rslora,
                                          key=key, leading=(cfg.num_layers,), dropout=lora_dropout))
     return model
 
 
 def _features(cfg, name: str) -> tuple[int, int]:
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    h, d = cfg.hidden_size, cfg.head_dim
+    i = cfg.moe_intermediate_size if cfg.num_experts else cfg.intermediate_size
     return {
         "q_proj": (cfg.num_heads * d, h), "k_proj": (cfg.num_kv_heads * d, h), "v_proj": (cfg.num_kv_heads * d, h),
         "o_proj": (h, cfg.num_heads * d), "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i),

@@ -24,7 +24,7 @@ from jaxtune.data.packing import IGNORE
 from jaxtune.ops.dispatch import check_fp8_device
 from jaxtune.distributed import (agree_min, catch_stop_signals, clear_stop_request, local_device, memory_stats,
                                  peak_memory_gib, stop_requested)
-from jaxtune.errors import JaxtuneError
+from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.model import CausalLM
 from jaxtune.qlora import get_peft_model
 from jaxtune.sharding import batch_shards, make_mesh, shard_state
@@ -140,6 +140,12 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
     check_run_dir(run_dir, resume, cfg)
     if jax.process_index() == 0:
         check_reporters(cfg.report_to, run_dir)
+    moe = model.config
+    if moe.num_experts and moe.output_router_logits and moe.router_aux_loss_coef:
+        raise ConfigError(f"{moe.model_type}'s config.json asks for the router's load-balancing loss "
+                          f"(output_router_logits=true, router_aux_loss_coef={moe.router_aux_loss_coef}), which "
+                          "jaxtune does not add yet; set output_router_logits to false (the released checkpoints' "
+                          "default) to train without it")
     if not jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
         get_peft_model(model, r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                        target_modules=cfg.target_modules, use_rslora=cfg.use_rslora, seed=cfg.seed)

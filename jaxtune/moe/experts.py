@@ -1,0 +1,87 @@
+"""The experts' projections as stacks [E, out, in] (HF's per-expert layout), each run as one grouped GEMM:
+dense (`ExpertLinear`), frozen NF4 (`NF4Experts`, each expert quantized on its own as bitsandbytes quantizes an
+expert's Linear) and with a LoRA adapter per expert (`LoRAExperts`)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtune import nf4, ops
+from jaxtune.moe.grouped import grouped_matmul
+
+_INIT_STD = 0.02
+
+
+class ExpertLinear(nnx.Module):
+    """E dense projections, weight [E, out, in]; rows sorted by expert in, the same rows out."""
+
+    def __init__(self, experts: int, in_features: int, out_features: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_INIT_STD * jax.random.normal(rngs.params(), (experts, out_features, in_features),
+                                                              dtype))
+
+    def __call__(self, x: jax.Array, group_sizes: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+        return grouped_matmul(x, self.weight[...], group_sizes)
+
+
+class NF4Experts(nnx.Module):
+    """E frozen NF4 projections (arrays [..., E, ...], a leading layer axis when stacked), dequantized at use to
+    x's dtype and run as one grouped GEMM."""
+
+    def __init__(self, q: nf4.NF4Weight):
+        from jaxtune.qlora import QuantizedWeight
+
+        self.codes = QuantizedWeight(q.codes)
+        self.absmax_codes = QuantizedWeight(q.absmax_codes)
+        self.nested_absmax = QuantizedWeight(q.nested_absmax)
+        self.offset = QuantizedWeight(q.offset)
+        self.nested_map = QuantizedWeight(q.nested_map)
+        self.bias = None
+
+    @property
+    def weight_nf4(self) -> nf4.NF4Weight:
+        # in the layer scan the codes stay the whole stack [layers, E, ...] (as the dense projections' do)
+        stacked = self.codes[...].ndim == self.absmax_codes[...].ndim + 2
+        layer = ops.stacked_layer_index() if stacked else None
+        if stacked and layer is None:
+            raise ValueError("NF4 expert codes stacked over layers need the layer index (ops.stacked_layer)")
+        return nf4.NF4Weight(self.codes[...], self.absmax_codes[...], self.nested_absmax[...], self.offset[...],
+                             self.nested_map[...], layer)
+
+    def __call__(self, x: jax.Array, group_sizes: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+        return grouped_matmul(x, nf4.dequantize(self.weight_nf4, x.dtype), group_sizes)
+
+
+class LoRAExperts(nnx.Module):
+    """base(x) + scale * (x @ A[e].T) @ B[e].T for each row's expert e: A [E, r, in] (kaiming-uniform, as PEFT),
+    B [E, out, r] (zeros), float32; both factors run as grouped GEMMs too."""
+
+    def __init__(self, base: nnx.Module, experts: int, in_features: int, out_features: int, *, r: int,
+                 alpha: float, use_rslora: bool, key: jax.Array, leading: tuple[int, ...] = (),
+                 dropout: float = 0.0, dtype=jnp.float32):
+        self.base = base
+        bound = 1.0 / math.sqrt(in_features)
+        self.lora_a = nnx.LoRAParam(jax.random.uniform(key, (*leading, experts, r, in_features), dtype, -bound, bound))
+        self.lora_b = nnx.LoRAParam(jnp.zeros((*leading, experts, out_features, r), dtype))
+        self.r, self.alpha, self.use_rslora = r, float(alpha), use_rslora
+        self.scale = float(alpha) / (math.sqrt(r) if use_rslora else r)
+        self.dropout = float(dropout)
+
+    def __call__(self, x: jax.Array, group_sizes: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+        """Dropout on the adapter's input only when the caller passes an rng (training), as `LoRALinear`."""
+        y = self.base(x, group_sizes)
+        if rng is not None and self.dropout > 0.0:
+            keep = jax.random.bernoulli(rng, 1.0 - self.dropout, x.shape)
+            x = jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
+        a, b = self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype)
+        hidden = grouped_matmul(x, a, group_sizes) * jnp.asarray(self.scale, x.dtype)
+        return y + grouped_matmul(hidden, b, group_sizes, out_dtype=y.dtype)
+
+    def merged_weight(self) -> jax.Array:
+        """W + scale * B @ A per expert [..., E, out, in] in float32."""
+        base = self.base
+        w = nf4.dequantize(base.weight_nf4) if isinstance(base, NF4Experts) else base.weight[...].astype(jnp.float32)
+        return w + self.scale * (self.lora_b[...].astype(jnp.float32) @ self.lora_a[...].astype(jnp.float32))

@@ -1,0 +1,43 @@
+"""Top-k routing as Qwen3-MoE and Mixtral compute it, and the grouping of routed rows by expert."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Routing(NamedTuple):
+    weights: jax.Array  # [N, k] float32: each token's weight for each of its experts
+    experts: jax.Array  # [N, k] int32: each token's experts, most probable first
+    logits: jax.Array  # [N, E] float32: the router's logits (the load-balancing loss reads them)
+
+
+def route(x: jax.Array, router_weight: jax.Array, top_k: int, normalize: bool) -> Routing:
+    """Softmax over all experts, the top k kept, renormalized to sum to 1 when `normalize` (Mixtral always,
+    Qwen3-MoE per `norm_topk_prob`). The router runs in float32 whatever the model's dtype: a token's experts
+    are a discrete choice that bf16 logits would flip between near-ties."""
+    logits = jnp.dot(x.astype(jnp.float32), router_weight.astype(jnp.float32).T,
+                     precision=jax.lax.Precision.HIGHEST)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return Routing(weights, experts.astype(jnp.int32), logits)
+
+
+class Groups(NamedTuple):
+    order: jax.Array  # [N*k] the routed rows (token * k + slot) sorted by expert, stable
+    token: jax.Array  # [N*k] the token of each sorted row
+    sizes: jax.Array  # [E] rows per expert (zeros included)
+    inverse: jax.Array  # [N*k] where each routed row went in the sorted order
+
+
+def group_by_expert(experts: jax.Array, num_experts: int) -> Groups:
+    """The permutation that puts the routed rows of each expert together (the grouped GEMMs' row order)."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+    return Groups(order, order // experts.shape[-1], sizes, inverse)
