@@ -49,6 +49,17 @@ MODELS: dict[str, dict] = {
     "qwen3-32b": dict(model_type="qwen3", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
                       num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                       rope_theta=1000000.0),
+    # mixtures of experts: every layer sparse (Qwen3-30B-A3B: 128 experts, 8 per token; Mixtral: 8, 2 per token)
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          rope_theta=1000000.0, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, rope_theta=1000000.0,
+                         num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.0),
+    "tiny-moe": dict(model_type="qwen3_moe", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512, rope_theta=10000.0,
+                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True),
     "tiny": dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512, rope_theta=10000.0),
 }
@@ -61,7 +72,8 @@ SHARD_BYTES = 4 * 2**30
 def hf_config(name: str) -> dict:
     c = dict(MODELS[name])
     c.setdefault("head_dim", c["hidden_size"] // c["num_attention_heads"])
-    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[c["model_type"]]
+    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "mixtral": "MixtralForCausalLM"}[c["model_type"]]
     return {
         "architectures": [arch], "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "hidden_act": "silu",
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": c["vocab_size"] - 2,
@@ -140,6 +152,41 @@ def _tensors(c: dict, seed: int, bf16: bool, progress: bool) -> Iterator[tuple[s
     yield "model.norm.weight", ones
     if not c.get("tie_word_embeddings"):
         yield "lm_head.weight", _bf16(_normal(k_head, (vocab, h)))
+
+
+def random_model(name: str, seed: int = 0):
+    """The model of checkpoint `name` with random N(0, 0.02) NF4 projections, built on the device layer by layer
+    (no checkpoint on disk: a mixture of experts' tens of thousands of expert tensors would take minutes to
+    write and read); each expert quantized on its own as the loader does. Embeddings, norms, router in bf16."""
+    from convert.load import abstract_state
+    from convert.state_tree import merge_filled
+    from jaxtune.config import ModelConfig
+    from jaxtune.qlora import _quantize_experts, _quantize_stack
+
+    cfg = ModelConfig.from_hf(hf_config(name))
+    graphdef, state, pure, expected = abstract_state(cfg, jnp.bfloat16, True)
+    key, values = jax.random.key(seed), {}
+    layers = cfg.num_layers
+    for path, sds in tqdm(list(expected.items()), desc="random model", unit="array"):
+        key, k = jax.random.split(key)
+        if path[-1] in ("absmax_codes", "nested_absmax", "offset", "nested_map"):
+            continue  # filled with the codes
+        if path[-1] == "codes":
+            *lead, out, half = sds.shape
+            quantize = _quantize_experts if len(lead) == 2 else _quantize_stack
+            parts = []
+            for layer in range(layers):  # one layer's bf16 weights alive at a time
+                w = _normal(jax.random.fold_in(k, layer), (1, *lead[1:], out, half * 2))
+                parts.append(quantize(w))
+            q = jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+            for field in ("codes", "absmax_codes", "nested_absmax", "offset", "nested_map"):
+                values[path[:-1] + (field,)] = getattr(q, field)
+            del parts, q
+        elif "norm" in path[-2]:
+            values[path] = jnp.ones(sds.shape, sds.dtype)
+        else:
+            values[path] = _normal(k, sds.shape).astype(sds.dtype)
+    return merge_filled(graphdef, state, pure, values)
 
 
 def write_checkpoint(name: str, out: str, seed: int = 0, progress: bool = True, bf16: bool = False) -> dict:

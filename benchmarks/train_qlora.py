@@ -7,6 +7,7 @@ On the GPU machine, from the repository root, after benchmarks/convert_llama8b.p
     PYTHONPATH=. python3 benchmarks/train_qlora.py /tmp/jt8b --batch 1 --seq 131072 --remat offload --compile-only
     PYTHONPATH=. python3 benchmarks/train_qlora.py /tmp/jt8b --batch 4 --remat selective --profile /tmp/trace
     PYTHONPATH=. python3 benchmarks/train_qlora.py /tmp/bnb4_70b --batch 1 --remat offload --compile-first
+    PYTHONPATH=. python3 benchmarks/train_qlora.py random:qwen3-30b-a3b --batch 4 --remat selective  # in memory
 Prints one JSON line per run: load and first-step seconds, tokens/s (real tokens only for --data varlen, which
 packs instruction-like lengths, benchmarks/varlen.py, into rows), MFU (31.6 GFLOP/token-style count over
 989 TFLOP/s), peak GiB. Each line carries XLA's memory plan of the step (arguments, temporaries, outputs); --compile-only
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import jax
@@ -156,7 +158,15 @@ def main() -> None:
     peak_after_compile = _peak_gib()
 
     t0 = time.perf_counter()
-    model, _ = jaxtune.from_pretrained(args.model, load_in_4bit=True)
+    if args.model.startswith("random:"):  # a shape of make_bnb4_checkpoint.py built on the device, no checkpoint
+        import sys
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from make_bnb4_checkpoint import random_model
+
+        model = random_model(args.model.split(":", 1)[1])
+    else:
+        model, _ = jaxtune.from_pretrained(args.model, load_in_4bit=True)
     jax.block_until_ready(nnx.state(model))
     load_s = time.perf_counter() - t0
     peak_after_load = _peak_gib()
