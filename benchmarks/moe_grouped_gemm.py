@@ -2,8 +2,9 @@
 same FLOPs, on a mixture of experts' training shapes, and the NF4 dequantization of a layer's experts.
 
     PYTHONPATH=. python3 benchmarks/moe_grouped_gemm.py --model qwen3-30b-a3b --tokens 8192
-Prints one JSON line per projection: milliseconds and TFLOP/s of the grouped GEMM (forward; forward + input
-gradient, as QLoRA's frozen experts need) and of the dense GEMM, and their ratio.
+Prints one JSON line per projection and implementation (the Pallas kernel at several tilings; --xla: also
+XLA's ragged_dot): milliseconds and TFLOP/s of the grouped GEMM (forward; input gradient, as QLoRA's frozen
+experts need) and of the dense GEMM of the same rows, and their ratio.
 """
 
 from __future__ import annotations
@@ -16,13 +17,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxtune
 from jaxtune import nf4
 from jaxtune.moe.grouped import grouped_matmul
+from jaxtune.moe.layout import BLOCK_M, tile_layout
+from pallas_kernels.grouped_matmul import GroupedTiles, grouped_matmul as kernel
 
 SHAPES = {  # hidden, expert width, experts, experts per token
     "qwen3-30b-a3b": (2048, 768, 128, 8),
     "mixtral-8x7b": (4096, 14336, 8, 2),
 }
+
+
+# (block_m, block_n, block_k, warps, stages)
+INTERPRET = jax.default_backend() != "gpu"  # a check run on CPU
+TILES = [GroupedTiles(64, 128, 64, 4, 3), GroupedTiles(128, 128, 64, 8, 3), GroupedTiles(64, 128, 32, 4, 4),
+         GroupedTiles(128, 64, 64, 4, 3), GroupedTiles(64, 256, 64, 8, 3)]
 
 
 def timed(fn, *args, reps: int = 20) -> float:
@@ -40,35 +50,48 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-30b-a3b", choices=list(SHAPES))
     ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--xla", action="store_true", help="also time XLA's ragged_dot")
     args = ap.parse_args()
     hidden, width, experts, top_k = SHAPES[args.model]
     rows = args.tokens * top_k
     rng = np.random.default_rng(0)
     # a router's choice over random tokens: near-uniform groups (what a trained router's balancing loss aims at)
-    sizes = jnp.asarray(np.bincount(rng.integers(0, experts, rows), minlength=experts), jnp.int32)
+    chosen = jnp.asarray(np.stack([rng.choice(experts, top_k, replace=False) for _ in range(args.tokens)]))
     key = jax.random.key(0)
     for name, (k, n) in {"gate_up": (hidden, width), "down": (width, hidden)}.items():
-        x = jax.random.normal(key, (rows, k), jnp.bfloat16)
         w = (0.02 * jax.random.normal(key, (experts, n, k), jnp.float32)).astype(jnp.bfloat16)
         dense_w = w[0]
         flops = 2.0 * rows * k * n
-        grouped = jax.jit(lambda x, w: grouped_matmul(x, w, sizes))
+        x = jax.random.normal(key, (rows, k), jnp.bfloat16)
         dense = jax.jit(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
         dy = jax.random.normal(key, (rows, n), jnp.bfloat16)
-        grouped_dx = jax.jit(lambda x, w, dy: jax.vjp(lambda x: grouped_matmul(x, w, sizes), x)[1](dy)[0])
         dense_dx = jax.jit(lambda x, w, dy: jax.vjp(lambda x: jnp.dot(x, w.T).astype(jnp.bfloat16), x)[1](dy)[0])
-        g, d = timed(grouped, x, w), timed(dense, x, dense_w)
-        gdx, ddx = timed(grouped_dx, x, w, dy), timed(dense_dx, x, dense_w, dy)
+        d, ddx = timed(dense, x, dense_w), timed(dense_dx, x, dense_w, dy)
         q = jax.jit(jax.vmap(nf4.quantize_traced))(w)
         dequant = timed(jax.jit(lambda q: nf4.dequantize(q, jnp.bfloat16)), q)
-        print(json.dumps({
-            "model": args.model, "projection": name, "rows": rows, "k": k, "n": n, "experts": experts,
-            "device": jax.devices()[0].device_kind,
-            "grouped_ms": round(g, 3), "dense_ms": round(d, 3), "grouped_tflops": round(flops / g / 1e9, 1),
-            "dense_tflops": round(flops / d / 1e9, 1), "grouped_vs_dense": round(d / g, 3),
-            "grouped_dx_ms": round(gdx, 3), "dense_dx_ms": round(ddx, 3), "dx_grouped_vs_dense": round(ddx / gdx, 3),
-            "nf4_dequant_all_experts_ms": round(dequant, 3),
-        }), flush=True)
+        record = {"model": args.model, "projection": name, "rows": rows, "k": k, "n": n, "experts": experts,
+                  "device": jax.devices()[0].device_kind, "dense_ms": round(d, 3),
+                  "dense_tflops": round(flops / d / 1e9, 1), "dense_dx_ms": round(ddx, 3),
+                  "nf4_dequant_all_experts_ms": round(dequant, 3)}
+        variants = [("xla", None)] + [("pallas", t) for t in TILES] if args.xla else [("pallas", t) for t in TILES]
+        for impl, tiles in variants:
+            jaxtune.set_kernels("xla" if impl == "xla" else "pallas-interpret" if INTERPRET else "pallas")
+            layout = tile_layout(chosen, experts, BLOCK_M if tiles is None else tiles.block_m)
+            xp = jax.random.normal(key, (layout.rows, k), jnp.bfloat16)
+            dyp = jax.random.normal(key, (layout.rows, n), jnp.bfloat16)
+            if tiles is None:
+                fwd = jax.jit(lambda x, w: grouped_matmul(x, w, layout))
+                dx = jax.jit(lambda x, w, dy: jax.vjp(lambda x: grouped_matmul(x, w, layout), x)[1](dy)[0])
+            else:
+                fwd = jax.jit(lambda x, w, t=tiles: kernel(x, w, layout.tile_group, t, INTERPRET))
+                dx = jax.jit(lambda x, w, dy, t=tiles: jax.vjp(lambda x: kernel(x, w, layout.tile_group, t, INTERPRET),
+                                                                x)[1](dy)[0])
+            g, gdx = timed(fwd, xp, w), timed(dx, xp, w, dyp)
+            print(json.dumps({**record, "impl": impl, "tiles": None if tiles is None else list(tiles.__dict__.values()),
+                              "padded_rows": layout.rows, "grouped_ms": round(g, 3),
+                              "grouped_tflops": round(flops / g / 1e9, 1), "grouped_vs_dense": round(d / g, 3),
+                              "grouped_dx_ms": round(gdx, 3), "dx_grouped_vs_dense": round(ddx / gdx, 3)}),
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ from transformers import MixtralConfig, Qwen3MoeConfig
 import jaxtune
 from conftest import build_hf_model
 from jaxtune.errors import UnsupportedModelError
-from jaxtune.moe.grouped import grouped_matmul, grouped_matmul_reference
-from jaxtune.moe.routing import group_by_expert, route
+from jaxtune.moe.grouped import grouped_matmul
+from jaxtune.moe.layout import tile_layout
+from jaxtune.moe.routing import route
 
 SHAPES = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, num_experts_per_tok=2)
@@ -29,31 +30,40 @@ CONFIGS = {
     "mixtral": lambda **kw: MixtralConfig(**{**SHAPES, "intermediate_size": 64, "num_local_experts": 4, **kw}),
 }
 
-@pytest.mark.parametrize("rows, experts, k, n", [(13, 4, 8, 5), (64, 8, 64, 128), (7, 5, 16, 3)])
-def test_grouped_matmul_and_its_gradients_equal_float64_with_uneven_and_empty_groups(rows, experts, k, n):
-    rng = np.random.default_rng(rows)
-    sizes = rng.multinomial(rows, rng.dirichlet(np.full(experts, 0.3)))
-    sizes[0], sizes[-1] = 0, sizes[-1] + sizes[0]  # at least one empty group, the rows unchanged
-    x = rng.standard_normal((rows, k)).astype(np.float32)
+@pytest.mark.parametrize("kernels", ["xla", "pallas-interpret"])
+@pytest.mark.parametrize("tokens, top_k, experts, k, n", [(13, 2, 4, 64, 32), (40, 4, 8, 64, 16), (5, 1, 6, 32, 64)])
+def test_grouped_matmul_through_the_tile_layout_equals_float64(kernels, tokens, top_k, experts, k, n):
+    """Routed rows placed by `tile_layout` (grouped by expert, padded to whole tiles; uneven and empty experts) and
+    multiplied by their experts' weights (the dispatch's two implementations), with the LoRA-style gradients."""
+    rng = np.random.default_rng(tokens)
+    chosen = np.stack([rng.choice(experts - 1, top_k, replace=False) for _ in range(tokens)])  # the last unused
+    layout = tile_layout(jnp.asarray(chosen), experts, block_m=16)
+    position = np.asarray(layout.position)
+    assert len(set(position)) == tokens * top_k and layout.rows % 16 == 0 and np.asarray(layout.group_sizes)[-1] == 0
+    groups = np.asarray(layout.tile_group)
+    assert all(groups[p // 16] == e for p, e in zip(position, chosen.reshape(-1)))  # each row in its expert's tile
+    x = np.zeros((layout.rows, k), np.float32)
+    x[position] = rng.standard_normal((tokens * top_k, k))
     w = rng.standard_normal((experts, n, k)).astype(np.float32)
-    dy = rng.standard_normal((rows, n)).astype(np.float32)
-    with jax.default_matmul_precision("highest"):
-        y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, jnp.asarray(sizes)), jnp.asarray(x), jnp.asarray(w))
-        dx, dw = vjp(jnp.asarray(dy))
-    np.testing.assert_allclose(np.asarray(y), grouped_matmul_reference(x, w, sizes), rtol=1e-5, atol=1e-5)
-    # the gradients: dx = dy @ W[e] per row's group, dW[e] = dy[group e].T @ x[group e] (zero for empty groups)
-    start, want_dx, want_dw = 0, np.zeros(x.shape), np.zeros(w.shape)
-    for e, m in enumerate(sizes):
-        rows_e = slice(start, start + m)
-        want_dx[rows_e] = dy[rows_e].astype(np.float64) @ w[e].astype(np.float64)
-        want_dw[e] = dy[rows_e].astype(np.float64).T @ x[rows_e].astype(np.float64)
-        start += m
-    np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(dw), want_dw, rtol=1e-5, atol=1e-5)
-    assert not np.asarray(dw)[0].any()  # an empty group gets no gradient
+    dy = rng.standard_normal((layout.rows, n)).astype(np.float32)
+    jaxtune.set_kernels(kernels)
+    try:
+        with jax.default_matmul_precision("highest"):
+            y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, layout, trainable=True), jnp.asarray(x), jnp.asarray(w))
+            dx, dw = vjp(jnp.asarray(dy))
+    finally:
+        jaxtune.set_kernels(None)
+    routed = chosen.reshape(-1)
+    want = np.einsum("rk,rnk->rn", x[position].astype(np.float64), w[routed].astype(np.float64))
+    np.testing.assert_allclose(np.asarray(y)[position], want, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(dx)[position], np.einsum("rn,rnk->rk", dy[position], w[routed]),
+                               rtol=1e-5, atol=1e-4)
+    want_dw = np.zeros(w.shape)
+    np.add.at(want_dw, routed, np.einsum("rn,rk->rnk", dy[position].astype(np.float64), x[position]))
+    np.testing.assert_allclose(np.asarray(dw), want_dw, rtol=1e-5, atol=1e-4)
 
 
-def test_routing_groups_every_routed_row_by_expert():
+def test_routing_takes_each_tokens_top_k_experts_with_renormalized_weights():
     x = jax.random.normal(jax.random.key(0), (10, 16))
     router = jax.random.normal(jax.random.key(1), (6, 16))
     r = route(x, router, 3, normalize=True)
@@ -62,11 +72,6 @@ def test_routing_groups_every_routed_row_by_expert():
     np.testing.assert_array_equal(np.asarray(r.experts), top)
     np.testing.assert_allclose(np.asarray(r.weights), np.take_along_axis(probs, top, -1)
                                / np.take_along_axis(probs, top, -1).sum(-1, keepdims=True), rtol=1e-5)
-    g = group_by_expert(r.experts, 6)
-    experts = np.asarray(r.experts).reshape(-1)[np.asarray(g.order)]
-    assert (np.diff(experts) >= 0).all() and np.asarray(g.sizes).sum() == 30
-    np.testing.assert_array_equal(np.asarray(g.sizes), np.bincount(np.asarray(r.experts).reshape(-1), minlength=6))
-    np.testing.assert_array_equal(np.asarray(g.order)[np.asarray(g.inverse)], np.arange(30))
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
@@ -101,11 +106,14 @@ def test_nf4_experts_are_bitsandbytes_bytes_per_expert(tmp_path):
             assert diff.max() <= 1
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_expert_lora_equals_transformers_on_the_merged_weights(tmp_path, family):
+@pytest.mark.parametrize("family, kernels", [("qwen3_moe", "xla"), ("mixtral", "xla"), ("qwen3_moe", "pallas-interpret")])
+def test_expert_lora_equals_transformers_on_the_merged_weights(tmp_path, family, kernels, monkeypatch):
     """LoRA on attention and on every expert's gate/up/down (one adapter per expert): the logits of
-    transformers with W + s * B @ A written into each projection (the NF4 base dequantized)."""
+    transformers with W + s * B @ A written into each projection (the NF4 base dequantized); through XLA's
+    ragged_dot and through the grouped Pallas kernel."""
     from conftest import set_random_lora
+
+    monkeypatch.setenv("JAXTUNE_KERNELS", kernels)
 
     hf = build_hf_model(CONFIGS[family](), tmp_path)
     model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32", load_in_4bit=True)

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtune.moe.experts import ExpertLinear
-from jaxtune.moe.routing import group_by_expert, route
+from jaxtune.moe.layout import tile_layout
+from jaxtune.moe.routing import route
 
 
 class Router(nnx.Module):
@@ -33,11 +34,12 @@ class SparseMoE(nnx.Module):
         b, t, hidden = x.shape
         flat = x.reshape(b * t, hidden)
         routing = route(flat, self.router.weight[...], self.top_k, self.normalize)
-        groups = group_by_expert(routing.experts, self.num_experts)
-        rows = flat[groups.token]  # [N*k, hidden], grouped by expert
+        layout = tile_layout(routing.experts, self.num_experts)
+        token = jnp.arange(layout.position.shape[0], dtype=jnp.int32) // self.top_k
+        rows = jnp.zeros((layout.rows, hidden), x.dtype).at[layout.position].set(flat[token])  # grouped, padded
         key = (lambda i: None) if rng is None else (lambda i: jax.random.fold_in(rng, i))  # noqa: E731
-        gate = self.gate_proj(rows, groups.sizes, key(4))
-        h = jax.nn.silu(gate) * self.up_proj(rows, groups.sizes, key(5))
-        out = self.down_proj(h, groups.sizes, key(6))[groups.inverse].reshape(b * t, self.top_k, hidden)
+        gate = self.gate_proj(rows, layout, key(4))
+        h = jax.nn.silu(gate) * self.up_proj(rows, layout, key(5))
+        out = self.down_proj(h, layout, key(6))[layout.position].reshape(b * t, self.top_k, hidden)
         weights = routing.weights.astype(x.dtype)[..., None]
         return jnp.sum((out * weights).astype(jnp.float32), axis=1).astype(x.dtype).reshape(b, t, hidden)

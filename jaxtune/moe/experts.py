@@ -12,19 +12,20 @@ from flax import nnx
 
 from jaxtune import nf4, ops
 from jaxtune.moe.grouped import grouped_matmul
+from jaxtune.moe.layout import TileLayout
 
 _INIT_STD = 0.02
 
 
 class ExpertLinear(nnx.Module):
-    """E dense projections, weight [E, out, in]; rows sorted by expert in, the same rows out."""
+    """E dense projections, weight [E, out, in]; rows in a `TileLayout`'s order in, the same rows out."""
 
     def __init__(self, experts: int, in_features: int, out_features: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.weight = nnx.Param(_INIT_STD * jax.random.normal(rngs.params(), (experts, out_features, in_features),
                                                               dtype))
 
-    def __call__(self, x: jax.Array, group_sizes: jax.Array, rng: jax.Array | None = None) -> jax.Array:
-        return grouped_matmul(x, self.weight[...], group_sizes)
+    def __call__(self, x: jax.Array, layout: TileLayout, rng: jax.Array | None = None) -> jax.Array:
+        return grouped_matmul(x, self.weight[...], layout)
 
 
 class NF4Experts(nnx.Module):
@@ -51,8 +52,8 @@ class NF4Experts(nnx.Module):
         return nf4.NF4Weight(self.codes[...], self.absmax_codes[...], self.nested_absmax[...], self.offset[...],
                              self.nested_map[...], layer)
 
-    def __call__(self, x: jax.Array, group_sizes: jax.Array, rng: jax.Array | None = None) -> jax.Array:
-        return grouped_matmul(x, nf4.dequantize(self.weight_nf4, x.dtype), group_sizes)
+    def __call__(self, x: jax.Array, layout: TileLayout, rng: jax.Array | None = None) -> jax.Array:
+        return grouped_matmul(x, nf4.dequantize(self.weight_nf4, x.dtype), layout)
 
 
 class LoRAExperts(nnx.Module):
@@ -70,15 +71,15 @@ class LoRAExperts(nnx.Module):
         self.scale = float(alpha) / (math.sqrt(r) if use_rslora else r)
         self.dropout = float(dropout)
 
-    def __call__(self, x: jax.Array, group_sizes: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, layout: TileLayout, rng: jax.Array | None = None) -> jax.Array:
         """Dropout on the adapter's input only when the caller passes an rng (training), as `LoRALinear`."""
-        y = self.base(x, group_sizes)
+        y = self.base(x, layout)
         if rng is not None and self.dropout > 0.0:
             keep = jax.random.bernoulli(rng, 1.0 - self.dropout, x.shape)
             x = jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
         a, b = self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype)
-        hidden = grouped_matmul(x, a, group_sizes) * jnp.asarray(self.scale, x.dtype)
-        return y + grouped_matmul(hidden, b, group_sizes, out_dtype=y.dtype)
+        hidden = grouped_matmul(x, a, layout, trainable=True) * jnp.asarray(self.scale, x.dtype)
+        return y + grouped_matmul(hidden, b, layout, trainable=True, out_dtype=y.dtype)
 
     def merged_weight(self) -> jax.Array:
         """W + scale * B @ A per expert [..., E, out, in] in float32."""

@@ -1,4 +1,4 @@
-"""Top-k routing as Qwen3-MoE and Mixtral compute it, and the grouping of routed rows by expert."""
+"""Top-k routing as Qwen3-MoE and Mixtral compute it."""
 
 from __future__ import annotations
 
@@ -25,19 +25,3 @@ def route(x: jax.Array, router_weight: jax.Array, top_k: int, normalize: bool) -
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return Routing(weights, experts.astype(jnp.int32), logits)
-
-
-class Groups(NamedTuple):
-    order: jax.Array  # [N*k] the routed rows (token * k + slot) sorted by expert, stable
-    token: jax.Array  # [N*k] the token of each sorted row
-    sizes: jax.Array  # [E] rows per expert (zeros included)
-    inverse: jax.Array  # [N*k] where each routed row went in the sorted order
-
-
-def group_by_expert(experts: jax.Array, num_experts: int) -> Groups:
-    """The permutation that puts the routed rows of each expert together (the grouped GEMMs' row order)."""
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
-    return Groups(order, order // experts.shape[-1], sizes, inverse)

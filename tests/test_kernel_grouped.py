@@ -1,0 +1,82 @@
+"""The grouped expert GEMM kernel (pallas_kernels/grouped_matmul.py): interpret mode against float64 on ragged
+tilings (empty experts, unused tiles, experts of many tiles), its gradients, and its lowering for CUDA."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.grouped_matmul import (GroupedTiles, grouped_matmul, grouped_matmul_tiles,
+                                           grouped_matmul_tiles_reference, grouped_matmul_trainable)
+
+
+def _case(seed: int, tiles: int, bm: int, k: int, n: int, experts: int):
+    rng = np.random.default_rng(seed)
+    tile_group = np.sort(rng.integers(0, experts, tiles))  # experts in order, some of several tiles, some none
+    tile_group[-max(1, tiles // 4):] = -1  # the unused tail
+    x = rng.standard_normal((tiles * bm, k)).astype(np.float32)
+    w = rng.standard_normal((experts, n, k)).astype(np.float32)
+    dy = rng.standard_normal((tiles * bm, n)).astype(np.float32)
+    return tile_group, x, w, dy
+
+
+def _per_tile(a: np.ndarray, tile_group: np.ndarray, bm: int, fn) -> np.ndarray:
+    out = []
+    for i, g in enumerate(tile_group):
+        out.append(fn(a[i * bm:(i + 1) * bm].astype(np.float64), g))
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("tiles, bm, k, n, experts, tile", [
+    (6, 16, 64, 32, 3, GroupedTiles(16, 16, 32)),
+    (9, 16, 128, 64, 5, GroupedTiles(16, 32, 64)),
+    (4, 32, 32, 16, 2, GroupedTiles(32, 16, 16)),  # LoRA-like: a rank-16 output
+])
+def test_grouped_kernel_and_its_gradients_equal_float64(tiles, bm, k, n, experts, tile):
+    tile_group, x, w, dy = _case(tiles * k, tiles, bm, k, n, experts)
+    w64 = w.astype(np.float64)
+    want = _per_tile(x, tile_group, bm, lambda a, g: a @ w64[g].T if g >= 0 else np.zeros((bm, n)))
+    with jax.default_matmul_precision("highest"):
+        got = grouped_matmul_tiles(jnp.asarray(x), jnp.asarray(w), jnp.asarray(tile_group), tiles=tile, interpret=True)
+        ref = grouped_matmul_tiles_reference(jnp.asarray(x), jnp.asarray(w), jnp.asarray(tile_group), bm)
+        # frozen weight: dx only; trainable (LoRA): dx and dW[e] summed over e's tiles
+        _, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, jnp.asarray(tile_group), tile, True), x, w)
+        dx, dw_frozen = vjp(jnp.asarray(dy))
+        _, vjp = jax.vjp(lambda x, w: grouped_matmul_trainable(x, w, jnp.asarray(tile_group), tile, True), x, w)
+        dx_t, dw = vjp(jnp.asarray(dy))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(ref), want, rtol=1e-5, atol=1e-4)
+    want_dx = _per_tile(dy, tile_group, bm, lambda a, g: a @ w64[g] if g >= 0 else np.zeros((bm, k)))
+    np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(dx_t), want_dx, rtol=1e-5, atol=1e-4)
+    assert not np.asarray(dw_frozen).any()
+    want_dw = np.zeros((experts, n, k))
+    for i, g in enumerate(tile_group):
+        if g >= 0:
+            want_dw[g] += dy[i * bm:(i + 1) * bm].astype(np.float64).T @ x[i * bm:(i + 1) * bm].astype(np.float64)
+    np.testing.assert_allclose(np.asarray(dw), want_dw, rtol=1e-5, atol=1e-4)
+
+
+def test_grouped_kernel_refuses_shapes_its_tiles_do_not_divide():
+    x, w, groups = jnp.zeros((48, 64)), jnp.zeros((2, 32, 64)), jnp.zeros((3,), jnp.int32)
+    with pytest.raises(ValueError, match="multiple of block_m"):
+        grouped_matmul_tiles(x, w, groups, tiles=GroupedTiles(32, 16, 16), interpret=True)
+    with pytest.raises(ValueError, match="does not contract"):
+        grouped_matmul_tiles(jnp.zeros((48, 32)), w, groups, tiles=GroupedTiles(16, 16, 16), interpret=True)
+
+
+@pytest.mark.parametrize("m, k, n, experts", [(1152, 2048, 768, 128), (256, 768, 2048, 128), (128, 2048, 16, 8)])
+def test_grouped_kernel_lowers_for_cuda(cuda_export, m, k, n, experts):
+    """Qwen3-30B-A3B's expert shapes (gate/up, down) and a LoRA factor's, forward and input gradient."""
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((experts, n, k), jnp.bfloat16)
+    groups = jax.ShapeDtypeStruct((m // 64,), jnp.int32)
+
+    def step(x, w, g):
+        y, vjp = jax.vjp(lambda x: grouped_matmul(x, w, g, GroupedTiles(), False), x)
+        return y, vjp(y)[0]
+
+    text = cuda_export(step, x, w, groups)
+    assert text.count("grouped_matmul") >= 2, "forward and input-gradient kernels"
