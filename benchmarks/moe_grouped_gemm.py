@@ -31,8 +31,8 @@ SHAPES = {  # hidden, expert width, experts, experts per token
 
 # (block_m, block_n, block_k, warps, stages)
 INTERPRET = jax.default_backend() != "gpu"  # a check run on CPU
-TILES = [GroupedTiles(64, 128, 64, 4, 3), GroupedTiles(128, 128, 64, 8, 3), GroupedTiles(64, 128, 32, 4, 4),
-         GroupedTiles(128, 64, 64, 4, 3), GroupedTiles(64, 256, 64, 8, 3)]
+TILES = [GroupedTiles(64, 128, 64, 4, 3), GroupedTiles(128, 128, 64, 8, 3), GroupedTiles(64, 256, 64, 8, 3),
+         GroupedTiles(128, 256, 64, 8, 3), GroupedTiles(64, 256, 64, 8, 4)]
 
 
 def timed(fn, *args, reps: int = 20) -> float:

@@ -80,3 +80,17 @@ def test_grouped_kernel_lowers_for_cuda(cuda_export, m, k, n, experts):
 
     text = cuda_export(step, x, w, groups)
     assert text.count("grouped_matmul") >= 2, "forward and input-gradient kernels"
+
+
+@pytest.mark.gpu
+def test_grouped_kernel_on_the_gpu_equals_float64_at_expert_shapes():
+    """On the GPU (where an out-of-bounds read is not clamped as in interpret mode): Qwen3-30B-A3B's expert
+    shapes over many tiles and column blocks, forward and input gradient."""
+    tile_group, x, w, dy = _case(7, 40, 64, 256, 384, 16)
+    w64 = w.astype(np.float64)
+    got = grouped_matmul_tiles(jnp.asarray(x), jnp.asarray(w), jnp.asarray(tile_group))
+    want = _per_tile(x, tile_group, 64, lambda a, g: a @ w64[g].T if g >= 0 else np.zeros((64, 384)))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+    dx = grouped_matmul_tiles(jnp.asarray(dy), jnp.asarray(w), jnp.asarray(tile_group), transpose=True)
+    want_dx = _per_tile(dy, tile_group, 64, lambda a, g: a @ w64[g] if g >= 0 else np.zeros((64, 256)))
+    np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=2e-2, atol=2e-2 * np.abs(want_dx).max())
