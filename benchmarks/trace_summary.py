@@ -16,7 +16,9 @@ import sys
 
 CLASSES = (
     ("attention", r"flash_attention|fmha|cudnn"),
+    ("grouped expert GEMM (MoE)", r"grouped_matmul"),
     ("nf4 dequant (frozen weights)", r"nf4_dequant|nf4_matmul"),
+    ("routing (sort, scatter, gather)", r"sort|scatter|gather"),
     ("matmul (cuBLAS)", r"gemm|xmma|cutlass|nvjet|sm90|matmul"),
     ("host transfers", r"HtoD|DtoH|copy_start|copy-start"),
     ("device copies (memcpy)", r"memcpy|Memcpy|DtoD"),

@@ -25,9 +25,9 @@ from jax.experimental.pallas import triton as pltriton
 
 @dataclass(frozen=True)
 class GroupedTiles:
-    """Measured on an H200 (benchmarks/results/2026-11-27-moe-h200.md): 64 x 256 x 64 tiles, 8 warps, the fastest
-    of five at Qwen3-30B-A3B's gate/up shapes and within 10% at its down and Mixtral's."""
-    block_m: int = 64  # rows per tile: also the padding unit of each expert's group of rows
+    """Measured on an H200 (benchmarks/results/2026-11-27-moe-h200.md): 128 x 256 x 64 tiles, 8 warps, the fastest
+    of five at Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes but one (within 7% there)."""
+    block_m: int = 128  # rows per tile: also the padding unit of each expert's group of rows
     block_n: int = 256
     block_k: int = 64
     num_warps: int = 8
@@ -71,6 +71,13 @@ def _kernel(group_ref, x_ref, w_ref, o_ref, *, block_k: int, steps: int, transpo
         o_ref[...] = acc.astype(o_ref.dtype)
 
 
+def _fit(block: int, dim: int) -> int:
+    """The largest power-of-two tile up to `block` that divides `dim` (16 at least, a tensor-core dot's minimum)."""
+    while block > 16 and dim % block:
+        block //= 2
+    return min(block, dim)
+
+
 def grouped_matmul_tiles(x: jax.Array, weight: jax.Array, tile_group: jax.Array, *, transpose: bool = False,
                          tiles: GroupedTiles = GroupedTiles(), interpret: bool = False) -> jax.Array:
     """y [M, N] = each block_m-row tile of x [M, K] times weight[tile_group[i]]ᵀ (weight [E, N, K]), or with
@@ -83,10 +90,9 @@ def grouped_matmul_tiles(x: jax.Array, weight: jax.Array, tile_group: jax.Array,
         raise ValueError(f"x has {m} rows: a multiple of block_m={bm} with one tile_group entry per tile expected")
     if contraction != k:
         raise ValueError(f"x [.., {k}] does not contract with the expert weights {tuple(weight.shape)}")
-    bn = min(tiles.block_n, n)
-    bk = min(tiles.block_k, k)
+    bn, bk = _fit(tiles.block_n, n), _fit(tiles.block_k, k)
     if n % bn or k % bk:
-        raise ValueError(f"N={n} and K={k} must be multiples of the tiles ({bn}, {bk})")
+        raise ValueError(f"N={n} and K={k} must be multiples of 16 (the smallest tile)")
     w_block = (e, rows_w, bn) if transpose else (e, bn, cols_w)
     w_index = (lambda i, j: (0, 0, j)) if transpose else (lambda i, j: (0, j, 0))
     return pl.pallas_call(

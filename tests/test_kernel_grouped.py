@@ -72,7 +72,7 @@ def test_grouped_kernel_lowers_for_cuda(cuda_export, m, k, n, experts):
     """Qwen3-30B-A3B's expert shapes (gate/up, down) and a LoRA factor's, forward and input gradient."""
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((experts, n, k), jnp.bfloat16)
-    groups = jax.ShapeDtypeStruct((m // 64,), jnp.int32)
+    groups = jax.ShapeDtypeStruct((m // GroupedTiles().block_m,), jnp.int32)
 
     def step(x, w, g):
         y, vjp = jax.vjp(lambda x: grouped_matmul(x, w, g, GroupedTiles(), False), x)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-BLOCK_M = 64
+BLOCK_M = 128  # the grouped kernel's tile rows (pallas_kernels/grouped_matmul.py)
 
 
 class TileLayout(NamedTuple):
