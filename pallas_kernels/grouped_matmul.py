@@ -137,7 +137,7 @@ grouped_matmul.defvjp(_forward, _backward)
 def grouped_matmul_trainable(x: jax.Array, weight: jax.Array, tile_group: jax.Array,
                              tiles: GroupedTiles = GroupedTiles(), interpret: bool = False) -> jax.Array:
     """`grouped_matmul` for a trained weight (LoRA's per-expert factors): dW[e] = Σ over e's tiles of dyᵀ x, each
-    tile's product a batched GEMM in XLA, summed per expert."""
+    tile's product a batched GEMM in XLA, summed per expert by a GEMM with the tiles' one-hot expert matrix."""
     return grouped_matmul_tiles(x, weight, tile_group, tiles=tiles, interpret=interpret)
 
 
@@ -153,9 +153,11 @@ def _trainable_backward(tiles, interpret, residuals, dy):
     count, bm = tile_group.shape[0], tiles.block_m
     per_tile = jnp.einsum("tmn,tmk->tnk", dy.reshape(count, bm, -1), x.reshape(count, bm, -1),
                           preferred_element_type=jnp.float32)
-    experts = weight.shape[0]
-    dw = jax.ops.segment_sum(per_tile, jnp.where(tile_group >= 0, tile_group, experts), num_segments=experts + 1)
-    return dx, dw[:experts].astype(weight.dtype), np.zeros(tile_group.shape, jax.dtypes.float0)
+    # summed per expert as a GEMM with the tiles' one-hot expert matrix: a scatter-add of the tiles' products into
+    # their experts' slots serializes on the few slots (measured 5 ms per layer at Qwen3-30B-A3B's shapes)
+    one_hot = jax.nn.one_hot(tile_group, weight.shape[0], dtype=jnp.float32)  # unused tiles (-1): all zeros
+    dw = jnp.einsum("te,tnk->enk", one_hot, per_tile, precision=jax.lax.Precision.HIGHEST)
+    return dx, dw.astype(weight.dtype), np.zeros(tile_group.shape, jax.dtypes.float0)
 
 
 grouped_matmul_trainable.defvjp(_trainable_forward, _trainable_backward)

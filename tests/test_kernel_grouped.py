@@ -88,9 +88,10 @@ def test_grouped_kernel_on_the_gpu_equals_float64_at_expert_shapes():
     shapes over many tiles and column blocks, forward and input gradient."""
     tile_group, x, w, dy = _case(7, 40, 64, 256, 384, 16)
     w64 = w.astype(np.float64)
-    got = grouped_matmul_tiles(jnp.asarray(x), jnp.asarray(w), jnp.asarray(tile_group))
+    tiles = GroupedTiles(block_m=64)  # 384 columns: the 256-column tile fitted to 128
+    got = grouped_matmul_tiles(jnp.asarray(x), jnp.asarray(w), jnp.asarray(tile_group), tiles=tiles)
     want = _per_tile(x, tile_group, 64, lambda a, g: a @ w64[g].T if g >= 0 else np.zeros((64, 384)))
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
-    dx = grouped_matmul_tiles(jnp.asarray(dy), jnp.asarray(w), jnp.asarray(tile_group), transpose=True)
+    dx = grouped_matmul_tiles(jnp.asarray(dy), jnp.asarray(w), jnp.asarray(tile_group), transpose=True, tiles=tiles)
     want_dx = _per_tile(dy, tile_group, 64, lambda a, g: a @ w64[g] if g >= 0 else np.zeros((64, 256)))
     np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=2e-2, atol=2e-2 * np.abs(want_dx).max())

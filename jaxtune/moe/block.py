@@ -35,11 +35,14 @@ class SparseMoE(nnx.Module):
         flat = x.reshape(b * t, hidden)
         routing = route(flat, self.router.weight[...], self.top_k, self.normalize)
         layout = tile_layout(routing.experts, self.num_experts)
-        token = jnp.arange(layout.position.shape[0], dtype=jnp.int32) // self.top_k
-        rows = jnp.zeros((layout.rows, hidden), x.dtype).at[layout.position].set(flat[token])  # grouped, padded
+        # each token's k copies are a broadcast (its gradient a sum, not a scatter-add); every routed row has a
+        # padded row of its own (unique indices: no atomic updates either way)
+        copies = jnp.broadcast_to(flat[:, None, :], (b * t, self.top_k, hidden)).reshape(-1, hidden)
+        rows = jnp.zeros((layout.rows, hidden), x.dtype).at[layout.position].set(copies, unique_indices=True)
         key = (lambda i: None) if rng is None else (lambda i: jax.random.fold_in(rng, i))  # noqa: E731
         gate = self.gate_proj(rows, layout, key(4))
         h = jax.nn.silu(gate) * self.up_proj(rows, layout, key(5))
-        out = self.down_proj(h, layout, key(6))[layout.position].reshape(b * t, self.top_k, hidden)
+        out = self.down_proj(h, layout, key(6)).at[layout.position].get(unique_indices=True)
+        out = out.reshape(b * t, self.top_k, hidden)
         weights = routing.weights.astype(x.dtype)[..., None]
         return jnp.sum((out * weights).astype(jnp.float32), axis=1).astype(x.dtype).reshape(b, t, hidden)
