@@ -75,8 +75,8 @@ class SafetensorsFile:
         value = np.ascontiguousarray(np.asarray(value).astype(dtype, copy=False))
         lead = 0 if index is None else 1 if isinstance(index, (int, np.integer)) else len(index)
         want = shape[lead:]
-        if index is not None and value.shape == (1,) * lead + tuple(want):  # a slab, as dynamic updates take it
-            value = value.reshape(want)
+        while index is not None and value.ndim > len(want) and value.shape[0] == 1:  # a slab with unit leading
+            value = value[0]  # axes, as dynamic updates take it
         if value.shape != want:
             raise ValueError(f"{name}{'' if index is None else f'[{index}]'}: shape {value.shape}, expected {want}")
         if index is None:
@@ -84,7 +84,8 @@ class SafetensorsFile:
         else:
             slabs = int(np.prod(shape[:lead]))
             if not all(0 <= i < n for i, n in zip(np.atleast_1d(index), shape[:lead])):
-                raise IndexError(f"{name}: index {index} outside the leading axes of {tuple(shape[:lead])}")
+                axes = f"axis of {shape[0]}" if lead == 1 else f"axes of {tuple(shape[:lead])}"
+                raise IndexError(f"{name}: index {index} outside the leading {axes}")
             flat = int(np.ravel_multi_index(tuple(np.atleast_1d(index)), shape[:lead]))
             start += flat * value.nbytes
             flags = self._written[name]

@@ -176,3 +176,18 @@ def test_exports_a_moe_model_cannot_write_yet_are_refused_in_one_line(tmp_path):
             export()
         assert "\n" not in str(e.value)
     assert not list(tmp_path.glob("peft*")) + list(tmp_path.glob("merged*")) + list(tmp_path.glob("m.gguf"))
+
+
+def test_a_converted_moe_checkpoint_loads_the_same_nf4_experts(tmp_path):
+    """`jaxtune convert` writes each expert's NF4 arrays at its (layer, expert) slot of the stacks; loading the
+    result gives the model `from_pretrained(load_in_4bit=True)` builds from the HF checkpoint."""
+    build_hf_model(CONFIGS["qwen3_moe"](), tmp_path / "hf")
+    jaxtune.convert(tmp_path / "hf", tmp_path / "nf4", quantize="nf4", dtype="float32")
+    direct, _ = jaxtune.from_pretrained(tmp_path / "hf", dtype="float32", load_in_4bit=True)
+    converted, _ = jaxtune.from_pretrained(tmp_path / "nf4", dtype="float32")
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        a, b = getattr(direct.layers.mlp, name), getattr(converted.layers.mlp, name)
+        np.testing.assert_array_equal(np.asarray(a.codes[...]), np.asarray(b.codes[...]))
+        np.testing.assert_array_equal(np.asarray(a.absmax_codes[...]), np.asarray(b.absmax_codes[...]))
+    ids = jnp.asarray(np.random.default_rng(4).integers(0, 128, (1, 10)))
+    np.testing.assert_array_equal(np.asarray(direct(ids)), np.asarray(converted(ids)))
