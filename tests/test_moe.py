@@ -191,3 +191,21 @@ def test_a_converted_moe_checkpoint_loads_the_same_nf4_experts(tmp_path):
         np.testing.assert_array_equal(np.asarray(a.absmax_codes[...]), np.asarray(b.absmax_codes[...]))
     ids = jnp.asarray(np.random.default_rng(4).integers(0, 128, (1, 10)))
     np.testing.assert_array_equal(np.asarray(direct(ids)), np.asarray(converted(ids)))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_greedy_generation_equals_transformers(tmp_path, family):
+    """Batched prompts of different lengths (left padding, KV cache): the tokens transformers' greedy `generate`
+    picks."""
+    from jaxtune.generate import generate_tokens
+
+    hf = build_hf_model(CONFIGS[family](), tmp_path)
+    model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32")
+    prompts = [[5, 9, 17, 33], [7, 8]]
+    with jax.default_matmul_precision("highest"):
+        ours = generate_tokens(model, prompts, max_new_tokens=10)
+    for prompt, got in zip(prompts, ours):
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
+        assert got == want[0, len(prompt):].tolist()
