@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -123,8 +124,6 @@ def _forward(x, weight, tile_group, tiles, interpret):
 
 
 def _backward(tiles, interpret, residuals, dy):
-    import numpy as np
-
     weight, tile_group = residuals
     dx = grouped_matmul_tiles(dy, weight, tile_group, transpose=True, tiles=tiles, interpret=interpret)
     return dx, jnp.zeros_like(weight), np.zeros(tile_group.shape, jax.dtypes.float0)
@@ -146,8 +145,6 @@ def _trainable_forward(x, weight, tile_group, tiles, interpret):
 
 
 def _trainable_backward(tiles, interpret, residuals, dy):
-    import numpy as np
-
     x, weight, tile_group = residuals
     dx = grouped_matmul_tiles(dy, weight, tile_group, transpose=True, tiles=tiles, interpret=interpret)
     count, bm = tile_group.shape[0], tiles.block_m

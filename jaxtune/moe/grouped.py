@@ -16,14 +16,6 @@ from jaxtune.moe.layout import TileLayout
 from jaxtune.ops import dispatch
 
 
-def moe_impl() -> str:
-    """`pallas` (the grouped kernel) on the GPU and under the Pallas modes, `xla` (ragged_dot) elsewhere."""
-    mode = dispatch.kernel_mode()
-    if mode in ("pallas", "pallas-interpret"):
-        return "pallas"
-    return "pallas" if mode != "xla" and jax.default_backend() == "gpu" else "xla"
-
-
 def grouped_matmul(x: jax.Array, weight: jax.Array, layout: TileLayout, *, trainable: bool = False,
                    out_dtype: jnp.dtype | None = None) -> jax.Array:
     """y[rows of expert e] = x[rows of expert e] @ weight[e].T for HF-layout expert weights [E, out, in]; x [rows,
@@ -31,7 +23,7 @@ def grouped_matmul(x: jax.Array, weight: jax.Array, layout: TileLayout, *, train
     `trainable`: the weight's gradient is computed (LoRA's factors); otherwise it is frozen (zero cotangent on the
     kernel path)."""
     weight = weight.astype(x.dtype)
-    if moe_impl() == "pallas":
+    if dispatch.moe_impl() == "pallas":
         from pallas_kernels.grouped_matmul import GroupedTiles, grouped_matmul as frozen, grouped_matmul_trainable
 
         fn = grouped_matmul_trainable if trainable else frozen

@@ -73,6 +73,13 @@ def nf4_impl(m: int) -> str:
     return _forced("fused") or next(impl for limit, impl in NF4_TABLE if m <= limit)
 
 
+def moe_impl() -> str:
+    """`pallas` (the grouped expert kernel) or `xla` (`jax.lax.ragged_dot`) for a mixture of experts' projections.
+    On GPU always the kernel: XLA's ragged_dot computes every expert for every row there (1% of a dense GEMM's
+    rate at 128 experts, benchmarks/results/2026-11-27-moe-h200.md)."""
+    return _forced("pallas") or "pallas"
+
+
 def fp8_impl() -> str:
     """`xla` (the jnp reference: dequantize, f32 dot), `cublas` (XLA's FP8 dot: cuBLASLt) or `pallas` (the
     FP8 kernel) for FP8 projections. On GPU cuBLASLt, measured 2x bf16 where the Pallas kernel is 0.64x
