@@ -25,10 +25,10 @@ from convert.peft_io import lora_modules
 from jaxtune.config import ModelConfig
 from jaxtune.errors import CheckpointError, UnsupportedModelError
 from jaxtune.model import CausalLM
-from jaxtune.quant import quantize_q4_0
+from jaxtune.quant import quantize_q4_0, quantize_q4_k, quantize_q6_k
 from jaxtune.rope import inverse_frequencies, unscaled_inverse_frequencies
 
-GGUF_TYPES = ("bf16", "f16", "q8_0", "q4_0", "f32")
+GGUF_TYPES = ("bf16", "f16", "q8_0", "q6_k", "q4_k_m", "q4_0", "f32")
 GGUF_MODEL_TYPES = ("llama", "mistral")  # written as llama.cpp's "llama" architecture
 _GGUF_NAMES = {hf: gguf for gguf, hf in _TOP_NAMES.items()}
 _GGUF_LAYER_NAMES = {hf: gguf for gguf, hf in _LAYER_NAMES.items()}
@@ -129,43 +129,71 @@ def _add_tokenizer(writer: Any, tokenizer: Any, cfg: ModelConfig) -> None:
         (writer.add_bool if isinstance(value, bool) else writer.add_uint32)(key, value)
 
 
-def _encoding(name: str, shape: tuple[int, ...], gguf_type: str, tied: bool) -> tuple[Any, Any]:
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's use_more_bits: the layers whose attn_v / ffn_down a Q4_K_M file keeps in 6 bits (the first and
+    last eighth, and every third in between)."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def _k_mix_type(name: str, gguf_type: str, tied: bool, layers: int) -> str:
+    """The block type llama-quantize gives a 2-D tensor of a Q4_0, Q4_K_M or Q6_K file (before the shape
+    fallback): the output projection (the embedding when tied) in q6_K."""
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        return "q6_k"
+    if gguf_type in ("q4_0", "q6_k"):
+        return gguf_type
+    kind = name.split(".")[-2] if name.startswith("blk.") else ""
+    if kind in ("attn_v", "ffn_down") and _more_bits(int(name.split(".")[1]), layers):
+        return "q6_k"
+    return "q4_k"
+
+
+def _encoding(name: str, shape: tuple[int, ...], gguf_type: str, tied: bool, layers: int) -> tuple[Any, Any]:
     """(raw GGML type or None, numpy dtype of the stored array) of one tensor; 1-D tensors stay f32, as llama.cpp
-    keeps them, and rows that are not whole blocks fall back to f16. In a q4_0 file the output projection (the
-    embedding when it is tied) is q8_0: llama.cpp's quantizer gives it 6 bits (q6_K, which `gguf` cannot write)."""
+    keeps them. The quantized mixes pick each tensor's type as llama-quantize does (no importance matrix): the
+    output projection (the embedding when it is tied) in q6_K; in q4_k_m, attn_v and ffn_down of `_more_bits`
+    layers in q6_K and the other matrices in q4_K. A row that is not whole 256-weight super-blocks falls back
+    as llama.cpp's does (q4_K -> q5_0, q6_K -> q8_0), one that is not whole 32-weight blocks to f16."""
     import gguf
 
     q = gguf.GGMLQuantizationType
     if len(shape) == 1 or gguf_type == "f32":
         return None, np.float32
-    if gguf_type == "q4_0" and (name == "output.weight" or (tied and name == "token_embd.weight")):
-        gguf_type = "q8_0"
-    for kind, raw in (("q8_0", q.Q8_0), ("q4_0", q.Q4_0)):
-        if gguf_type == kind and shape[-1] % gguf.GGML_QUANT_SIZES[raw][0] == 0:
-            return raw, np.uint8
+    if gguf_type in ("q4_0", "q4_k_m", "q6_k"):
+        gguf_type = _k_mix_type(name, gguf_type, tied, layers)
+        if gguf_type in ("q4_k", "q6_k") and shape[-1] % 256:
+            gguf_type = {"q4_k": "q5_0", "q6_k": "q8_0"}[gguf_type]
+    for kind, raw in (("q8_0", q.Q8_0), ("q4_0", q.Q4_0), ("q5_0", q.Q5_0), ("q4_k", q.Q4_K), ("q6_k", q.Q6_K)):
+        if gguf_type == kind:
+            if shape[-1] % gguf.GGML_QUANT_SIZES[raw][0] == 0:
+                return raw, np.uint8
+            return None, np.float16
     if gguf_type == "bf16":
         return q.BF16, np.uint8
     return None, np.float16
 
 
-def _stored_info(name: str, shape: tuple[int, ...], gguf_type: str, tied: bool) -> tuple[tuple[int, ...], Any, int, Any]:
+def _stored_info(name: str, shape: tuple[int, ...], gguf_type: str, tied: bool,
+                 layers: int) -> tuple[tuple[int, ...], Any, int, Any]:
     """(stored shape, dtype, bytes, raw type) of a float32 tensor of `shape` once encoded: the tensor table is
     written before any data, so each tensor can be computed and written alone."""
     import gguf
 
-    raw, dtype = _encoding(name, shape, gguf_type, tied)
+    raw, dtype = _encoding(name, shape, gguf_type, tied, layers)
     stored = tuple(gguf.quants.quant_shape_to_byte_shape(shape, raw)) if raw is not None else shape
     return stored, dtype, int(np.prod(stored, dtype=np.int64)) * np.dtype(dtype).itemsize, raw
 
 
-def _encode(name: str, w: np.ndarray, gguf_type: str, tied: bool) -> np.ndarray:
-    """The stored array of one float32 tensor (see `_encoding`): q4_0 by jaxtune's quantizer (byte-equal to
-    ggml's), the other types by the `gguf` package's."""
+def _encode(name: str, w: np.ndarray, gguf_type: str, tied: bool, layers: int) -> np.ndarray:
+    """The stored array of one float32 tensor (see `_encoding`): q4_0, q4_K and q6_K by jaxtune's quantizers
+    (byte-equal to ggml's reference ones), the other types by the `gguf` package's."""
     import gguf
 
-    raw, dtype = _encoding(name, w.shape, gguf_type, tied)
-    if raw == gguf.GGMLQuantizationType.Q4_0:
-        return quantize_q4_0(w)
+    raw, dtype = _encoding(name, w.shape, gguf_type, tied, layers)
+    own = {gguf.GGMLQuantizationType.Q4_0: quantize_q4_0, gguf.GGMLQuantizationType.Q4_K: quantize_q4_k,
+           gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
+    if raw in own:
+        return own[raw](w)
     return gguf.quants.quantize(w, raw) if raw is not None else w.astype(dtype)
 
 
@@ -178,7 +206,7 @@ def save_gguf(
     gguf_type: str = "bf16",
     name: str | None = None,
 ) -> None:
-    """Writes the merged model as a llama.cpp GGUF file (`gguf_type`: bf16, f16, q8_0, q4_0 or f32).
+    """Writes the merged model as a llama.cpp GGUF file (`gguf_type`: bf16, f16, q8_0, q6_k, q4_k_m, q4_0 or f32).
 
     With `base` (the HF directory or .gguf of the ORIGINAL weights) the adapters are added onto those; without it,
     onto the dequantized NF4 weights (a warning says so), exactly as `save_merged`.
@@ -195,6 +223,7 @@ def save_gguf(
     os.makedirs(parent, exist_ok=True)
     file_type = {"bf16": gguf.LlamaFileType.MOSTLY_BF16, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+                 "q6_k": gguf.LlamaFileType.MOSTLY_Q6_K, "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M,
                  "f32": gguf.LlamaFileType.ALL_F32}[gguf_type]
     source = open_original(model, base)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out_path)}.partial-", dir=parent)
@@ -209,7 +238,7 @@ def save_gguf(
         tensors = list(merged_tensors(model, source))
         tied = not any(gguf_name(t.name) == "output.weight" for t in tensors)
         for t in tensors:  # the whole tensor table first; the data then follows one tensor at a time
-            stored, dtype, nbytes, raw = _stored_info(gguf_name(t.name), t.shape, gguf_type, tied)
+            stored, dtype, nbytes, raw = _stored_info(gguf_name(t.name), t.shape, gguf_type, tied, cfg.num_layers)
             writer.add_tensor_info(gguf_name(t.name), stored, np.dtype(dtype), nbytes, raw_dtype=raw)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -222,7 +251,7 @@ def save_gguf(
                 w = permute_qk(w, cfg.num_heads)
             elif t.name.endswith("k_proj.weight"):
                 w = permute_qk(w, cfg.num_kv_heads)
-            writer.write_tensor_data(_encode(gguf_name(t.name), w, gguf_type, tied))
+            writer.write_tensor_data(_encode(gguf_name(t.name), w, gguf_type, tied, cfg.num_layers))
         writer.close()
         plain_permissions(tmp)
         os.replace(tmp, out_path)

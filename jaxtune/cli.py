@@ -353,8 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--peft", help="output directory for the PEFT LoRA adapter")
     ex.add_argument("--merged", help="output directory for the merged HF checkpoint")
     ex.add_argument("--gguf", help="output .gguf file of the merged model, for llama.cpp / Ollama (Llama, Mistral)")
-    ex.add_argument("--gguf-type", default="bf16", choices=["bf16", "f16", "q8_0", "q4_0", "f32"],
-                    help="tensor type of the GGUF's matrices (norms stay f32)")
+    ex.add_argument("--gguf-type", default="bf16", choices=["bf16", "f16", "q8_0", "q6_k", "q4_k_m", "q4_0", "f32"],
+                    help="tensor type of the GGUF's matrices (norms stay f32); q4_k_m and q6_k mix block types per "
+                         "tensor as llama-quantize does")
     ex.add_argument("--base", help="HF directory or .gguf of the original weights to merge onto (default: the run's "
                                    "base model, or the checkpoint it was converted from, when those are unquantized)")
     ex.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "nf4"],

@@ -12,6 +12,9 @@ from conftest import build_hf_model
 from test_export import _randomize_lora
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+# rows of whole 256-weight super-blocks, and enough layers for llama.cpp's 6-bit layers to be a pattern
+K_QUANT_SHAPES = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
+                      num_key_value_heads=2)
 TEXT = 'Paris is the capital of France. {"age": 31} 0123456789\n<|im_start|>user hello<|im_end|>'
 
 
@@ -45,6 +48,8 @@ def _rounded(w: np.ndarray, gguf_type: str) -> np.ndarray:
     (lambda v: MistralConfig(vocab_size=v, **SMALL, sliding_window=None), "bf16", 3e-2),
     (lambda v: LlamaConfig(vocab_size=v, **{**SMALL, "num_hidden_layers": 3}), "q8_0", 5e-2),
     (lambda v: LlamaConfig(vocab_size=v, **SMALL, tie_word_embeddings=True, head_dim=32), "q4_0", 0.5),  # 4 bits
+    # 8 random layers at 4 bits amplify the rounding: logits spanning +-3.4 move by up to 1.94 (q4_0: 2.24)
+    (lambda v: LlamaConfig(vocab_size=v, **K_QUANT_SHAPES), "q4_k_m", 2.5),
 ])
 def test_gguf_reads_back_like_the_merged_checkpoint(tmp_path, tiny_tokenizer, make_config, gguf_type, tol):
     from safetensors.numpy import load_file
@@ -58,7 +63,7 @@ def test_gguf_reads_back_like_the_merged_checkpoint(tmp_path, tiny_tokenizer, ma
     merged_tensors = {k: v for f in (tmp_path / "merged").glob("*.safetensors") for k, v in load_file(f).items()}
     with GGUFSource(tmp_path / "out" / "model.gguf") as source:
         assert sorted(source.names()) == sorted(merged_tensors)
-        if gguf_type not in ("q8_0", "q4_0"):  # every tensor is the merged one, rounded once
+        if gguf_type not in ("q8_0", "q4_0", "q4_k_m"):  # every tensor is the merged one, rounded once
             for name, want in merged_tensors.items():
                 np.testing.assert_array_equal(source.get(name), _rounded(want, gguf_type), err_msg=name)
     if gguf_type == "q4_0":  # the matrices in 4 bits; the tied embedding (llama.cpp's output too) in 8
@@ -68,6 +73,17 @@ def test_gguf_reads_back_like_the_merged_checkpoint(tmp_path, tiny_tokenizer, ma
         assert types["token_embd.weight"] == "Q8_0" and "output.weight" not in types
         assert {types[f"blk.{i}.{m}.weight"] for i in range(2) for m in ("attn_q", "attn_k", "attn_v", "attn_output",
                                                                           "ffn_gate", "ffn_up", "ffn_down")} == {"Q4_0"}
+    if gguf_type == "q4_k_m":  # llama-quantize's Q4_K_M mix: 6 bits for the output and for attn_v and ffn_down
+        import gguf  # of layers 0, 3, 6 and 7 of 8 (the first and last eighth, every third between), 4 elsewhere
+
+        types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "out" / "model.gguf").tensors}
+        assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == "Q4_K"
+        for i in range(8):
+            assert {types[f"blk.{i}.{m}.weight"] for m in ("attn_q", "attn_k", "attn_output", "ffn_gate",
+                                                            "ffn_up")} == {"Q4_K"}
+            assert types[f"blk.{i}.attn_v.weight"] == types[f"blk.{i}.ffn_down.weight"] == (
+                "Q6_K" if i in (0, 3, 6, 7) else "Q4_K"), i
+        assert types["blk.0.attn_norm.weight"] == "F32"
     ids = np.random.default_rng(0).integers(0, len(tiny_tokenizer), size=(2, 12))
     merged = _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval(), ids)
     via_transformers = AutoModelForCausalLM.from_pretrained(tmp_path / "out", gguf_file="model.gguf",
@@ -75,7 +91,12 @@ def test_gguf_reads_back_like_the_merged_checkpoint(tmp_path, tiny_tokenizer, ma
     reimported, gguf_tok = jaxtune.from_pretrained(tmp_path / "out" / "model.gguf", dtype="float32")
     assert np.abs(_logits(via_transformers, ids) - merged).max() < tol
     assert np.abs(np.asarray(reimported(ids)) - merged).max() < tol
-    if gguf_type in ("q8_0", "q4_0"):  # the same quantized bytes, read two ways
+    if gguf_type == "q4_k_m":  # closer to the merged model than llama.cpp's q4_0 file of it, same size class
+        jaxtune.save_gguf(model, tmp_path / "q4_0.gguf", tokenizer=tok, base=tmp_path / "base", gguf_type="q4_0")
+        q4_0, _ = jaxtune.from_pretrained(tmp_path / "q4_0.gguf", dtype="float32")
+        k_err, q4_0_err = (np.linalg.norm(np.asarray(m(ids)) - merged) for m in (reimported, q4_0))
+        assert k_err < 0.9 * q4_0_err, (k_err, q4_0_err)
+    if gguf_type in ("q8_0", "q4_0", "q4_k_m"):  # the same quantized bytes, read two ways
         assert np.abs(np.asarray(reimported(ids)) - _logits(via_transformers, ids)).max() < 1e-4
     hf_tok = AutoTokenizer.from_pretrained(tmp_path / "out", gguf_file="model.gguf")
     want = tok(TEXT)["input_ids"]
