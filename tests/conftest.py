@@ -43,7 +43,16 @@ def _has_gpu() -> bool:
         return False
 
 
+# the longest tests (over a minute each on 2 cores) start first, so that the workers finish together instead of
+# one of them running a long test alone at the end of the run
+LONGEST_FIRST = ("test_sharding.py::test_sharded_step", "test_kernel_dispatch.py::test_layer_scan_reads_nf4_codes",
+                 "test_sharding.py::test_grpo_samples", "test_sharding.py::test_two_processes",
+                 "test_sharding.py::test_sigterm", "test_examples.py::test_readme_shell_block",
+                 "test_examples.py::test_quickstart_notebook", "test_examples.py::test_dpo_demo")
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not any(name in item.nodeid for name in LONGEST_FIRST))  # stable: order kept
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
