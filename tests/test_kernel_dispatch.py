@@ -230,13 +230,13 @@ def scan_body_eqns(jaxpr, inside: bool = False):
 
 @functools.cache
 def _no_remat_reference():
-    """The gradients, residual bytes and gradient jaxpr of kernel_model() without remat (Pallas, interpreted):
-    what every remat policy is compared with, computed once per worker."""
+    """The logits, gradients, residual bytes and gradient jaxpr of kernel_model() without remat (Pallas,
+    interpreted): what every remat policy is compared with, computed once per worker."""
     model = kernel_model()
     ids = jax.random.randint(jax.random.key(0), (2, 64), 0, 320)
     seg = jnp.asarray(np.array([[1] * 40 + [2] * 24, [1] * 64]), jnp.int32)
     jaxtune.set_kernels("pallas-interpret")
-    return (logits_and_grads(model, ids, seg)[1], *residuals_and_grad_jaxpr(model, ids, seg))
+    return (*logits_and_grads(model, ids, seg)[:2], *residuals_and_grad_jaxpr(model, ids, seg))
 
 
 @pytest.mark.parametrize("unrolled", [False, True], ids=["loop", "unrolled"])
@@ -249,7 +249,7 @@ def test_remat_policies_keep_gradients_and_selective_redoes_no_kernel(policy, un
     ids = jax.random.randint(jax.random.key(0), (2, 64), 0, 320)
     seg = jnp.asarray(np.array([[1] * 40 + [2] * 24, [1] * 64]), jnp.int32)
     jaxtune.set_kernels("pallas-interpret")
-    ref_grads, none_bytes, none_jaxpr = _no_remat_reference()
+    _, ref_grads, none_bytes, none_jaxpr = _no_remat_reference()
     model.remat_policy, model.unroll_layers = policy, unrolled
     _, grads, _ = logits_and_grads(model, ids, seg)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
@@ -311,7 +311,7 @@ def test_offload_policy_moves_layer_inputs_to_host_and_tiles_the_mlp(monkeypatch
     ids = jax.random.randint(jax.random.key(0), (2, 64), 0, 320)
     seg = jnp.asarray(np.array([[1] * 40 + [2] * 24, [1] * 64]), jnp.int32)
     jaxtune.set_kernels("pallas-interpret")
-    ref_logits, ref_grads, _ = logits_and_grads(model, ids, seg)
+    ref_logits, ref_grads, _, _ = _no_remat_reference()
     model.remat_policy, model.offload_group, model.offload_device_layers = "offload", group, on_device
     logits, grads, jaxpr = logits_and_grads(model, ids, seg)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=2e-5, rtol=1e-5)
