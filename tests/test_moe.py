@@ -165,17 +165,47 @@ def test_unsupported_routing_options_are_refused_in_one_line_before_loading(tmp_
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("family, rslora", [("qwen3_moe", False), ("mixtral", True)])
+def test_expert_adapters_export_to_peft_on_transformers_fused_experts(tmp_path, family, rslora):
+    """save_peft writes the per-expert adapters on transformers' fused expert parameters (PEFT's
+    target_parameters): peft loads them onto the HF model and gives jaxtune's logits (float32 base)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from conftest import set_random_lora
+
+    build_hf_model(CONFIGS[family](), tmp_path / "base")
+    model, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=False)
+    jaxtune.get_peft_model(model, r=4, lora_alpha=8, use_rslora=rslora, seed=1,
+                           target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
+    set_random_lora(model, seed=2)
+    jaxtune.save_peft(model, tmp_path / "peft")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf, tmp_path / "peft").eval()
+    ids = np.random.default_rng(3).integers(0, 128, (2, 12))
+    with torch.no_grad():
+        want = peft_model(torch.as_tensor(ids)).logits.numpy()
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(model(jnp.asarray(ids)))
+    assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max())
+    with peft_model.disable_adapter(), torch.no_grad():  # the adapters changed the logits (they were loaded)
+        plain = peft_model(torch.as_tensor(ids)).logits.numpy()
+    assert np.abs(plain - want).max() > 1e-2
+    with pytest.raises(jaxtune.JaxtuneError, match="does not read back yet") as e:  # not yet read back
+        jaxtune.load_peft(model, tmp_path / "peft")
+    assert "\n" not in str(e.value)
+
+
 def test_exports_a_moe_model_cannot_write_yet_are_refused_in_one_line(tmp_path):
     build_hf_model(CONFIGS["mixtral"](), tmp_path / "base")
     model, tok = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=True)
     jaxtune.get_peft_model(model, r=4)
-    for export in (lambda: jaxtune.save_peft(model, tmp_path / "peft"),
-                   lambda: jaxtune.save_merged(model, tmp_path / "merged"),
+    for export in (lambda: jaxtune.save_merged(model, tmp_path / "merged"),
                    lambda: jaxtune.save_gguf(model, tmp_path / "m.gguf", tokenizer=tok)):
         with pytest.raises(UnsupportedModelError, match="mixture-of-experts") as e:
             export()
         assert "\n" not in str(e.value)
-    assert not list(tmp_path.glob("peft*")) + list(tmp_path.glob("merged*")) + list(tmp_path.glob("m.gguf"))
+    assert not list(tmp_path.glob("merged*")) + list(tmp_path.glob("m.gguf"))
 
 
 def test_a_converted_moe_checkpoint_loads_the_same_nf4_experts(tmp_path):
