@@ -16,11 +16,12 @@ from tqdm.auto import tqdm
 
 from convert.atomic import atomic_directory
 from convert.safetensors_writer import ShardedSafetensorsWriter
-from convert.peft_io import lora_modules
+from convert.peft_io import expert_lora_modules, lora_modules
 from convert.safetensors_source import SafetensorsSource
 from jaxtune import nf4
 from jaxtune.errors import CheckpointError
 from jaxtune.model import CausalLM, Linear
+from jaxtune.moe.experts import LoRAExperts, NF4Experts
 from jaxtune.qlora import LORA_TARGETS, PARENT_MODULE, LoRALinear, NF4Linear, projection
 
 _DTYPES = {"bfloat16": jax.numpy.bfloat16, "float16": np.float16, "float32": np.float32}
@@ -35,7 +36,7 @@ def _layer(array: Any, i: int) -> np.ndarray:
 
 
 def _base(proj):
-    return proj.base if isinstance(proj, LoRALinear) else proj
+    return proj.base if isinstance(proj, (LoRALinear, LoRAExperts)) else proj
 
 
 def _base_weight(proj, i: int) -> np.ndarray:
@@ -49,8 +50,27 @@ def _base_weight(proj, i: int) -> np.ndarray:
 
 def _weight_shape(proj) -> tuple[int, int]:
     base = _base(proj)
-    codes = base.codes if isinstance(base, NF4Linear) else None
+    codes = base.codes if isinstance(base, (NF4Linear, NF4Experts)) else None
     return (codes.shape[-2], codes.shape[-1] * 2) if codes is not None else tuple(base.weight.shape[-2:])
+
+
+@functools.lru_cache(maxsize=1)
+def _layer_experts(proj, i: int) -> np.ndarray:
+    """Layer i's experts [E, out, in] in float32, dequantized once for the E tensors read one after another."""
+    base = _base(proj)
+    if isinstance(base, NF4Experts):
+        q = nf4.NF4Weight(*(a[...][i] for a in (base.codes, base.absmax_codes, base.nested_absmax, base.offset,
+                                                base.nested_map)), None)
+        return np.asarray(nf4.dequantize(q), np.float32)
+    return _layer(base.weight[...], i)
+
+
+def _expert_names(cfg) -> tuple[str, dict[str, str]]:
+    """The hub layout's MoE module and per-expert projection names: Qwen3-MoE's `mlp.experts.E.gate_proj`,
+    Mixtral's `block_sparse_moe.experts.E.w1` (gate), `w3` (up), `w2` (down)."""
+    if cfg.model_type == "mixtral":
+        return "block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+    return "mlp", {name: name for name in ("gate_proj", "up_proj", "down_proj")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,12 +103,31 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
     norms = [(f"{norm}.weight", getattr(model.layers, norm)) for norm in ("input_layernorm", "post_attention_layernorm")]
     if cfg.qk_norm:
         norms += [(f"self_attn.{norm}.weight", getattr(model.layers.self_attn, norm)) for norm in ("q_norm", "k_norm")]
+    def merged_expert(key: str, proj, i: int, e: int) -> np.ndarray:
+        w = np.asarray(source.get(key), np.float32) if source is not None else _layer_experts(proj, i)[e]
+        if isinstance(proj, LoRAExperts):
+            a, b = _layer(proj.lora_a[...], i)[e], _layer(proj.lora_b[...], i)[e]
+            w = w + np.float32(proj.scale) * (b @ a)
+        return w
+
+    def experts(p: str, i: int) -> Iterator[MergedTensor]:
+        parent, names = _expert_names(cfg)
+        yield layer(f"{p}.{parent}.gate.weight", model.layers.mlp.router.weight[...], i)
+        for e in range(cfg.num_experts):
+            for name, hub_name in names.items():
+                proj = projection(model, name)
+                key = f"{p}.{parent}.experts.{e}.{hub_name}.weight"
+                yield MergedTensor(key, _weight_shape(proj), functools.partial(merged_expert, key, proj, i, e))
+
     yield whole("model.embed_tokens.weight", model.embed_tokens.weight[...])
-    projections = [(name, projection(model, name)) for name in LORA_TARGETS]
+    projections = [(name, projection(model, name)) for name in LORA_TARGETS
+                   if not (cfg.num_experts and PARENT_MODULE[name] == "mlp")]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}"
         for name, norm in norms:
             yield layer(f"{p}.{name}", norm.weight[...], i)
+        if cfg.num_experts:
+            yield from experts(p, i)
         for name, proj in projections:
             key = f"{p}.{PARENT_MODULE[name]}.{name}"
             yield MergedTensor(f"{key}.weight", _weight_shape(proj),
@@ -154,11 +193,11 @@ def save_merged(
     """
     if dtype not in MERGED_DTYPES:
         raise CheckpointError(f"unknown dtype {dtype!r}; choose one of: {', '.join(MERGED_DTYPES)}")
-    model.config.require_dense("exporting a merged checkpoint")
-    if not lora_modules(model):
+    if in_nf4 := dtype == "nf4":
+        model.config.require_dense("exporting a merged NF4 checkpoint (use a 16-bit dtype)")
+    if not lora_modules(model) and not expert_lora_modules(model):
         raise CheckpointError("the model has no LoRA adapters to merge; call jaxtune.get_peft_model first")
     source = open_original(model, base)
-    in_nf4 = dtype == "nf4"
     out_dtype = _DTYPES["bfloat16" if in_nf4 else dtype]
     try:
         with atomic_directory(out_dir) as tmp:

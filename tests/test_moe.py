@@ -196,11 +196,41 @@ def test_expert_adapters_export_to_peft_on_transformers_fused_experts(tmp_path, 
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_merged_moe_checkpoint_loads_in_transformers_with_the_adapters_logits(tmp_path, family):
+    """save_merged writes W + s * B @ A per expert in the hub layout (`mlp.experts.E.gate_proj`, Mixtral's
+    `block_sparse_moe.experts.E.w1`), onto the original weights (`base`) or the dequantized NF4 ones:
+    transformers loads it to the logits of the model with the same adapters on that base."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import set_random_lora
+
+    build_hf_model(CONFIGS[family](), tmp_path / "base")
+    ids = np.random.default_rng(3).integers(0, 128, (2, 12))
+    logits = {}
+    for name, in_4bit in (("float", False), ("nf4", True)):
+        model, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=in_4bit)
+        jaxtune.get_peft_model(model, r=4, lora_alpha=8, seed=1)
+        set_random_lora(model, seed=2)
+        with jax.default_matmul_precision("highest"):
+            logits[name] = np.asarray(model(jnp.asarray(ids)))
+        if in_4bit:
+            jaxtune.save_merged(model, tmp_path / "onto-original", base=tmp_path / "base", dtype="float32")
+            with pytest.warns(UserWarning, match="dequantized NF4"):
+                jaxtune.save_merged(model, tmp_path / "onto-nf4", dtype="float32")
+    for out, want in (("onto-original", logits["float"]), ("onto-nf4", logits["nf4"])):
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path / out, dtype=torch.float32).eval()
+        with torch.no_grad():
+            got = hf(torch.as_tensor(ids)).logits.numpy()
+        assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max()), out
+    assert np.abs(logits["float"] - logits["nf4"]).max() > 1e-3  # the two bases differ: each merge kept its own
+
+
 def test_exports_a_moe_model_cannot_write_yet_are_refused_in_one_line(tmp_path):
     build_hf_model(CONFIGS["mixtral"](), tmp_path / "base")
     model, tok = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=True)
     jaxtune.get_peft_model(model, r=4)
-    for export in (lambda: jaxtune.save_merged(model, tmp_path / "merged"),
+    for export in (lambda: jaxtune.save_merged(model, tmp_path / "merged", dtype="nf4"),
                    lambda: jaxtune.save_gguf(model, tmp_path / "m.gguf", tokenizer=tok)):
         with pytest.raises(UnsupportedModelError, match="mixture-of-experts") as e:
             export()
