@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from typing import Any
@@ -24,6 +25,10 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _KEY = re.compile(
     r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.default)?\.weight"
 )
+# PEFT's LoRA on transformers' fused expert parameters, wrapped in parameter order (the first innermost)
+_EXPERT_KEY = re.compile(
+    r"base_model\.model\.model\.layers\.(\d+)\.mlp\.experts((?:\.base_layer)*)\.lora_([AB])(?:\.default)?\.weight")
+_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
 
 def lora_modules(model: CausalLM) -> dict[str, LoRALinear]:
@@ -114,11 +119,14 @@ def _read_adapter_config(adapter_dir: str) -> dict[str, Any]:
         raise CheckpointError("fan_in_fan_out=true adapters (GPT-2 style Conv1D) are not supported for Llama-family models")
     if cfg.get("bias", "none") != "none":
         raise CheckpointError(f"adapters with bias={cfg['bias']!r} are not supported; only bias='none'")
-    if cfg.get("target_parameters"):
-        raise CheckpointError(f"the adapter targets parameters {cfg['target_parameters']} (mixture-of-experts expert "
-                              "adapters), which jaxtune exports but does not read back yet; load it with peft")
-    targets = cfg.get("target_modules")
-    if isinstance(targets, str) or not targets:
+    params = cfg.get("target_parameters") or []
+    unknown = sorted({t.rpartition(".")[-1] for t in params} - set(_EXPERT_PARAMS))
+    if isinstance(params, str) or unknown:
+        raise CheckpointError(f"the adapter targets parameters {params!r}; jaxtune reads LoRA on a mixture of "
+                              f"experts' {' and '.join(_EXPERT_PARAMS)} only")
+    cfg["target_parameters"] = [p for p in _EXPERT_PARAMS if any(t.rpartition(".")[-1] == p for t in params)]
+    targets = cfg.get("target_modules") or ([] if params else None)
+    if isinstance(targets, str) or (not targets and not params):
         raise CheckpointError(f"target_modules={targets!r} is not a list of module names; jaxtune needs e.g. ['q_proj', 'v_proj']")
     names = sorted({t.split(".")[-1] for t in targets})
     unknown = [t for t in names if t not in LORA_TARGETS]
@@ -128,12 +136,93 @@ def _read_adapter_config(adapter_dir: str) -> dict[str, Any]:
     return cfg
 
 
+def _peft_scale(cfg: dict[str, Any], key: str, r: int) -> float:
+    """PEFT's scaling of the adapter on module (or parameter) `key`: its alpha (alpha_pattern, else lora_alpha)
+    over r, or over sqrt(r) with rsLoRA."""
+    alpha = float(cfg.get("lora_alpha", 8))
+    for pattern, value in (cfg.get("alpha_pattern") or {}).items():
+        if re.fullmatch(rf"(.*\.)?{pattern}", key):
+            alpha = float(value)
+            break
+    return alpha / (math.sqrt(r) if cfg.get("use_rslora") else r)
+
+
+def _load_expert_peft(model: CausalLM, cfg: dict[str, Any], adapter_dir: str) -> CausalLM:
+    """A PEFT adapter with LoRA on a mixture of experts' fused parameters (`target_parameters`), the inverse of
+    `_expert_tensors` for any adapter: gate_up_proj's rank-r' factors give gate and up each a rank-r' adapter
+    (the same A; B's gate and up rows), down_proj's its own. Every adapter is padded with zeros to the largest
+    rank and PEFT's per-module scale is folded into B, so one jaxtune scale of 1 reproduces PEFT's outputs."""
+    c = model.config
+    if not c.num_experts:
+        raise CheckpointError("the adapter adapts mixture-of-experts parameters; this model has no experts")
+    order = cfg["target_parameters"]
+    module_of = {"experts" + ".base_layer" * (len(order) - 1 - k): p for k, p in enumerate(order)}
+    factors: dict[tuple[str, int, str], np.ndarray] = {}
+    with SafetensorsSource(adapter_dir) as source:
+        for key in source.names():
+            m, e = _KEY.fullmatch(key), _EXPERT_KEY.fullmatch(key)
+            if m is not None and m.group(3) in cfg["target_modules"] and int(m.group(1)) < c.num_layers:
+                factors[(m.group(3), int(m.group(1)), m.group(4))] = np.asarray(source.get(key), np.float32)
+            elif e is not None and f"experts{e.group(2)}" in module_of and int(e.group(1)) < c.num_layers:
+                factors[(module_of[f"experts{e.group(2)}"], int(e.group(1)), e.group(3))] = np.asarray(source.get(key),
+                                                                                                      np.float32)
+            else:
+                raise CheckpointError(f"adapter tensor {key} does not match this model ({c.num_layers} layers, "
+                                      f"adapted: {', '.join([*cfg['target_modules'], *order])})")
+    names = [*cfg["target_modules"], *order]
+    missing = [(n, i, w) for n in names for i in range(c.num_layers) for w in "AB" if (n, i, w) not in factors]
+    if missing:
+        n, i, w = missing[0]
+        raise CheckpointError(f"adapter lacks layers.{i} {n} lora_{w}; the adapter is incomplete")
+    experts = c.num_experts
+    adapters: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}  # jaxtune name -> per layer (A, B scaled)
+    for i in range(c.num_layers):
+        for n in cfg["target_modules"]:
+            a, b = factors[(n, i, "A")], factors[(n, i, "B")]
+            key = f"model.layers.{i}.{PARENT_MODULE[n]}.{n}"
+            adapters.setdefault(n, []).append((a, b * _peft_scale(cfg, key, a.shape[0])))
+        for p in order:
+            a, b = factors[(p, i, "A")], factors[(p, i, "B")]
+            r = a.shape[0] // experts
+            if a.shape[0] != r * experts or b.shape[1] != r * experts:
+                raise CheckpointError(f"adapter {p} of layer {i} has A {a.shape} and B {b.shape}; this model has "
+                                      f"{experts} experts: the adapter belongs to another model shape")
+            a = a.reshape(experts, r, -1)  # PEFT: A [E * r, in] expert-major, B [out, r * E] rank-major
+            b = b.reshape(b.shape[0], r, experts).transpose(2, 0, 1) * _peft_scale(cfg, f"model.layers.{i}.mlp.experts.{p}", r)
+            if p == "down_proj":
+                adapters.setdefault("down_proj", []).append((a, b))
+            else:
+                inter = b.shape[1] // 2
+                adapters.setdefault("gate_proj", []).append((a, b[:, :inter]))
+                adapters.setdefault("up_proj", []).append((a, b[:, inter:]))
+    rank = max(a.shape[-2] for layers in adapters.values() for a, _ in layers)
+    get_peft_model(model, r=rank, lora_alpha=rank, lora_dropout=float(cfg.get("lora_dropout", 0.0)),
+                   target_modules=list(adapters))
+    for name, layers in adapters.items():
+        proj = projection(model, name)
+        want_a, want_b = proj.lora_a[...].shape, proj.lora_b[...].shape
+        a_all, b_all = np.zeros(want_a, np.float32), np.zeros(want_b, np.float32)
+        for i, (a, b) in enumerate(layers):
+            if a.shape[-1] != want_a[-1] or b.shape[-2] != want_b[-2]:
+                raise CheckpointError(f"adapter of {name} in layer {i} has A {a.shape} and B {b.shape}, this model "
+                                      f"needs inputs of {want_a[-1]} and outputs of {want_b[-2]}: the adapter "
+                                      "belongs to another model shape")
+            a_all[i, ..., :a.shape[-2], :] = a
+            b_all[i, ..., :b.shape[-1]] = b
+        proj.lora_a.set_value(jnp.asarray(a_all))
+        proj.lora_b.set_value(jnp.asarray(b_all))
+    return model
+
+
 def load_peft(model: CausalLM, adapter_dir: str | os.PathLike) -> CausalLM:
-    """Adds a PEFT LoRA adapter to `model` (in place; returns it): any r, alpha, rsLoRA, subset of targets."""
+    """Adds a PEFT LoRA adapter to `model` (in place; returns it): any r, alpha, rsLoRA, subset of targets, and
+    a mixture of experts' expert adapters on transformers' fused parameters."""
     adapter_dir = os.fspath(adapter_dir)
     cfg = _read_adapter_config(adapter_dir)
-    if lora_modules(model):
+    if lora_modules(model) or expert_lora_modules(model):
         raise CheckpointError("the model already has LoRA adapters; load the adapter into a fresh base model")
+    if cfg["target_parameters"]:
+        return _load_expert_peft(model, cfg, adapter_dir)
     c = model.config
     r = int(cfg["r"])
     get_peft_model(model, r=r, lora_alpha=float(cfg.get("lora_alpha", 8)), lora_dropout=float(cfg.get("lora_dropout", 0.0)),
