@@ -2,6 +2,7 @@
 demo's task (examples/data/people_*.jsonl: answer in a fixed JSON schema; held-out names).
 
     PYTHONPATH=.:examples python benchmarks/qat_smollm2.py [--steps 12] [--out runs/qat] [--formats q4_0,nf4]
+        [--ptq-formats q4_k_m]
 For each run (plain LoRA, then QAT per format), the same data, steps and seed: the held-out loss on the answers and
 the exact match of greedy answers, of (a) the fine-tune in memory, (b) its 4-bit export, read back as a user runs it
 (q4_0: the GGUF file through jaxtune's GGUF loader; nf4: the merged bitsandbytes checkpoint through jaxtune's
@@ -52,7 +53,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--out", default="runs/qat")
-    ap.add_argument("--formats", default="q4_0,nf4")
+    ap.add_argument("--formats", default="q4_0,nf4", help="QAT runs, each exported in its own format")
+    ap.add_argument("--ptq-formats", default="", help="more GGUF types the plain fine-tune is exported in (q4_k_m)")
     ap.add_argument("--eval-limit", type=int, default=None)
     args = ap.parse_args()
     out = Path(args.out)
@@ -66,7 +68,8 @@ def main() -> None:
         print(json.dumps({"run": run, "model": what, "held_out_loss": round(loss, 4), "exact_match": match,
                           "device": jax.local_devices()[0].device_kind}), flush=True)
 
-    formats = args.formats.split(",")
+    formats = [f for f in args.formats.split(",") if f]
+    ptq_formats = [f for f in args.ptq_formats.split(",") if f]
     for qat in ["none", *formats]:
         model, tokenizer, _ = load_converted(out)
         cfg = jaxtune.TrainConfig(format="chat", seq_len=192, micro_batch_size=4, max_steps=args.steps,
@@ -78,7 +81,7 @@ def main() -> None:
                           "final_loss": round(result.losses[-1], 4)}), flush=True)
         if qat == "none":
             score(qat, "in memory", model, tokenizer)
-        for fmt in ([qat] if qat != "none" else formats):
+        for fmt in ([qat] if qat != "none" else [*formats, *ptq_formats]):
             exported = out / f"{qat}-{fmt}"
             shutil.rmtree(exported, ignore_errors=True)
             exported.mkdir(parents=True)
@@ -86,8 +89,10 @@ def main() -> None:
 
             with warnings.catch_warnings():  # merging onto the dequantized NF4 base, on purpose (see the docstring)
                 warnings.simplefilter("ignore")
-                if fmt == "q4_0":
-                    jaxtune.save_gguf(model, exported / "model.gguf", tokenizer=tokenizer, gguf_type="q4_0")
+                if fmt != "nf4":
+                    jaxtune.save_gguf(model, exported / "model.gguf", tokenizer=tokenizer, gguf_type=fmt)
+                    print(json.dumps({"run": qat, "export": fmt, "gguf_bytes": (exported / "model.gguf").stat().st_size}),
+                          flush=True)
                     deployed, deployed_tok = jaxtune.from_pretrained(exported / "model.gguf", dtype="float32")
                 else:
                     jaxtune.save_merged(model, exported / "merged", tokenizer=tokenizer, dtype="nf4")
