@@ -30,6 +30,19 @@ CONFIGS = {
     "mixtral": lambda **kw: MixtralConfig(**{**SHAPES, "intermediate_size": 64, "num_local_experts": 4, **kw}),
 }
 
+
+def _jaxtune_and_torch_logits(model, torch_model, ids) -> tuple[np.ndarray, np.ndarray]:
+    """jaxtune's logits (float32 matmuls at full precision) and a torch model's, on the same ids."""
+    with torch.no_grad():
+        want = torch_model(torch.as_tensor(ids)).logits.numpy()
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(model(jnp.asarray(ids)))
+    return got, want
+
+
+def _assert_same_logits(got: np.ndarray, want: np.ndarray, tol: float = 1e-4) -> None:
+    assert np.abs(got - want).max() < tol * max(1.0, np.abs(want).max())
+
 @pytest.mark.parametrize("kernels", ["xla", "pallas-interpret"])
 @pytest.mark.parametrize("tokens, top_k, experts, k, n", [(13, 2, 4, 64, 32), (40, 4, 8, 64, 16), (5, 1, 6, 32, 64)])
 def test_grouped_matmul_through_the_tile_layout_equals_float64(kernels, tokens, top_k, experts, k, n):
@@ -80,11 +93,7 @@ def test_logits_equal_transformers(tmp_path, family):
     model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32")
     assert model.config.num_experts == hf.config.num_experts if family != "mixtral" else hf.config.num_local_experts
     ids = np.random.default_rng(0).integers(0, 128, (2, 12))
-    with torch.no_grad():
-        want = hf(torch.as_tensor(ids)).logits.numpy()
-    with jax.default_matmul_precision("highest"):
-        got = np.asarray(model(jnp.asarray(ids)))
-    assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max())
+    _assert_same_logits(*_jaxtune_and_torch_logits(model, hf, ids))
 
 
 def test_nf4_experts_are_bitsandbytes_bytes_per_expert(tmp_path):
@@ -183,20 +192,15 @@ def test_expert_adapters_export_to_peft_on_transformers_fused_experts(tmp_path, 
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(hf, tmp_path / "peft").eval()
     ids = np.random.default_rng(3).integers(0, 128, (2, 12))
-    with torch.no_grad():
-        want = peft_model(torch.as_tensor(ids)).logits.numpy()
-    with jax.default_matmul_precision("highest"):
-        got = np.asarray(model(jnp.asarray(ids)))
-    assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max())
+    got, want = _jaxtune_and_torch_logits(model, peft_model, ids)
+    _assert_same_logits(got, want)
     with peft_model.disable_adapter(), torch.no_grad():  # the adapters changed the logits (they were loaded)
         plain = peft_model(torch.as_tensor(ids)).logits.numpy()
     assert np.abs(plain - want).max() > 1e-2
     # and back: a fresh model with the adapter read from the directory gives the same logits
     fresh, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=False)
     jaxtune.load_peft(fresh, tmp_path / "peft")
-    with jax.default_matmul_precision("highest"):
-        again = np.asarray(fresh(jnp.asarray(ids)))
-    assert np.abs(again - got).max() < 1e-5 * max(1.0, np.abs(got).max())
+    _assert_same_logits(_jaxtune_and_torch_logits(fresh, peft_model, ids)[0], got, tol=1e-5)
 
 
 def test_a_peft_trained_expert_adapter_loads_with_peft_s_logits(tmp_path):
@@ -213,16 +217,12 @@ def test_a_peft_trained_expert_adapter_loads_with_peft_s_logits(tmp_path):
     peft_model = get_peft_model(hf, config).eval()
     peft_model.save_pretrained(tmp_path / "peft")
     ids = np.random.default_rng(3).integers(0, 128, (2, 12))
-    with torch.no_grad():
-        want = peft_model(torch.as_tensor(ids)).logits.numpy()
-        with peft_model.disable_adapter():
-            plain = peft_model(torch.as_tensor(ids)).logits.numpy()
-    assert np.abs(plain - want).max() > 1e-2  # the adapter changes the logits
     model, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=False)
     jaxtune.load_peft(model, tmp_path / "peft")
-    with jax.default_matmul_precision("highest"):
-        got = np.asarray(model(jnp.asarray(ids)))
-    assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max())
+    got, want = _jaxtune_and_torch_logits(model, peft_model, ids)
+    _assert_same_logits(got, want)
+    with peft_model.disable_adapter(), torch.no_grad():  # the adapter changes the logits
+        assert np.abs(peft_model(torch.as_tensor(ids)).logits.numpy() - want).max() > 1e-2
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
