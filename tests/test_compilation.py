@@ -27,6 +27,7 @@ def restore_cache_dir():
 def test_cache_turned_on_after_earlier_compiles_stores_the_next_one(tmp_path, monkeypatch, restore_cache_dir):
     monkeypatch.setenv("JAXTUNE_CACHE_DIR", str(tmp_path / "xla"))
     jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()  # a fresh process: no cache opened yet (this worker's suite opened the suite's)
     jax.jit(lambda x: x * 3 + 1)(jnp.ones(5))  # a process compiles (loads the model) before training starts
     assert use_compilation_cache(True, backend="gpu") == str(tmp_path / "xla")
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # this one compiles fast
