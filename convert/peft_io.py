@@ -44,32 +44,41 @@ def expert_lora_modules(model: CausalLM) -> dict[str, LoRAExperts]:
             if isinstance(projection(model, name), LoRAExperts)}
 
 
-def _expert_tensors(experts: dict[str, LoRAExperts], layers: int) -> dict[str, np.ndarray]:
-    """PEFT's LoRA on transformers' fused expert parameters (`target_parameters`): gate_up_proj [E, 2I, H] takes
-    the gate and up adapters as one of rank 2r (A stacked, B block-diagonal; a projection without LoRA adds zeros),
-    down_proj [E, H, I] its own. PEFT stores A as [E * r, in] (expert-major) and B as [out, r * E] (rank-major),
-    and nests the wrappers in parameter order: gate_up_proj's under `experts.base_layer`, down_proj's at
-    `experts`."""
-    def factors(name, like):
-        if name in experts:
-            return np.asarray(experts[name].lora_a[...], np.float32), np.asarray(experts[name].lora_b[...], np.float32)
-        a, b = like
-        return np.zeros_like(a), np.zeros_like(b)
+def _expert_param_modules(params: list[str]) -> dict[str, str]:
+    """Where PEFT keeps the LoRA of each targeted fused expert parameter (given in parameter order): it wraps them
+    one inside the next, so the first is under `experts.base_layer` when a second follows, the last at `experts`."""
+    return {p: "experts" + ".base_layer" * (len(params) - 1 - k) for k, p in enumerate(params)}
 
-    some = next(iter(experts.values()))
-    like = (np.asarray(some.lora_a[...], np.float32), np.asarray(some.lora_b[...], np.float32))
-    (ga, gb), (ua, ub), (da, db) = (factors(name, like) for name in ("gate_proj", "up_proj", "down_proj"))
+
+def _expert_tensors(experts: dict[str, LoRAExperts], layers: int) -> tuple[list[str], dict[str, np.ndarray]]:
+    """(targeted parameters, tensors) of PEFT's LoRA on transformers' fused expert parameters
+    (`target_parameters`): gate_up_proj [E, 2I, H] takes the gate and up adapters as one of rank 2r (A stacked,
+    B block-diagonal; zeros for the one without LoRA), down_proj [E, H, I] its own. PEFT stores A as [E * r, in]
+    (expert-major) and B as [out, r * E] (rank-major)."""
+    def factors(name: str, like: LoRAExperts) -> tuple[np.ndarray, np.ndarray]:
+        """name's (A, B), or zeros of the shapes of `like`'s when name has no LoRA."""
+        proj = experts.get(name, like)
+        a, b = (np.asarray(f[...], np.float32) for f in (proj.lora_a, proj.lora_b))
+        return (a, b) if name in experts else (np.zeros_like(a), np.zeros_like(b))
+
+    stacks: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # parameter -> (A [L, E, r, in], B [L, E, out, r])
+    if "gate_proj" in experts or "up_proj" in experts:
+        like = experts["gate_proj"] if "gate_proj" in experts else experts["up_proj"]
+        (ga, gb), (ua, ub) = factors("gate_proj", like), factors("up_proj", like)
+        inter, r = gb.shape[-2], gb.shape[-1]
+        b = np.zeros((*gb.shape[:2], 2 * inter, 2 * r), np.float32)
+        b[..., :inter, :r], b[..., inter:, r:] = gb, ub
+        stacks["gate_up_proj"] = (np.concatenate([ga, ua], axis=-2), b)
+    if "down_proj" in experts:
+        stacks["down_proj"] = factors("down_proj", experts["down_proj"])
     tensors = {}
-    for i in range(layers):
-        e, inter, r = gb.shape[1], gb.shape[2], gb.shape[3]
-        a = np.concatenate([ga[i], ua[i]], axis=1)  # [E, 2r, H]
-        b = np.zeros((e, 2 * inter, 2 * r), np.float32)
-        b[:, :inter, :r], b[:, inter:, r:] = gb[i], ub[i]
-        for module, (a_i, b_i) in {"experts.base_layer": (a, b), "experts": (da[i], db[i])}.items():
+    for param, module in _expert_param_modules(list(stacks)).items():
+        a, b = stacks[param]
+        for i in range(layers):
             prefix = f"base_model.model.model.layers.{i}.mlp.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a_i.reshape(-1, a_i.shape[-1]))
-            tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b_i.transpose(1, 2, 0).reshape(b_i.shape[1], -1))
-    return tensors
+            tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, a.shape[-1]))
+            tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[i].transpose(1, 2, 0).reshape(b.shape[-2], -1))
+    return list(stacks), tensors
 
 
 def save_peft(model: CausalLM, out_dir: str | os.PathLike, *, base_model_name_or_path: str | None = None) -> None:
@@ -78,8 +87,6 @@ def save_peft(model: CausalLM, out_dir: str | os.PathLike, *, base_model_name_or
     modules, experts = lora_modules(model), expert_lora_modules(model)
     if not modules and not experts:
         raise CheckpointError("the model has no LoRA adapters to save; call jaxtune.get_peft_model first")
-    if experts and "down_proj" not in experts:  # PEFT would nest gate_up_proj's wrapper one level up
-        raise CheckpointError("PEFT export of expert adapters needs LoRA on down_proj too; add it to target_modules")
     first = next(iter({**modules, **experts}.values()))
     tensors: dict[str, np.ndarray] = {}
     for name, proj in modules.items():
@@ -96,12 +103,14 @@ def save_peft(model: CausalLM, out_dir: str | os.PathLike, *, base_model_name_or
         "base_model_name_or_path": base_model_name_or_path, "modules_to_save": None, "init_lora_weights": True,
     }
     if experts:
-        tensors.update(_expert_tensors(experts, model.config.num_layers))
+        params, expert_tensors = _expert_tensors(experts, model.config.num_layers)
+        tensors.update(expert_tensors)
         # gate_up_proj's adapter has rank 2r; PEFT forbids rank patterns with rsLoRA, so the scale s = alpha / r
         # (or alpha / sqrt(r)) is written as a plain alpha for each rank
-        config.update(r=first.r, lora_alpha=first.scale * first.r, use_rslora=False,
-                      rank_pattern={"gate_up_proj": 2 * first.r}, alpha_pattern={"gate_up_proj": first.scale * 2 * first.r},
-                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+        doubled = {"gate_up_proj": 2 * first.r} if "gate_up_proj" in params else {}
+        config.update(r=first.r, lora_alpha=first.scale * first.r, use_rslora=False, rank_pattern=doubled,
+                      alpha_pattern={p: first.scale * r for p, r in doubled.items()},
+                      target_parameters=[f"mlp.experts.{p}" for p in params])
     with atomic_directory(out_dir) as tmp:
         save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
@@ -120,8 +129,7 @@ def _read_adapter_config(adapter_dir: str) -> dict[str, Any]:
     if cfg.get("bias", "none") != "none":
         raise CheckpointError(f"adapters with bias={cfg['bias']!r} are not supported; only bias='none'")
     params = cfg.get("target_parameters") or []
-    unknown = sorted({t.rpartition(".")[-1] for t in params} - set(_EXPERT_PARAMS))
-    if isinstance(params, str) or unknown:
+    if isinstance(params, str) or sorted({t.rpartition(".")[-1] for t in params} - set(_EXPERT_PARAMS)):
         raise CheckpointError(f"the adapter targets parameters {params!r}; jaxtune reads LoRA on a mixture of "
                               f"experts' {' and '.join(_EXPERT_PARAMS)} only")
     cfg["target_parameters"] = [p for p in _EXPERT_PARAMS if any(t.rpartition(".")[-1] == p for t in params)]
@@ -156,7 +164,7 @@ def _load_expert_peft(model: CausalLM, cfg: dict[str, Any], adapter_dir: str) ->
     if not c.num_experts:
         raise CheckpointError("the adapter adapts mixture-of-experts parameters; this model has no experts")
     order = cfg["target_parameters"]
-    module_of = {"experts" + ".base_layer" * (len(order) - 1 - k): p for k, p in enumerate(order)}
+    module_of = {module: p for p, module in _expert_param_modules(order).items()}
     factors: dict[tuple[str, int, str], np.ndarray] = {}
     with SafetensorsSource(adapter_dir) as source:
         for key in source.names():
