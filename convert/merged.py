@@ -54,9 +54,8 @@ def _weight_shape(proj) -> tuple[int, int]:
     return (codes.shape[-2], codes.shape[-1] * 2) if codes is not None else tuple(base.weight.shape[-2:])
 
 
-@functools.lru_cache(maxsize=1)
 def _layer_experts(proj, i: int) -> np.ndarray:
-    """Layer i's experts [E, out, in] in float32, dequantized once for the E tensors read one after another."""
+    """Layer i's base experts [E, out, in] in float32 (NF4 dequantized)."""
     base = _base(proj)
     if isinstance(base, NF4Experts):
         q = nf4.NF4Weight(*(a[...][i] for a in (base.codes, base.absmax_codes, base.nested_absmax, base.offset,
@@ -103,21 +102,32 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
     norms = [(f"{norm}.weight", getattr(model.layers, norm)) for norm in ("input_layernorm", "post_attention_layernorm")]
     if cfg.qk_norm:
         norms += [(f"self_attn.{norm}.weight", getattr(model.layers.self_attn, norm)) for norm in ("q_norm", "k_norm")]
-    def merged_expert(key: str, proj, i: int, e: int) -> np.ndarray:
-        w = np.asarray(source.get(key), np.float32) if source is not None else _layer_experts(proj, i)[e]
+    dequantized: dict[tuple[str, int], np.ndarray] = {}  # the current layer's base experts, for its 3E tensors
+
+    def merged_expert(key: str, name: str, i: int, e: int) -> np.ndarray:
+        proj = projection(model, name)
+        if source is not None:
+            w = np.asarray(source.get(key), np.float32)
+        else:
+            if (name, i) not in dequantized:
+                if any(layer != i for _, layer in dequantized):
+                    dequantized.clear()
+                dequantized[(name, i)] = _layer_experts(proj, i)
+            w = dequantized[(name, i)][e]
         if isinstance(proj, LoRAExperts):
-            a, b = _layer(proj.lora_a[...], i)[e], _layer(proj.lora_b[...], i)[e]
+            a, b = (np.asarray(f[...][i, e], np.float32) for f in (proj.lora_a, proj.lora_b))
             w = w + np.float32(proj.scale) * (b @ a)
         return w
 
+    parent, hub_names = _expert_names(cfg) if cfg.num_experts else (None, {})
+    expert_shapes = {name: _weight_shape(projection(model, name)) for name in hub_names}
+
     def experts(p: str, i: int) -> Iterator[MergedTensor]:
-        parent, names = _expert_names(cfg)
         yield layer(f"{p}.{parent}.gate.weight", model.layers.mlp.router.weight[...], i)
         for e in range(cfg.num_experts):
-            for name, hub_name in names.items():
-                proj = projection(model, name)
+            for name, hub_name in hub_names.items():
                 key = f"{p}.{parent}.experts.{e}.{hub_name}.weight"
-                yield MergedTensor(key, _weight_shape(proj), functools.partial(merged_expert, key, proj, i, e))
+                yield MergedTensor(key, expert_shapes[name], functools.partial(merged_expert, key, name, i, e))
 
     yield whole("model.embed_tokens.weight", model.embed_tokens.weight[...])
     projections = [(name, projection(model, name)) for name in LORA_TARGETS
