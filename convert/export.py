@@ -10,6 +10,33 @@ from jaxtune.jsonfile import read_json_file
 from jaxtune.model import CausalLM
 
 
+def _read_run(run_dir: str) -> tuple[str, dict[str, Any]]:
+    """(the run's config.json path, its contents) as `jaxtune train` wrote them, with the base model recorded."""
+    path = os.path.join(run_dir, "config.json")
+    saved = read_json_file(path, missing=f"{run_dir} is not a training run directory (no config.json); "
+                                         "pass the --out of jaxtune train")
+    if not saved.get("base_model"):
+        raise CheckpointError(f"{path} does not record the base model; export with jaxtune.save_peft from Python")
+    return path, saved
+
+
+def check_run_exportable(run_dir: str | os.PathLike, *, gguf: bool, merged_dtype: str | None) -> None:
+    """Refuses, before any weight is read, an export the run's model cannot make (a mixture of experts' GGUF or
+    NF4 merged checkpoint): only its config is opened."""
+    from convert.load import open_checkpoint
+    from jaxtune.bundled import resolve_model_path
+
+    if not gguf and merged_dtype != "nf4":
+        return
+    _, saved = _read_run(os.fspath(run_dir))
+    cfg, source, _ = open_checkpoint(resolve_model_path(saved["base_model"]))
+    source.close()
+    if gguf:
+        cfg.require_dense("exporting to GGUF")
+    if merged_dtype == "nf4":
+        cfg.require_dense("exporting a merged NF4 checkpoint (use a 16-bit dtype)")
+
+
 def load_run(run_dir: str | os.PathLike, *, dtype: str = "float32") -> tuple[CausalLM, Any, str]:
     """(model with the run's trained adapters, tokenizer, base model path) from a `jaxtune train` RUN dir."""
     from convert.load import from_pretrained
@@ -19,12 +46,8 @@ def load_run(run_dir: str | os.PathLike, *, dtype: str = "float32") -> tuple[Cau
     from jaxtune.training.step import make_optimizer, split_model
 
     run_dir = os.fspath(run_dir)
-    path = os.path.join(run_dir, "config.json")
-    saved = read_json_file(path, missing=f"{run_dir} is not a training run directory (no config.json); "
-                                         "pass the --out of jaxtune train")
-    base_model = saved.get("base_model")
-    if not base_model:
-        raise CheckpointError(f"{path} does not record the base model; export with jaxtune.save_peft from Python")
+    path, saved = _read_run(run_dir)
+    base_model = saved["base_model"]
     cfg = TrainConfig.from_dict(saved["train"], where=path)
     ckpts = RunCheckpoints(run_dir)
     try:

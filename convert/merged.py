@@ -110,7 +110,7 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
             w = np.asarray(source.get(key), np.float32)
         else:
             if (name, i) not in dequantized:
-                if any(layer != i for _, layer in dequantized):
+                if any(held != i for _, held in dequantized):
                     dequantized.clear()
                 dequantized[(name, i)] = _layer_experts(proj, i)
             w = dequantized[(name, i)][e]

@@ -53,7 +53,7 @@ def _convert(args: argparse.Namespace) -> None:
 
 
 def _export(args: argparse.Namespace) -> None:
-    from convert.export import load_run, original_weights
+    from convert.export import check_run_exportable, load_run, original_weights
     from convert.merged import save_merged
     from convert.peft_io import save_peft
     from jaxtune.errors import CheckpointError
@@ -70,6 +70,7 @@ def _export(args: argparse.Namespace) -> None:
         from convert.gguf_export import check_gguf_output
 
         check_gguf_output(args.gguf)
+    check_run_exportable(args.run, gguf=bool(args.gguf), merged_dtype=args.dtype if args.merged else None)
     model, tokenizer, base_model = load_run(args.run)
     base = args.base or original_weights(base_model)
     onto = "onto " + base if base else "onto dequantized NF4 weights"

@@ -260,6 +260,24 @@ def test_merged_moe_checkpoint_loads_in_transformers_with_the_adapters_logits(tm
     assert np.abs(logits["float"] - logits["nf4"]).max() > 1e-3  # the two bases differ: each merge kept its own
 
 
+@pytest.mark.parametrize("args", [["--peft", "{out}/peft", "--gguf", "{out}/m.gguf"],
+                                  ["--merged", "{out}/merged", "--dtype", "nf4"]])
+def test_the_cli_refuses_a_moe_export_it_cannot_write_before_loading_anything(tmp_path, capsys, monkeypatch, args):
+    from jaxtune.cli import main
+
+    build_hf_model(CONFIGS["mixtral"](), tmp_path / "base")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"base_model": str(tmp_path / "base"), "train": {}}))
+    loaded = []
+    monkeypatch.setattr("convert.export.load_run", lambda *a, **k: loaded.append(a))
+    (tmp_path / "out").mkdir()
+    capsys.readouterr()  # what building the checkpoint printed
+    assert main(["export", str(tmp_path / "run"), *(a.format(out=tmp_path / "out") for a in args)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("jaxtune: error:") and "mixture-of-experts" in err[0], err
+    assert not loaded and not list((tmp_path / "out").iterdir())
+
+
 def test_exports_a_moe_model_cannot_write_yet_are_refused_in_one_line(tmp_path):
     build_hf_model(CONFIGS["mixtral"](), tmp_path / "base")
     model, tok = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=True)
