@@ -3,7 +3,8 @@ SHELL := /bin/bash
 PYTHON ?= $(shell .ci/find-python)
 VENV := .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip --disable-pip-version-check -q
+# no wheel cache: the test extras' wheels (torch and its CUDA libraries, ~3 GB) would stay on disk beside the 7 GB installed
+PIP := $(PY) -m pip --disable-pip-version-check --no-cache-dir -q
 CONSTRAINTS := .ci/constraints.txt
 
 .PHONY: test demo install clean

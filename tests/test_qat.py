@@ -131,3 +131,26 @@ def test_qat_trains_and_refuses_what_it_cannot_combine_with(tiny_tokenizer):
         format="text", seq_len=32, micro_batch_size=4, max_steps=8, learning_rate=3e-3, warmup_steps=0, qat="q4_0"),
         progress=False)
     assert result.losses[-1] < result.losses[0] and model.qat is None  # the model keeps its plain forward
+
+
+def test_eval_quantized_logs_the_held_out_loss_of_the_4bit_export(tmp_path, tiny_tokenizer):
+    """eval_loss_q4_0 is the held-out loss of the base + adapters merged and quantized by the `gguf` package's q4_0
+    (in transformers), while eval_loss stays the unquantized model's."""
+    from jaxtune.data.packing import IGNORE
+    from jaxtune.training.batches import prepare_data
+
+    build_hf_model(LlamaConfig(**{**CONFIG, "vocab_size": len(tiny_tokenizer)}), tmp_path / "base")
+    model, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=True)
+    rows = [{"text": f"the quick brown fox {i} jumps over the lazy dog {i % 3}"} for i in range(16)]
+    cfg = jaxtune.TrainConfig(format="text", seq_len=24, packing=False, micro_batch_size=4, max_steps=3, lora_r=4,
+                              learning_rate=1e-2, warmup_steps=0, eval_fraction=0.25, eval_quantized="q4_0")
+    records = []
+    jaxtune.train(model, tiny_tokenizer, rows, cfg, progress=False, callback=records.append)
+    last = [r for r in records if "eval_loss" in r][-1]
+    _, held = prepare_data(rows, tiny_tokenizer, cfg, progress=False)
+    labels = torch.as_tensor(np.where(held.labels == IGNORE, -100, held.labels).astype(np.int64))
+    with torch.no_grad():
+        logits = _deployed(tmp_path, model, "q4_0")(torch.as_tensor(held.input_ids.astype(np.int64))).logits
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100).item()
+    assert last["eval_loss_q4_0"] == pytest.approx(want, rel=1e-4)
+    assert abs(last["eval_loss"] - want) > 5e-4 * want  # eval_loss is the unquantized model's (measured 7e-4)

@@ -43,6 +43,7 @@ BOUNDS = {
     "compile_cache": ([1], [False]),
     "unroll_layers": (["yes"], [True]),
     "qat": (["q4_k", None, 4], ["q4_0", "nf4", "none"]),
+    "eval_quantized": (["q4_k", None, 4], ["none"]),
     "offload_optimizer": (["on"], [True]),
     "offload_embedding": ([0], [False]),
     "mesh": (["tp=2", "data"], ["data=1"]),
@@ -102,6 +103,7 @@ def test_numbers_written_as_strings_in_yaml_are_numbers(tmp_path):
 
 @pytest.mark.parametrize("values,words", [
     (dict(eval_steps=10), "needs a held-out split"),
+    (dict(eval_quantized="q4_0"), "needs a held-out split"),
     (dict(seq_len=2**20, micro_batch_size=2048), "over 2^31"),
 ])
 def test_combinations_that_cannot_work_are_refused(values, words):
@@ -129,7 +131,8 @@ BAD_FLAGS = {
         "--format": "sharegpt", "--max-steps": "0", "--seq-len": "100000000", "--batch-size": "zero",
         "--grad-accum": "-1", "--lr": "-1", "--schedule": "exp", "--warmup-steps": "-1", "--lora-r": "0",
         "--lora-alpha": "-2", "--lora-dropout": "1.5", "--remat": "full", "--eval-fraction": "1.5",
-        "--eval-steps": "-3", "--save-steps": "-1", "--seed": "-1", "--compute": "int8", "--qat": "q4_k", "--mesh": "tp=2",
+        "--eval-steps": "-3", "--save-steps": "-1", "--seed": "-1", "--compute": "int8", "--qat": "q4_k",
+        "--eval-quantized": "q4_k", "--mesh": "tp=2",
         "--report-to": "tb", "--config": "missing.yaml", "--dtype": "float8", "--data": "missing.jsonl",
         "--model": "missing-model-dir", "--out": "a-file", "--resume": None, "--no-packing": None,
         "--no-compile-cache": None, "--objective": "ppo", "--beta": "-1", "--dpo-loss": "hinge",

@@ -70,6 +70,9 @@ class TrainConfig:
     # quantization-aware training for a 4-bit export: "q4_0" (GGUF) or "nf4" (bitsandbytes) puts each LoRA
     # projection's merged weight through that quantizer in the forward pass, the gradient passing straight through
     qat: str = "none"
+    # the held-out loss also through a 4-bit format's quantizer ("q4_0" or "nf4": the LoRA projections' merged weights
+    # as that export quantizes them), logged as eval_loss_<format> beside eval_loss at every evaluation
+    eval_quantized: str = "none"
     # AdamW's state (8 bytes per LoRA parameter: 1.5 GiB at 70B r=16, 0.6 GiB at 8B r=32) lives in host memory
     # between steps, copied in once the backward pass is done and out after the update, so the forward and backward
     # passes, where the peak is, run without it; it costs a host round trip of that state per step
@@ -164,6 +167,9 @@ class TrainConfig:
         if self.warmup_steps >= self.max_steps:  # it runs, but likely not as meant
             warnings.warn(f"warmup_steps ({self.warmup_steps}) is not below max_steps ({self.max_steps}): the learning "
                           "rate never reaches its peak", stacklevel=3)
+        if self.eval_quantized != "none" and not self.eval_fraction:
+            raise ConfigError(f"eval_quantized={self.eval_quantized!r} needs a held-out split to evaluate on: set "
+                              "eval_fraction (e.g. 0.05), or eval_quantized 'none'", field="eval_quantized")
         if self.eval_steps and not self.eval_fraction:
             raise ConfigError(f"eval_steps={self.eval_steps} needs a held-out split to evaluate on: set eval_fraction "
                               "(e.g. 0.05), or eval_steps=0", field="eval_steps")
@@ -316,6 +322,7 @@ _RULES: dict[str, _Rule] = {
     "compile_cache": _Rule("bool"),
     "unroll_layers": _Rule("bool"),
     "qat": _Rule("choice", choices=("none", "q4_0", "nf4"), fix="the format the fine-tune will be exported in"),
+    "eval_quantized": _Rule("choice", choices=("none", "q4_0", "nf4"), fix="the format the fine-tune will be exported in"),
     "offload_optimizer": _Rule("bool"),
     "offload_embedding": _Rule("bool"),
     "logging_steps": _Rule("int", 1),

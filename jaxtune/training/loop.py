@@ -169,12 +169,13 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
     use_compilation_cache(cfg.compile_cache)
     rows = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else unit  # what the step is planned for
 
-    def split_with(layout: tuple[int, int]):
-        """The step's graphdef carries these flags; the user's model gets its defaults back."""
-        model.single_sequence_rows, model.compute = single_sequence_rows, cfg.compute
+    def split_with(layout: tuple[int, int], quantized: str | None = None):
+        """The step's graphdef carries these flags; the user's model gets its defaults back. `quantized`: the
+        graphdef of the held-out loss through that 4-bit format (eval_quantized), computed in the model's dtype."""
+        model.single_sequence_rows, model.compute = single_sequence_rows, "bf16" if quantized else cfg.compute
         model.offload_device_layers, model.offload_group = layout
         model.unroll_layers = cfg.unroll_layers
-        model.qat = None if cfg.qat == "none" else cfg.qat
+        model.qat = quantized or (None if cfg.qat == "none" else cfg.qat)
         try:
             return split_model(model)
         finally:
@@ -266,6 +267,11 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
             rows_of.extra["ref_logps"] = refs[name]
     batches.start(micro, cfg.grad_accum)  # its micro_batch / accum: halved and doubled on running out of memory
     eval_fn = make_eval_step(graphdef, cfg, mesh) if eval_rows is not None and len(eval_rows) else None
+    quantized = None if cfg.eval_quantized == "none" else cfg.eval_quantized
+    quantized_eval_fn = None  # when the run trains with that format's QAT, eval_loss is already the quantized loss
+    if eval_fn is not None and quantized is not None and quantized != cfg.qat:
+        quantized_eval_fn = make_eval_step(split_with(layout, quantized)[0], dataclasses.replace(cfg, compute="bf16"),
+                                           mesh)
 
     # what "auto" resolved to: the remat policy, and whether host memory also holds the optimizer state and the
     # input embedding
@@ -352,6 +358,9 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
                 if eval_fn is not None and (step == cfg.max_steps or (cfg.eval_steps and step % cfg.eval_steps == 0)):
                     record["eval_loss"], eval_metrics = _evaluate(eval_fn, lora, frozen, eval_rows, micro, mesh)
                     record.update({f"eval_{k}": v for k, v in eval_metrics.items()})
+                    if quantized is not None:
+                        record[f"eval_loss_{quantized}"] = record["eval_loss"] if quantized_eval_fn is None else (
+                            _evaluate(quantized_eval_fn, lora, frozen, eval_rows, micro, mesh)[0])
                     eval_losses.append((step, record["eval_loss"]))
                 if metrics is not None and (step % cfg.logging_steps == 0 or "eval_loss" in record
                                             or step == cfg.max_steps):
