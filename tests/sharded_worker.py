@@ -58,8 +58,9 @@ def grads_on(mesh, graphdef, lora, frozen, batch):
     with jax.set_mesh(mesh):
         fn = jax.jit(lambda l, f, b: loss_and_grads(graphdef, l, f, b, None, 64)[:2])
         gbatch = sharding.global_batch(mesh, batch)
-        kernels_per_shard = str(fn.trace(lora, frozen, gbatch).jaxpr).count("shard_map[")
-        compiled = fn.lower(lora, frozen, gbatch).compile()
+        traced = fn.trace(lora, frozen, gbatch)  # traced once: lowered from the same trace
+        kernels_per_shard = str(traced.jaxpr).count("shard_map[")
+        compiled = traced.lower().compile()
         hlo = compiled.as_text()
         if mesh.shape["fsdp"] == 1:  # pure data parallel: nothing may be gathered (each device its own rows)
             assert "all-gather(" not in hlo, "a data-parallel step gathers activations across devices"

@@ -26,6 +26,12 @@ def smol(smollm2_path):
 
 
 @pytest.fixture(scope="module")
+def short_smol(short_smollm2_path):
+    """The bundled model cut to 2 layers: what the cache and the sampler do does not depend on the depth."""
+    return jaxtune.from_pretrained(short_smollm2_path, dtype="float32")
+
+
+@pytest.fixture(scope="module")
 def hf_smol(smollm2_path):
     from transformers import AutoModelForCausalLM
 
@@ -60,8 +66,8 @@ def test_greedy_generation_equals_transformers(smol, hf_smol):
     assert "Paris" in ours[0]
 
 
-def test_kv_cache_decode_equals_full_forward(smol):
-    model, tokenizer = smol
+def test_kv_cache_decode_equals_full_forward(short_smol):
+    model, tokenizer = short_smol
     prompt = encode_prompt(tokenizer, PROMPTS[1])
     continuation = generate_tokens(model, [prompt], max_new_tokens=12, eos_ids=eos_token_ids(model, tokenizer))[0]
     full = np.asarray([prompt + continuation])
@@ -87,8 +93,8 @@ def test_kv_cache_decode_equals_full_forward(smol):
     np.testing.assert_array_less(np.abs(got - want).max(), 1e-3)
 
 
-def test_sampling_is_seeded(smol):
-    model, tokenizer = smol
+def test_sampling_is_seeded(short_smol):
+    model, tokenizer = short_smol
     a = jaxtune.generate(model, tokenizer, PROMPTS[1], max_new_tokens=8, temperature=0.8, top_p=0.9, seed=3)
     b = jaxtune.generate(model, tokenizer, PROMPTS[1], max_new_tokens=8, temperature=0.8, top_p=0.9, seed=3)
     assert a == b and len(a) == 1
