@@ -21,8 +21,8 @@ def _read_run(run_dir: str) -> tuple[str, dict[str, Any]]:
 
 
 def check_run_exportable(run_dir: str | os.PathLike, *, gguf: bool, merged_dtype: str | None) -> None:
-    """Refuses, before any weight is read, an export the run's model cannot make (a mixture of experts' GGUF or
-    NF4 merged checkpoint): only its config is opened."""
+    """Refuses, before any weight is read, an export the run's model cannot make (a GGUF of an architecture
+    llama.cpp's writer here does not cover, a mixture of experts' NF4 merged checkpoint): only its config is opened."""
     from convert.load import open_checkpoint
     from jaxtune.bundled import resolve_model_path
 
@@ -32,7 +32,9 @@ def check_run_exportable(run_dir: str | os.PathLike, *, gguf: bool, merged_dtype
     cfg, source, _ = open_checkpoint(resolve_model_path(saved["base_model"]))
     source.close()
     if gguf:
-        cfg.require_dense("exporting to GGUF")
+        from convert.gguf_export import check_gguf_model
+
+        check_gguf_model(cfg)
     if merged_dtype == "nf4":
         cfg.require_dense("exporting a merged NF4 checkpoint (use a 16-bit dtype)")
 

@@ -1,8 +1,11 @@
-"""GGUF export of a fine-tuned model for llama.cpp / Ollama: the merged weights as a Llama-architecture GGUF.
+"""GGUF export of a fine-tuned model for llama.cpp / Ollama: the merged weights as a GGUF of llama.cpp's `llama`
+(Llama, Mistral), `qwen3` or `qwen3moe` architecture.
 
 The tensors are those of the merged HF checkpoint (LoRA added onto the original weights when they are
-given), renamed to llama.cpp's names, with q/k rows permuted into llama.cpp's interleaved-RoPE order
-(the inverse of what the GGUF importer undoes). Hyperparameters and the tokenizer (vocabulary, merges or
+given), renamed to llama.cpp's names; for `llama`, q/k rows permuted into llama.cpp's interleaved-RoPE order
+(the inverse of what the GGUF importer undoes; Qwen3's rotate-half RoPE is llama.cpp's NEOX order, kept as it is);
+a mixture of experts' per-expert matrices stacked into one [experts, out, in] tensor per layer and projection, as
+llama.cpp reads them. Hyperparameters and the tokenizer (vocabulary, merges or
 scores, special ids, chat template) go into the metadata. Written with the `gguf` package's writer and
 quantizers to a temp file beside the output, renamed when complete: the tensor table first, then each tensor
 computed and written alone, so the export holds one tensor in host memory.
@@ -11,14 +14,16 @@ computed and written alone, so the export holds one tensor in host memory.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from convert.atomic import check_writable, plain_permissions
-from convert.gguf_source import _LAYER_NAMES, _TOP_NAMES, SUPPORTED_GGUF_ARCHITECTURES
+from convert.gguf_source import _LAYER_NAMES, _TOP_NAMES
 from convert.gguf_tokenizer import gguf_tokenizer_fields
 from convert.merged import merged_tensors, open_original
 from convert.peft_io import lora_modules
@@ -29,9 +34,13 @@ from jaxtune.quant import quantize_q4_0, quantize_q4_k, quantize_q6_k
 from jaxtune.rope import inverse_frequencies, unscaled_inverse_frequencies
 
 GGUF_TYPES = ("bf16", "f16", "q8_0", "q6_k", "q4_k_m", "q4_0", "f32")
-GGUF_MODEL_TYPES = ("llama", "mistral")  # written as llama.cpp's "llama" architecture
+# model type -> llama.cpp's architecture it is written as
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+GGUF_MODEL_TYPES = tuple(GGUF_ARCHITECTURES)
 _GGUF_NAMES = {hf: gguf for gguf, hf in _TOP_NAMES.items()}
-_GGUF_LAYER_NAMES = {hf: gguf for gguf, hf in _LAYER_NAMES.items()}
+_GGUF_LAYER_NAMES = {**{hf: gguf for gguf, hf in _LAYER_NAMES.items()}, "self_attn.q_norm": "attn_q_norm",
+                     "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
 def gguf_name(hf_name: str) -> str:
@@ -42,8 +51,37 @@ def gguf_name(hf_name: str) -> str:
     index, _, module = rest.partition(".")
     module, _, kind = module.rpartition(".")
     if prefix or not index.isdigit() or module not in _GGUF_LAYER_NAMES:
-        raise UnsupportedModelError(f"tensor {hf_name} has no llama.cpp counterpart; GGUF export covers Llama models")
+        raise UnsupportedModelError(f"tensor {hf_name} has no llama.cpp counterpart; GGUF export covers "
+                                    f"{', '.join(GGUF_MODEL_TYPES)} models")
     return f"blk.{index}.{_GGUF_LAYER_NAMES[module]}.{kind}"
+
+
+class _GGUFTensor:
+    """One tensor of the file: llama.cpp's name, its float32 shape, and its values when `compute()` is called (a
+    mixture of experts' [experts, out, in] stack is computed from the merged per-expert matrices)."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], compute: Callable[[], np.ndarray]):
+        self.name, self.shape, self.compute = name, shape, compute
+
+
+def _gguf_tensors(merged: list) -> list[_GGUFTensor]:
+    """The merged HF tensors under llama.cpp's names, each layer's experts stacked per projection."""
+    out: list[_GGUFTensor] = []
+    stacks: dict[str, list] = {}
+    for t in merged:
+        m = _EXPERT.fullmatch(t.name)
+        if m is None:
+            out.append(_GGUFTensor(gguf_name(t.name), t.shape, t.compute))
+            continue
+        name = f"blk.{m.group(1)}.ffn_{m.group(3)}_exps.weight"
+        if name not in stacks:
+            stacks[name] = []
+            out.append(_GGUFTensor(name, (), lambda parts=stacks[name]: np.stack([p.compute() for p in parts])))
+        stacks[name].append(t)
+    for t in out:
+        if t.name in stacks:
+            t.shape = (len(stacks[t.name]), *stacks[t.name][0].shape)
+    return out
 
 
 def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -70,20 +108,28 @@ def check_gguf_output(out_path: str | os.PathLike) -> str:
 
 def _check_exportable(model: CausalLM, gguf_type: str) -> ModelConfig:
     cfg = model.config
-    cfg.require_dense("exporting to GGUF")
+    check_gguf_model(cfg)
     if gguf_type not in GGUF_TYPES:
         raise CheckpointError(f"unknown GGUF type {gguf_type!r}; choose one of: {', '.join(GGUF_TYPES)}")
+    return cfg
+
+
+def check_gguf_model(cfg: ModelConfig) -> None:
+    """Refuses, in one line, a model llama.cpp's architectures written here would not compute as jaxtune does."""
     if cfg.model_type not in GGUF_MODEL_TYPES:
         raise UnsupportedModelError(
             f"GGUF export covers {', '.join(GGUF_MODEL_TYPES)} models, not {cfg.model_type!r}; export --merged and "
             "convert that directory with llama.cpp's convert_hf_to_gguf.py")
+    if cfg.num_experts and not cfg.norm_topk_prob:
+        raise UnsupportedModelError(
+            f"llama.cpp's {GGUF_ARCHITECTURES[cfg.model_type]} renormalizes each token's top-{cfg.num_experts_per_tok} "
+            "routing weights, but this model's config has norm_topk_prob=false; export --merged instead")
     if cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias:
         raise UnsupportedModelError("GGUF export covers Llama models without projection biases; export --merged instead")
     if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_position_embeddings:
         raise UnsupportedModelError(
             f"the model attends through a {cfg.sliding_window}-token sliding window, which llama.cpp's llama "
             "architecture does not apply; export --merged instead")
-    return cfg
 
 
 def _add_hyperparameters(writer: Any, cfg: ModelConfig, name: str, file_type: int) -> None:
@@ -104,6 +150,10 @@ def _add_hyperparameters(writer: Any, cfg: ModelConfig, name: str, file_type: in
     writer.add_rope_dimension_count(cfg.head_dim)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.num_experts:
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if cfg.rope_type == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(cfg.rope_factor)
@@ -142,7 +192,7 @@ def _k_mix_type(name: str, gguf_type: str, tied: bool, layers: int) -> str:
         return "q6_k"
     if gguf_type in ("q4_0", "q6_k"):
         return gguf_type
-    kind = name.split(".")[-2] if name.startswith("blk.") else ""
+    kind = name.split(".")[-2].removesuffix("_exps") if name.startswith("blk.") else ""
     if kind in ("attn_v", "ffn_down") and _more_bits(int(name.split(".")[1]), layers):
         return "q6_k"
     return "q4_k"
@@ -225,21 +275,22 @@ def save_gguf(
                  "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
                  "q6_k": gguf.LlamaFileType.MOSTLY_Q6_K, "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M,
                  "f32": gguf.LlamaFileType.ALL_F32}[gguf_type]
+    interleaved_rope = GGUF_ARCHITECTURES[cfg.model_type] == "llama"  # llama.cpp's llama: q/k rows permuted
     source = open_original(model, base)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out_path)}.partial-", dir=parent)
     os.close(fd)
     try:
-        writer = gguf.GGUFWriter(tmp, SUPPORTED_GGUF_ARCHITECTURES[0])
+        writer = gguf.GGUFWriter(tmp, GGUF_ARCHITECTURES[cfg.model_type])
         _add_hyperparameters(writer, cfg, name or os.path.splitext(os.path.basename(out_path))[0], int(file_type))
         _add_tokenizer(writer, tokenizer, cfg)
         rope = rope_factors(cfg) if cfg.rope_type == "llama3" else None
         if rope is not None:
             writer.add_tensor_info("rope_freqs.weight", rope.shape, rope.dtype, rope.nbytes)
-        tensors = list(merged_tensors(model, source))
-        tied = not any(gguf_name(t.name) == "output.weight" for t in tensors)
+        tensors = _gguf_tensors(list(merged_tensors(model, source)))
+        tied = not any(t.name == "output.weight" for t in tensors)
         for t in tensors:  # the whole tensor table first; the data then follows one tensor at a time
-            stored, dtype, nbytes, raw = _stored_info(gguf_name(t.name), t.shape, gguf_type, tied, cfg.num_layers)
-            writer.add_tensor_info(gguf_name(t.name), stored, np.dtype(dtype), nbytes, raw_dtype=raw)
+            stored, dtype, nbytes, raw = _stored_info(t.name, t.shape, gguf_type, tied, cfg.num_layers)
+            writer.add_tensor_info(t.name, stored, np.dtype(dtype), nbytes, raw_dtype=raw)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -247,11 +298,11 @@ def save_gguf(
             writer.write_tensor_data(rope)
         for t in tqdm(tensors, desc="GGUF tensors", unit="tensor"):
             w = t.compute()
-            if t.name.endswith("q_proj.weight"):
+            if interleaved_rope and t.name.endswith("attn_q.weight"):
                 w = permute_qk(w, cfg.num_heads)
-            elif t.name.endswith("k_proj.weight"):
+            elif interleaved_rope and t.name.endswith("attn_k.weight"):
                 w = permute_qk(w, cfg.num_kv_heads)
-            writer.write_tensor_data(_encode(gguf_name(t.name), w, gguf_type, tied, cfg.num_layers))
+            writer.write_tensor_data(_encode(t.name, w, gguf_type, tied, cfg.num_layers))
         writer.close()
         plain_permissions(tmp)
         os.replace(tmp, out_path)

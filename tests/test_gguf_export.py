@@ -256,7 +256,7 @@ def test_gguf_export_refusals_are_clear_and_leave_no_file(tmp_path, tiny_tokeniz
     build_hf_model(Qwen2Config(vocab_size=len(tiny_tokenizer), **SMALL), tmp_path / "qwen")
     qwen, _ = jaxtune.from_pretrained(tmp_path / "qwen", dtype="float32")
     jaxtune.get_peft_model(qwen, r=4, lora_alpha=8)
-    with pytest.raises(jaxtune.UnsupportedModelError, match="GGUF export covers llama, mistral models, not 'qwen2'"):
+    with pytest.raises(jaxtune.UnsupportedModelError, match="GGUF export covers llama, mistral, qwen3, qwen3_moe models, not 'qwen2'"):
         jaxtune.save_gguf(qwen, out / "q.gguf", tokenizer=tok)
 
 
@@ -273,3 +273,68 @@ def test_gguf_names_and_qk_permutation_invert_the_importer():
     head = permute_qk(w, 6)[:8]
     np.testing.assert_array_equal(head[0::2], w[:4])
     np.testing.assert_array_equal(head[1::2], w[4:8])
+
+
+def _qwen3_moe(v: int):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=v, **SMALL, head_dim=16, moe_intermediate_size=64, num_experts=4,
+                          num_experts_per_tok=2, norm_topk_prob=True)
+
+
+def _qwen3(v: int):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=v, **SMALL, head_dim=32, tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("make_config, gguf_type, tol", [
+    (_qwen3, "f32", 1e-4),
+    (_qwen3, "q8_0", 5e-2),
+    (_qwen3_moe, "f32", 1e-4),
+    (_qwen3_moe, "q4_0", None),  # 4 bits: the bytes against the gguf package's quantizer instead of the logits
+])
+def test_qwen3_and_qwen3_moe_gguf_read_back_in_transformers_like_the_merged_checkpoint(
+        tmp_path, tiny_tokenizer, make_config, gguf_type, tol):
+    """llama.cpp's qwen3 / qwen3moe files: q/k rows as HF has them (NEOX RoPE), the q/k norms, the router and each
+    layer's experts stacked [experts, out, in]; transformers' GGUF loader reads them to the merged model's logits,
+    and the metadata carries llama.cpp's keys."""
+    import gguf
+
+    config = make_config(len(tiny_tokenizer))
+    model, tok = _trained_like(tmp_path, config, tiny_tokenizer)
+    jaxtune.save_merged(model, tmp_path / "merged", base=tmp_path / "base", dtype="float32")
+    jaxtune.save_gguf(model, tmp_path / "out" / "model.gguf", tokenizer=tok, base=tmp_path / "base", gguf_type=gguf_type)
+    reader = gguf.GGUFReader(tmp_path / "out" / "model.gguf")
+    arch = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe"}[config.model_type]
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    assert fields["general.architecture"] == arch and fields[f"{arch}.attention.key_length"] == config.head_dim
+    assert fields[f"{arch}.block_count"] == 2 and fields[f"{arch}.attention.head_count_kv"] == 2
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}  # numpy order
+    assert shapes["blk.1.attn_q_norm.weight"] == shapes["blk.1.attn_k_norm.weight"] == (config.head_dim,)
+    if config.model_type == "qwen3_moe":
+        assert (fields[f"{arch}.expert_count"], fields[f"{arch}.expert_used_count"],
+                fields[f"{arch}.expert_feed_forward_length"]) == (4, 2, 64)
+        assert shapes["blk.0.ffn_gate_inp.weight"] == (4, 64)
+        assert shapes["blk.0.ffn_gate_exps.weight"] == shapes["blk.0.ffn_up_exps.weight"] == (4, 64, 64)
+        assert shapes["blk.1.ffn_down_exps.weight"] == (4, 64, 64) and "blk.0.ffn_gate.weight" not in shapes
+    if tol is None:  # each stack is the merged experts stacked, quantized as the gguf package quantizes them
+        from safetensors.numpy import load_file
+
+        merged = {k: v for f in (tmp_path / "merged").glob("*.safetensors") for k, v in load_file(f).items()}
+        stored = {t.name: t for t in reader.tensors}
+        for i in range(2):
+            for proj in ("gate", "up", "down"):
+                t = stored[f"blk.{i}.ffn_{proj}_exps.weight"]
+                want = np.stack([merged[f"model.layers.{i}.mlp.experts.{e}.{proj}_proj.weight"] for e in range(4)])
+                assert t.tensor_type == gguf.GGMLQuantizationType.Q4_0
+                np.testing.assert_array_equal(np.asarray(t.data).reshape(-1),
+                                              gguf.quants.quantize(want, t.tensor_type).reshape(-1))
+        return
+    ids = np.random.default_rng(0).integers(0, len(tiny_tokenizer), size=(2, 12))
+    merged = _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval(), ids)
+    via_transformers = AutoModelForCausalLM.from_pretrained(tmp_path / "out", gguf_file="model.gguf", config=config,
+                                                            dtype=torch.float32).eval()
+    assert np.abs(_logits(via_transformers, ids) - merged).max() < tol
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "out", gguf_file="model.gguf")
+    assert hf_tok(TEXT)["input_ids"] == tok(TEXT)["input_ids"]
