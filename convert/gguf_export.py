@@ -1,5 +1,5 @@
 """GGUF export of a fine-tuned model for llama.cpp / Ollama: the merged weights as a GGUF of llama.cpp's `llama`
-(Llama, Mistral), `qwen3` or `qwen3moe` architecture.
+(Llama, Mistral, Mixtral), `qwen3` or `qwen3moe` architecture.
 
 The tensors are those of the merged HF checkpoint (LoRA added onto the original weights when they are
 given), renamed to llama.cpp's names; for `llama`, q/k rows permuted into llama.cpp's interleaved-RoPE order
@@ -35,12 +35,16 @@ from jaxtune.rope import inverse_frequencies, unscaled_inverse_frequencies
 
 GGUF_TYPES = ("bf16", "f16", "q8_0", "q6_k", "q4_k_m", "q4_0", "f32")
 # model type -> llama.cpp's architecture it is written as
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen3": "qwen3",
+                      "qwen3_moe": "qwen3moe"}
 GGUF_MODEL_TYPES = tuple(GGUF_ARCHITECTURES)
 _GGUF_NAMES = {hf: gguf for gguf, hf in _TOP_NAMES.items()}
 _GGUF_LAYER_NAMES = {**{hf: gguf for gguf, hf in _LAYER_NAMES.items()}, "self_attn.q_norm": "attn_q_norm",
-                     "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+                     "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+                     "block_sparse_moe.gate": "ffn_gate_inp"}
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_EXPERT_PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -73,7 +77,7 @@ def _gguf_tensors(merged: list) -> list[_GGUFTensor]:
         if m is None:
             out.append(_GGUFTensor(gguf_name(t.name), t.shape, t.compute))
             continue
-        name = f"blk.{m.group(1)}.ffn_{m.group(3)}_exps.weight"
+        name = f"blk.{m.group(1)}.ffn_{_EXPERT_PROJECTIONS[m.group(3)]}_exps.weight"
         if name not in stacks:
             stacks[name] = []
             out.append(_GGUFTensor(name, (), lambda parts=stacks[name]: np.stack([p.compute() for p in parts])))

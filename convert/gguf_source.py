@@ -1,8 +1,9 @@
-"""GGUF import of Llama-architecture models: tensors under their HF names, config and tokenizer.
+"""GGUF import of llama.cpp's `llama` (Llama, Mistral, Mixtral), `qwen3` and `qwen3moe` architectures: tensors under
+their HF names, config and tokenizer.
 
-Quantized GGUF tensors are dequantized with the `gguf` package one tensor at a time. llama.cpp's
-converter permutes the rows of q/k projections for its interleaved RoPE; they are permuted back to
-the rotate_half layout HF checkpoints (and jaxtune) use.
+Quantized GGUF tensors are dequantized with the `gguf` package one tensor at a time (a layer's stack of experts once
+for its experts). For `llama`, llama.cpp's converter permutes the rows of q/k projections for its interleaved RoPE;
+they are permuted back to the rotate_half layout HF checkpoints (and jaxtune) use; Qwen3's are as HF has them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 
 from jaxtune.errors import CheckpointError, UnsupportedModelError
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen3", "qwen3moe")
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -27,6 +28,13 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+# a mixture of experts' tensors: the router, and each layer's experts stacked [experts, out, in] per projection
+_MOE_NAMES = {  # model type -> (its MoE module, its per-expert names of gate / up / down)
+    "qwen3_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+    "mixtral": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
 }
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -44,6 +52,22 @@ def _hf_name(gguf_name: str) -> str | None:
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
     return None
+
+
+def _hf_names(gguf_name: str, model_type: str, experts: int) -> list[tuple[str, int | None]] | None:
+    """[(HF name, index into the GGUF tensor's leading expert axis or None)] of one GGUF tensor, None if unknown."""
+    name = _hf_name(gguf_name)
+    if name is not None or model_type not in _MOE_NAMES:
+        return None if name is None else [(name, None)]
+    module, projections = _MOE_NAMES[model_type]
+    m = re.fullmatch(r"blk\.(\d+)\.ffn_(gate_inp|gate_exps|up_exps|down_exps)\.weight", gguf_name)
+    if m is None:
+        return None
+    layer = f"model.layers.{m.group(1)}.{module}"
+    if m.group(2) == "gate_inp":
+        return [(f"{layer}.gate.weight", None)]
+    hf = projections[m.group(2).removesuffix("_exps")]
+    return [(f"{layer}.experts.{e}.{hf}.weight", e) for e in range(experts)]
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -106,26 +130,33 @@ class GGUFSource:
             raise UnsupportedModelError(
                 f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
             )
+        self.arch = arch
         self.hf_config = self._build_config()
-        self._tensors: dict[str, Any] = {}
+        model_type = self.hf_config["model_type"]
+        experts = int(self.hf_config.get("num_experts") or self.hf_config.get("num_local_experts") or 0)
+        self._tensors: dict[str, tuple[Any, int | None]] = {}  # HF name -> (GGUF tensor, expert index or None)
+        self._stack: tuple[str, np.ndarray] | None = None  # the last expert stack dequantized, for its experts
         for t in self._reader.tensors:
-            name = _hf_name(t.name)
-            if name is not None:
-                self._tensors[name] = t
+            names = _hf_names(t.name, model_type, experts)
+            if names is not None:
+                self._tensors.update((name, (t, e)) for name, e in names)
             elif not _IGNORED.search(t.name):
-                raise UnsupportedModelError(f"GGUF tensor {t.name!r} has no counterpart in a Llama model; unsupported variant")
+                raise UnsupportedModelError(f"GGUF tensor {t.name!r} has no counterpart in a {model_type} model; "
+                                            "unsupported variant")
 
     def _field(self, key: str, default: Any = None) -> Any:
         field = self._reader.fields.get(key)
         return default if field is None else field.contents()
 
     def _build_config(self) -> dict[str, Any]:
-        p = "llama."
+        p = self.arch + "."
+        experts = self._field(p + "expert_count")
+        model_type = {"qwen3": "qwen3", "qwen3moe": "qwen3_moe"}.get(self.arch, "mixtral" if experts else "llama")
         try:
             hidden = int(self._field(p + "embedding_length"))
             heads = int(self._field(p + "attention.head_count"))
             cfg: dict[str, Any] = {
-                "model_type": "llama",
+                "model_type": model_type,
                 "hidden_size": hidden,
                 "intermediate_size": int(self._field(p + "feed_forward_length")),
                 "num_hidden_layers": int(self._field(p + "block_count")),
@@ -138,8 +169,15 @@ class GGUFSource:
                 "bos_token_id": self._field("tokenizer.ggml.bos_token_id"),
                 "eos_token_id": self._field("tokenizer.ggml.eos_token_id"),
             }
+            if experts:  # llama.cpp's MoE renormalizes each token's top-k routing weights
+                used, width = int(self._field(p + "expert_used_count")), self._field(p + "expert_feed_forward_length")
+                if model_type == "mixtral":
+                    cfg.update(num_local_experts=int(experts), num_experts_per_tok=used)
+                else:
+                    cfg.update(num_experts=int(experts), num_experts_per_tok=used, norm_topk_prob=True,
+                               moe_intermediate_size=int(width if width is not None else cfg["intermediate_size"]))
         except TypeError:
-            raise CheckpointError(f"{self.path} lacks llama.* hyper-parameters; the GGUF file is incomplete") from None
+            raise CheckpointError(f"{self.path} lacks {p}* hyper-parameters; the GGUF file is incomplete") from None
         tokens = self._reader.fields.get("tokenizer.ggml.tokens")
         vocab = self._field(p + "vocab_size")
         cfg["vocab_size"] = int(vocab if vocab is not None else len(tokens.data))
@@ -169,13 +207,22 @@ class GGUFSource:
         return tokenizer_from_gguf(self._field, self.path)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in reversed(self._tensors[name].shape.tolist()))
+        t, expert = self._tensors[name]
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        return shape if expert is None else shape[1:]
 
     def get(self, name: str) -> np.ndarray:
         import gguf
 
-        t = self._tensors[name]
+        t, expert = self._tensors[name]
+        if expert is not None:
+            if self._stack is None or self._stack[0] != t.name:
+                shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+                self._stack = t.name, gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+            return self._stack[1][expert]
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(self.shape(name))
+        if self.arch != "llama":  # Qwen3's q/k rows are HF's (llama.cpp's NEOX RoPE)
+            return w
         if name.endswith("q_proj.weight"):
             w = unpermute_qk(w, self.hf_config["num_attention_heads"])
         elif name.endswith("k_proj.weight"):

@@ -256,7 +256,7 @@ def test_gguf_export_refusals_are_clear_and_leave_no_file(tmp_path, tiny_tokeniz
     build_hf_model(Qwen2Config(vocab_size=len(tiny_tokenizer), **SMALL), tmp_path / "qwen")
     qwen, _ = jaxtune.from_pretrained(tmp_path / "qwen", dtype="float32")
     jaxtune.get_peft_model(qwen, r=4, lora_alpha=8)
-    with pytest.raises(jaxtune.UnsupportedModelError, match="GGUF export covers llama, mistral, qwen3, qwen3_moe models, not 'qwen2'"):
+    with pytest.raises(jaxtune.UnsupportedModelError, match="GGUF export covers llama, mistral, mixtral, qwen3, qwen3_moe models, not 'qwen2'"):
         jaxtune.save_gguf(qwen, out / "q.gguf", tokenizer=tok)
 
 
@@ -336,5 +336,43 @@ def test_qwen3_and_qwen3_moe_gguf_read_back_in_transformers_like_the_merged_chec
     via_transformers = AutoModelForCausalLM.from_pretrained(tmp_path / "out", gguf_file="model.gguf", config=config,
                                                             dtype=torch.float32).eval()
     assert np.abs(_logits(via_transformers, ids) - merged).max() < tol
+    reimported, gguf_tok = jaxtune.from_pretrained(tmp_path / "out" / "model.gguf", dtype="float32")
+    assert reimported.config.model_type == config.model_type
+    assert np.abs(np.asarray(reimported(ids)) - _logits(via_transformers, ids)).max() < 1e-4  # one file, read two ways
     hf_tok = AutoTokenizer.from_pretrained(tmp_path / "out", gguf_file="model.gguf")
-    assert hf_tok(TEXT)["input_ids"] == tok(TEXT)["input_ids"]
+    assert hf_tok(TEXT)["input_ids"] == tok(TEXT)["input_ids"] == gguf_tok(TEXT)["input_ids"]
+
+
+def test_mixtral_gguf_holds_the_merged_experts_as_llama_cpp_reads_them(tmp_path, tiny_tokenizer):
+    """Mixtral as llama.cpp's `llama` with experts: the router and the stacked experts are the merged checkpoint's
+    (transformers-tested) tensors, q/k in llama.cpp's order; jaxtune reads the file back to the merged logits."""
+    import gguf
+    from safetensors.numpy import load_file
+    from transformers import MixtralConfig
+
+    from convert.gguf_export import permute_qk
+
+    config = MixtralConfig(vocab_size=len(tiny_tokenizer), **SMALL, head_dim=16, num_local_experts=4,
+                           num_experts_per_tok=2, sliding_window=None)
+    model, tok = _trained_like(tmp_path, config, tiny_tokenizer)
+    jaxtune.save_merged(model, tmp_path / "merged", base=tmp_path / "base", dtype="float32")
+    jaxtune.save_gguf(model, tmp_path / "model.gguf", tokenizer=tok, base=tmp_path / "base", gguf_type="f32")
+    merged = {k: v for f in (tmp_path / "merged").glob("*.safetensors") for k, v in load_file(f).items()}
+    reader = gguf.GGUFReader(tmp_path / "model.gguf")
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    assert fields["general.architecture"] == "llama" and fields["llama.expert_count"] == 4
+    assert fields["llama.expert_used_count"] == 2 and fields["llama.expert_feed_forward_length"] == 128
+    stored = {t.name: np.asarray(t.data).reshape(tuple(int(d) for d in reversed(t.shape))) for t in reader.tensors}
+    for i in range(2):
+        moe = f"model.layers.{i}.block_sparse_moe"
+        np.testing.assert_array_equal(stored[f"blk.{i}.ffn_gate_inp.weight"], merged[f"{moe}.gate.weight"])
+        for proj, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+            want = np.stack([merged[f"{moe}.experts.{e}.{w}.weight"] for e in range(4)])
+            np.testing.assert_array_equal(stored[f"blk.{i}.ffn_{proj}_exps.weight"], want)
+        np.testing.assert_array_equal(stored[f"blk.{i}.attn_k.weight"],
+                                      permute_qk(merged[f"model.layers.{i}.self_attn.k_proj.weight"], 2))
+    ids = np.random.default_rng(0).integers(0, len(tiny_tokenizer), size=(2, 12))
+    want = _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval(), ids)
+    reimported, _ = jaxtune.from_pretrained(tmp_path / "model.gguf", dtype="float32")
+    assert reimported.config.model_type == "mixtral"
+    assert np.abs(np.asarray(reimported(ids)) - want).max() < 1e-4

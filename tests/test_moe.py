@@ -260,13 +260,14 @@ def test_merged_moe_checkpoint_loads_in_transformers_with_the_adapters_logits(tm
     assert np.abs(logits["float"] - logits["nf4"]).max() > 1e-3  # the two bases differ: each merge kept its own
 
 
-@pytest.mark.parametrize("args, words", [(["--peft", "{out}/peft", "--gguf", "{out}/m.gguf"], "not 'mixtral'"),
-                                         (["--merged", "{out}/merged", "--dtype", "nf4"], "mixture-of-experts")])
-def test_the_cli_refuses_a_moe_export_it_cannot_write_before_loading_anything(tmp_path, capsys, monkeypatch, args,
-                                                                              words):
+@pytest.mark.parametrize("family, args, words", [
+    ("qwen3_moe-unnormalized", ["--peft", "{out}/peft", "--gguf", "{out}/m.gguf"], "norm_topk_prob=false"),
+    ("mixtral", ["--merged", "{out}/merged", "--dtype", "nf4"], "mixture-of-experts")])
+def test_the_cli_refuses_a_moe_export_it_cannot_write_before_loading_anything(tmp_path, capsys, monkeypatch, family,
+                                                                              args, words):
     from jaxtune.cli import main
 
-    build_hf_model(CONFIGS["mixtral"](), tmp_path / "base")
+    build_hf_model(CONFIGS[family](), tmp_path / "base")
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.json").write_text(json.dumps({"base_model": str(tmp_path / "base"), "train": {}}))
     loaded = []
@@ -280,11 +281,13 @@ def test_the_cli_refuses_a_moe_export_it_cannot_write_before_loading_anything(tm
 
 
 def test_exports_a_moe_model_cannot_write_yet_are_refused_in_one_line(tmp_path):
-    build_hf_model(CONFIGS["mixtral"](), tmp_path / "base")
+    """An NF4 merged MoE checkpoint; a GGUF of top-k weights llama.cpp would renormalize."""
+    build_hf_model(CONFIGS["qwen3_moe-unnormalized"](), tmp_path / "base")
     model, tok = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=True)
     jaxtune.get_peft_model(model, r=4)
     for export, words in ((lambda: jaxtune.save_merged(model, tmp_path / "merged", dtype="nf4"), "mixture-of-experts"),
-                          (lambda: jaxtune.save_gguf(model, tmp_path / "m.gguf", tokenizer=tok), "not 'mixtral'")):
+                          (lambda: jaxtune.save_gguf(model, tmp_path / "m.gguf", tokenizer=tok),
+                           "norm_topk_prob=false; export --merged instead")):
         with pytest.raises(UnsupportedModelError, match=words) as e:
             export()
         assert "\n" not in str(e.value)
