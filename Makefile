@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PYTHON ?= $(shell .ci/find-python)
 VENV := .venv
 PY := $(VENV)/bin/python
-# no wheel cache: the test extras' wheels (torch and its CUDA libraries, ~3 GB) would stay on disk beside the 7 GB installed
+# no wheel cache: torch's wheels (~3 GB) would stay on disk beside the 7 GB they install
 PIP := $(PY) -m pip --disable-pip-version-check --no-cache-dir -q
 CONSTRAINTS := .ci/constraints.txt
 

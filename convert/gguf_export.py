@@ -13,10 +13,10 @@ computed and written alone, so the export holds one tensor in host memory.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import tempfile
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,7 +25,8 @@ from tqdm.auto import tqdm
 from convert.atomic import check_writable, plain_permissions
 from convert.gguf_source import _LAYER_NAMES, _TOP_NAMES
 from convert.gguf_tokenizer import gguf_tokenizer_fields
-from convert.merged import merged_tensors, open_original
+from convert import moe_names
+from convert.merged import MergedTensor, merged_tensors, open_original
 from convert.peft_io import lora_modules
 from jaxtune.config import ModelConfig
 from jaxtune.errors import CheckpointError, UnsupportedModelError
@@ -42,9 +43,6 @@ _GGUF_NAMES = {hf: gguf for gguf, hf in _TOP_NAMES.items()}
 _GGUF_LAYER_NAMES = {**{hf: gguf for gguf, hf in _LAYER_NAMES.items()}, "self_attn.q_norm": "attn_q_norm",
                      "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
                      "block_sparse_moe.gate": "ffn_gate_inp"}
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
-_EXPERT_PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -60,32 +58,27 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{index}.{_GGUF_LAYER_NAMES[module]}.{kind}"
 
 
-class _GGUFTensor:
-    """One tensor of the file: llama.cpp's name, its float32 shape, and its values when `compute()` is called (a
-    mixture of experts' [experts, out, in] stack is computed from the merged per-expert matrices)."""
+def _stacked_name(hf_name: str) -> str | None:
+    """llama.cpp's name of the [experts, out, in] stack an expert's merged matrix goes into, None for others."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
+    expert = moe_names.EXPERT.fullmatch(m.group(2)) if m else None
+    if expert is None:
+        return None
+    return f"blk.{m.group(1)}.ffn_{moe_names.projection_name(expert.group(2)).removesuffix('_proj')}_exps.weight"
 
-    def __init__(self, name: str, shape: tuple[int, ...], compute: Callable[[], np.ndarray]):
-        self.name, self.shape, self.compute = name, shape, compute
+
+def _stack(parts: list[MergedTensor]) -> np.ndarray:
+    return np.stack([p.compute() for p in parts])
 
 
-def _gguf_tensors(merged: list) -> list[_GGUFTensor]:
+def _gguf_tensors(merged: list[MergedTensor]) -> list[MergedTensor]:
     """The merged HF tensors under llama.cpp's names, each layer's experts stacked per projection."""
-    out: list[_GGUFTensor] = []
-    stacks: dict[str, list] = {}
+    groups: dict[str, list[MergedTensor]] = {}  # llama.cpp name -> its merged tensors (several for a stack)
     for t in merged:
-        m = _EXPERT.fullmatch(t.name)
-        if m is None:
-            out.append(_GGUFTensor(gguf_name(t.name), t.shape, t.compute))
-            continue
-        name = f"blk.{m.group(1)}.ffn_{_EXPERT_PROJECTIONS[m.group(3)]}_exps.weight"
-        if name not in stacks:
-            stacks[name] = []
-            out.append(_GGUFTensor(name, (), lambda parts=stacks[name]: np.stack([p.compute() for p in parts])))
-        stacks[name].append(t)
-    for t in out:
-        if t.name in stacks:
-            t.shape = (len(stacks[t.name]), *stacks[t.name][0].shape)
-    return out
+        groups.setdefault(_stacked_name(t.name) or gguf_name(t.name), []).append(t)
+    return [MergedTensor(name, parts[0].shape, parts[0].compute) if not name.endswith("_exps.weight") else
+            MergedTensor(name, (len(parts), *parts[0].shape), functools.partial(_stack, parts))
+            for name, parts in groups.items()]
 
 
 def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from convert.moe_names import expert_layout
 from jaxtune.errors import CheckpointError, UnsupportedModelError
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen3", "qwen3moe")
@@ -30,11 +31,6 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
-}
-# a mixture of experts' tensors: the router, and each layer's experts stacked [experts, out, in] per projection
-_MOE_NAMES = {  # model type -> (its MoE module, its per-expert names of gate / up / down)
-    "qwen3_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
-    "mixtral": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
 }
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -57,16 +53,14 @@ def _hf_name(gguf_name: str) -> str | None:
 def _hf_names(gguf_name: str, model_type: str, experts: int) -> list[tuple[str, int | None]] | None:
     """[(HF name, index into the GGUF tensor's leading expert axis or None)] of one GGUF tensor, None if unknown."""
     name = _hf_name(gguf_name)
-    if name is not None or model_type not in _MOE_NAMES:
-        return None if name is None else [(name, None)]
-    module, projections = _MOE_NAMES[model_type]
     m = re.fullmatch(r"blk\.(\d+)\.ffn_(gate_inp|gate_exps|up_exps|down_exps)\.weight", gguf_name)
-    if m is None:
-        return None
+    if name is not None or m is None or not experts:
+        return None if name is None else [(name, None)]
+    module, hub_names = expert_layout(model_type)  # the router, and each layer's experts stacked per projection
     layer = f"model.layers.{m.group(1)}.{module}"
     if m.group(2) == "gate_inp":
         return [(f"{layer}.gate.weight", None)]
-    hf = projections[m.group(2).removesuffix("_exps")]
+    hf = hub_names[m.group(2).replace("_exps", "_proj")]
     return [(f"{layer}.experts.{e}.{hf}.weight", e) for e in range(experts)]
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from convert import moe_names
 from convert.gguf_source import GGUFSource
 from convert.jaxtune_format import is_jaxtune_checkpoint, read_checkpoint
 from convert.safetensors_source import SafetensorsSource
@@ -31,11 +32,6 @@ _IGNORED_TENSORS = re.compile(r"rotary_emb\.inv_freq$")
 _BNB_COMPANION = re.compile(r"\.weight\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\.bitsandbytes__nf4)$")
 
 
-# a mixture of experts' tensors (Qwen3-MoE's `mlp.experts.E.gate_proj`, Mixtral's `block_sparse_moe.experts.E.w1`)
-# -> the model's stacks [layers, experts, ...] under `mlp`
-_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.(weight.*)")
-_EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_ROUTER = re.compile(r"(?:mlp|block_sparse_moe)\.gate\.weight")
 
 Index = int | tuple[int, int] | None  # a layer, (layer, expert) for an expert's tensor, or None (not stacked)
 
@@ -46,11 +42,11 @@ def hf_name_to_path(name: str) -> tuple[Path, Index] | None:
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
     if m:
         layer, rest = int(m.group(1)), m.group(2)
-        expert = _EXPERT.fullmatch(rest)
+        expert = moe_names.EXPERT.fullmatch(rest)  # a mixture of experts' tensors -> the stacks under `mlp`
         if expert:
-            proj = _EXPERT_PROJ.get(expert.group(2), expert.group(2))
+            proj = moe_names.projection_name(expert.group(2))
             return ("layers", "mlp", proj, *expert.group(3).split(".")), (layer, int(expert.group(1)))
-        if _ROUTER.fullmatch(rest):
+        if moe_names.ROUTER.fullmatch(rest):
             return ("layers", "mlp", "router", "weight"), layer
         return ("layers", *rest.split(".")), layer
     if name.startswith("model."):

@@ -15,6 +15,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from convert.atomic import atomic_directory
+from convert.moe_names import expert_layout
 from convert.safetensors_writer import ShardedSafetensorsWriter
 from convert.peft_io import expert_lora_modules, lora_modules
 from convert.safetensors_source import SafetensorsSource
@@ -64,14 +65,6 @@ def _layer_experts(proj, i: int) -> np.ndarray:
     return _layer(base.weight[...], i)
 
 
-def _expert_names(cfg) -> tuple[str, dict[str, str]]:
-    """The hub layout's MoE module and per-expert projection names: Qwen3-MoE's `mlp.experts.E.gate_proj`,
-    Mixtral's `block_sparse_moe.experts.E.w1` (gate), `w3` (up), `w2` (down)."""
-    if cfg.model_type == "mixtral":
-        return "block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-    return "mlp", {name: name for name in ("gate_proj", "up_proj", "down_proj")}
-
-
 @dataclasses.dataclass(frozen=True)
 class MergedTensor:
     """One HF-named tensor of the merged model: its shape now, its float32 values when `compute()` is called."""
@@ -119,7 +112,7 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
             w = w + np.float32(proj.scale) * (b @ a)
         return w
 
-    parent, hub_names = _expert_names(cfg) if cfg.num_experts else (None, {})
+    parent, hub_names = expert_layout(cfg.model_type) if cfg.num_experts else (None, {})
     expert_shapes = {name: _weight_shape(projection(model, name)) for name in hub_names}
 
     def experts(p: str, i: int) -> Iterator[MergedTensor]:
