@@ -19,8 +19,6 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxtune.data import PackedRows
-from jaxtune.data.packing import IGNORE
 from jaxtune.ops.dispatch import check_fp8_device
 from jaxtune.distributed import (agree_min, catch_stop_signals, clear_stop_request, local_device, memory_stats,
                                  peak_memory_gib, stop_requested)
@@ -35,6 +33,7 @@ from jaxtune.training.checkpoint import RunCheckpoints, check_run_dir
 from jaxtune.training.compilation import use_compilation_cache
 from jaxtune.training.config import TrainConfig
 from jaxtune.training.embedding_offload import embedding_to_device, embedding_to_host
+from jaxtune.training.evaluation import HeldOutEval
 from jaxtune.training.objectives import make_objective, reference_adapters
 from jaxtune.training.optimizer_offload import place_on_host
 from jaxtune.training.reference import reference_logps
@@ -266,12 +265,13 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
         for name, rows_of in splits.items():
             rows_of.extra["ref_logps"] = refs[name]
     batches.start(micro, cfg.grad_accum)  # its micro_batch / accum: halved and doubled on running out of memory
-    eval_fn = make_eval_step(graphdef, cfg, mesh) if eval_rows is not None and len(eval_rows) else None
-    quantized = None if cfg.eval_quantized == "none" else cfg.eval_quantized
-    quantized_eval_fn = None  # when the run trains with that format's QAT, eval_loss is already the quantized loss
-    if eval_fn is not None and quantized is not None and quantized != cfg.qat:
-        quantized_eval_fn = make_eval_step(split_with(layout, quantized)[0], dataclasses.replace(cfg, compute="bf16"),
-                                           mesh)
+    held_out = None
+    if eval_rows is not None and len(eval_rows):
+        quantized = None if cfg.eval_quantized == "none" else cfg.eval_quantized
+        # under QAT of that format, the run's own evaluation already is the quantized one
+        quantized_fn = None if quantized in (None, cfg.qat) else make_eval_step(
+            split_with(layout, quantized)[0], dataclasses.replace(cfg, compute="bf16"), mesh)
+        held_out = HeldOutEval(make_eval_step(graphdef, cfg, mesh), eval_rows, quantized, quantized_fn)
 
     # what "auto" resolved to: the remat policy, and whether host memory also holds the optimizer state and the
     # input embedding
@@ -355,12 +355,8 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
                             f"training has collapsed: {COLLAPSE_STEPS} steps in a row (to step {step}) with a zero "
                             f"gradient norm or the loss of uniform predictions (log vocab = {uniform_loss:.3f}); the "
                             "model is learning nothing: lower learning_rate", stacklevel=2)
-                if eval_fn is not None and (step == cfg.max_steps or (cfg.eval_steps and step % cfg.eval_steps == 0)):
-                    record["eval_loss"], eval_metrics = _evaluate(eval_fn, lora, frozen, eval_rows, micro, mesh)
-                    record.update({f"eval_{k}": v for k, v in eval_metrics.items()})
-                    if quantized is not None:
-                        record[f"eval_loss_{quantized}"] = record["eval_loss"] if quantized_eval_fn is None else (
-                            _evaluate(quantized_eval_fn, lora, frozen, eval_rows, micro, mesh)[0])
+                if held_out is not None and (step == cfg.max_steps or (cfg.eval_steps and step % cfg.eval_steps == 0)):
+                    record.update(held_out.record(lora, frozen, micro, mesh))
                     eval_losses.append((step, record["eval_loss"]))
                 if metrics is not None and (step % cfg.logging_steps == 0 or "eval_loss" in record
                                             or step == cfg.max_steps):
@@ -444,22 +440,3 @@ def _can_step_down(error: Exception, batches, lora, unit: int = 1) -> bool:
     still split into `unit` equal parts (the devices of the mesh)."""
     return ("RESOURCE_EXHAUSTED" in str(error) and batches.micro_batch % (2 * unit) == 0
             and not any(x.is_deleted() for x in jax.tree.leaves(lora)))
-
-
-def _evaluate(eval_fn, lora, frozen, rows: PackedRows, micro: int, mesh=None) -> tuple[float, dict[str, float]]:
-    """(mean loss, mean metrics) over the held-out rows: token-weighted (SFT) or pair-weighted (DPO/ORPO)."""
-    total, count, metric_totals = 0.0, 0.0, {}
-    arrays = rows.arrays()
-    for start in range(0, len(rows), micro):
-        idx = np.arange(start, min(start + micro, len(rows)))
-        batch = {k: v[idx][None] for k, v in arrays.items()}
-        if mesh is not None and len(idx) < micro:  # the last batch, padded with rows that carry no loss
-            fill = {"labels": IGNORE, "segment_ids": 0}
-            batch = {k: np.pad(v, ((0, 0), (0, micro - len(idx))) + ((0, 0),) * (v.ndim - 2),
-                               constant_values=fill.get(k, 0)) for k, v in batch.items()}
-        s, metrics, n = jax.device_get(eval_fn(lora, frozen, to_device_batch(batch, mesh)))
-        total, count = total + float(s), count + float(n)
-        for k, v in metrics.items():
-            metric_totals[k] = metric_totals.get(k, 0.0) + float(v)
-    count = max(count, 1.0)
-    return total / count, {k: v / count for k, v in metric_totals.items()}
