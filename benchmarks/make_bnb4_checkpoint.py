@@ -28,6 +28,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
+from convert.moe_names import expert_layout
 from convert.safetensors_writer import write_shards
 from jaxtune import nf4
 
@@ -132,20 +133,30 @@ def _tensors(c: dict, seed: int, bf16: bool, progress: bool) -> Iterator[tuple[s
     yield "model.embed_tokens.weight", _bf16(_normal(k_embed, (vocab, h)))
     shapes = _shapes(c)
     ones = np.ones(h, ml_dtypes.bfloat16)
+    experts = c.get("num_experts") or c.get("num_local_experts")
+    module, hub_names = expert_layout(c["model_type"])
     for layer in tqdm(range(c["num_hidden_layers"]), desc="writing", unit="layer", disable=not progress):
         prefix = f"model.layers.{layer}"
-        for parent, proj in PROJECTIONS:
+        weights = [(f"{prefix}.{parent}.{proj}", shapes[proj]) for parent, proj in PROJECTIONS
+                   if not (experts and parent == "mlp")]
+        if experts:  # the hub layout: one tensor per expert and projection, the router in bf16
             key, k = jax.random.split(key)
-            w = _normal(k, shapes[proj])
+            yield f"{prefix}.{module}.gate.weight", _bf16(_normal(k, (experts, h)))
+            i = c["moe_intermediate_size" if c["model_type"] == "qwen3_moe" else "intermediate_size"]
+            moe_shapes = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+            weights += [(f"{prefix}.{module}.experts.{e}.{hub_names[proj]}", moe_shapes[proj])
+                        for e in range(experts) for proj in ("gate_proj", "up_proj", "down_proj")]
+        for name, shape in weights:
+            key, k = jax.random.split(key)
+            w = _normal(k, shape)
             if bf16:
-                yield f"{prefix}.{parent}.{proj}.weight", _bf16(w)
+                yield f"{name}.weight", _bf16(w)
                 continue
             for suffix, array in nf4.to_bnb(w).items():
-                yield (f"{prefix}.{parent}.{proj}.weight.{suffix}" if suffix != "weight"
-                       else f"{prefix}.{parent}.{proj}.weight"), array
+                yield (f"{name}.weight.{suffix}" if suffix != "weight" else f"{name}.weight"), array
         yield f"{prefix}.input_layernorm.weight", ones
         yield f"{prefix}.post_attention_layernorm.weight", ones
-        if c["model_type"] == "qwen3":
+        if c["model_type"] in ("qwen3", "qwen3_moe"):
             norm = np.ones(c["head_dim"], ml_dtypes.bfloat16)
             yield f"{prefix}.self_attn.q_norm.weight", norm
             yield f"{prefix}.self_attn.k_norm.weight", norm
@@ -189,7 +200,8 @@ def random_model(name: str, seed: int = 0):
     return merge_filled(graphdef, state, pure, values)
 
 
-def write_checkpoint(name: str, out: str, seed: int = 0, progress: bool = True, bf16: bool = False) -> dict:
+def write_checkpoint(name: str, out: str, seed: int = 0, progress: bool = True, bf16: bool = False,
+                     layers: int | None = None) -> dict:
     """Writes the random checkpoint `name` to `out` (through a temporary directory renamed at the end): bnb-4bit,
     or with `bf16` the plain bf16 HF checkpoint of the same draws (for conversion benchmarks)."""
     if os.path.exists(out):
@@ -197,6 +209,8 @@ def write_checkpoint(name: str, out: str, seed: int = 0, progress: bool = True, 
     c = hf_config(name)
     if bf16:
         del c["quantization_config"]
+    if layers:  # the model's first `layers` layers: its per-layer shapes on a smaller disk
+        c["num_hidden_layers"] = layers
     tmp = out.rstrip("/") + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -218,8 +232,9 @@ def main() -> None:
     ap.add_argument("--model", default="llama3-70b", choices=list(MODELS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bf16", action="store_true", help="plain bf16 projections (an HF checkpoint to convert)")
+    ap.add_argument("--layers", type=int, help="only this many decoder layers (the same shapes, less disk)")
     args = ap.parse_args()
-    print(json.dumps(write_checkpoint(args.model, args.out, args.seed, bf16=args.bf16)), flush=True)
+    print(json.dumps(write_checkpoint(args.model, args.out, args.seed, bf16=args.bf16, layers=args.layers)), flush=True)
 
 
 if __name__ == "__main__":

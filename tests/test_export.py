@@ -214,6 +214,9 @@ def test_merged_in_nf4_loads_in_transformers_with_bitsandbytes_as_in_jaxtune(tmp
     assert len(layers) == 7 * COMMON["num_hidden_layers"]
     for m in layers:  # compare in float32 (the file asks bf16, as bnb checkpoints do)
         m.compute_dtype = m.weight.quant_state.dtype = torch.float32
+        # and through bnb's dequantization on every CPU: on one with AVX512-BF16 its inference path repacks the
+        # weights for a fused kernel that computes in bf16 whatever compute_dtype says
+        m.support_avx512bf16_for_cpu = False
     for p in hf.parameters():  # the bf16 embedding, norms and head (exact in float32)
         if p.dtype == torch.bfloat16:
             p.data = p.data.float()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 import jaxtune
 from conftest import benchmark_script
@@ -57,12 +58,14 @@ def test_a_random_bnb4_checkpoint_reads_the_same_in_bitsandbytes_transformers_an
     assert AutoTokenizer.from_pretrained(out).eos_token == "</s>"
 
 
-def test_the_bf16_form_holds_the_draws_the_4bit_form_quantizes(tmp_path):
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_the_bf16_form_holds_the_draws_the_4bit_form_quantizes(tmp_path, name):
     """`--bf16` writes the same random weights unquantized (the HF checkpoint a conversion benchmark starts from):
-    quantized by jaxtune as bitsandbytes would, they are the bnb-4bit form's bytes."""
+    quantized by jaxtune as bitsandbytes would, they are the bnb-4bit form's bytes (a mixture of experts' too, one
+    tensor per expert as the hub lays them out)."""
     script = _script()
-    script.write_checkpoint("tiny", str(tmp_path / "bnb"), progress=False)
-    info = script.write_checkpoint("tiny", str(tmp_path / "bf16"), progress=False, bf16=True)
+    script.write_checkpoint(name, str(tmp_path / "bnb"), progress=False)
+    info = script.write_checkpoint(name, str(tmp_path / "bf16"), progress=False, bf16=True)
     assert info["format"] == "bf16"
     assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
     from_bnb, _ = jaxtune.from_pretrained(tmp_path / "bnb")
@@ -73,3 +76,21 @@ def test_the_bf16_form_holds_the_draws_the_4bit_form_quantizes(tmp_path):
     assert len(a) == len(b) > 10
     for (path, x), (_, y) in zip(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+
+
+def test_a_truncated_bf16_mixture_of_experts_reads_the_same_in_transformers_and_jaxtune(tmp_path):
+    """`--layers` keeps a model's shapes with fewer layers (a Qwen3-30B-A3B-shaped benchmark checkpoint that fits
+    the disk); the experts in the hub's per-expert layout give transformers' logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    info = _script().write_checkpoint("tiny-moe", str(tmp_path / "moe"), progress=False, bf16=True, layers=1)
+    assert json.loads((tmp_path / "moe" / "config.json").read_text())["num_hidden_layers"] == 1
+    assert info["format"] == "bf16"
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.float32)
+    model, _ = jaxtune.from_pretrained(tmp_path / "moe", dtype="float32", load_in_4bit=False)
+    assert model.config.num_experts == 8 and model.config.num_layers == 1
+    ids = np.random.default_rng(0).integers(0, 512, size=(2, 12))
+    with torch.no_grad():
+        ref = hf(torch.as_tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model(ids)), ref, atol=1e-4)
