@@ -1,7 +1,7 @@
 """What quantization-aware training recovers of a 4-bit export's loss, on the bundled SmolLM2-135M-Instruct and the
 demo's task (examples/data/people_*.jsonl: answer in a fixed JSON schema; held-out names).
 
-    PYTHONPATH=.:examples python benchmarks/qat_smollm2.py [--steps 12] [--out runs/qat] [--formats q4_0,nf4]
+    PYTHONPATH=.:examples python benchmarks/qat_smollm2.py [--steps 12] [--out runs/qat] [--formats q4_0,q4_k,nf4]
         [--ptq-formats q4_k_m]
 For each run (plain LoRA, then QAT per format), the same data, steps and seed: the held-out loss on the answers and
 the exact match of greedy answers, of (a) the fine-tune in memory, (b) its 4-bit export, read back as a user runs it
@@ -49,6 +49,9 @@ def answer_loss(model, tokenizer, evals: list[dict]) -> float:
     return total / count
 
 
+EXPORT = {"q4_k": "q4_k_m"}  # the GGUF type a QAT format's run is exported in (q4_K QAT for a Q4_K_M file)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
@@ -81,7 +84,8 @@ def main() -> None:
                           "final_loss": round(result.losses[-1], 4)}), flush=True)
         if qat == "none":
             score(qat, "in memory", model, tokenizer)
-        for fmt in ([qat] if qat != "none" else [*formats, *ptq_formats]):
+        exports = [EXPORT.get(qat, qat)] if qat != "none" else [*(EXPORT.get(f, f) for f in formats), *ptq_formats]
+        for fmt in exports:
             exported = out / f"{qat}-{fmt}"
             shutil.rmtree(exported, ignore_errors=True)
             exported.mkdir(parents=True)
@@ -99,7 +103,9 @@ def main() -> None:
                     deployed, deployed_tok = jaxtune.from_pretrained(exported / "merged", dtype="float32")
             score(qat, f"{fmt} export", deployed, deployed_tok)
     for fmt in formats:
-        full, ptq, qat = losses[("none", "in memory")], losses[("none", f"{fmt} export")], losses[(fmt, f"{fmt} export")]
+        export = EXPORT.get(fmt, fmt)
+        full, ptq, qat = (losses[("none", "in memory")], losses[("none", f"{export} export")],
+                          losses[(fmt, f"{export} export")])
         print(json.dumps({"format": fmt, "unquantized": round(full, 4), "ptq": round(ptq, 4), "qat": round(qat, 4),
                           "recovered": round((ptq - qat) / (ptq - full), 3) if ptq != full else None}), flush=True)
 

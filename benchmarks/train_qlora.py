@@ -111,7 +111,7 @@ def main() -> None:
                          "(cuDNN); dense-segmented: the same rows through the segment-aware Pallas kernel; "
                          "varlen: packed variable-length samples")
     ap.add_argument("--compute", default="bf16", choices=["bf16", "fp8"], help="frozen projections in bf16 or FP8")
-    ap.add_argument("--qat", default="none", choices=["none", "q4_0", "nf4"],
+    ap.add_argument("--qat", default="none", choices=["none", "q4_0", "q4_k", "nf4"],
                     help="quantization-aware training: the merged weights seen as that 4-bit export stores them")
     ap.add_argument("--unroll-layers", action="store_true",
                     help="one traced layer per decoder layer (no stacks of saved activations) instead of a loop")

@@ -92,7 +92,8 @@ _TRAIN_OVERRIDES = {  # CLI flag -> TrainConfig field
     "grad_accum": "grad_accum", "lr": "learning_rate", "schedule": "schedule", "warmup_steps": "warmup_steps",
     "lora_r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout", "remat": "remat",
     "eval_fraction": "eval_fraction", "eval_steps": "eval_steps", "save_steps": "save_steps", "seed": "seed",
-    "mesh": "mesh", "compute": "compute", "qat": "qat", "eval_quantized": "eval_quantized", "report_to": "report_to",
+    "mesh": "mesh", "compute": "compute", "qat": "qat", "qat_start_step": "qat_start_step",
+    "eval_quantized": "eval_quantized", "report_to": "report_to",
     "objective": "objective", "beta": "beta",
     "dpo_loss": "dpo_loss", "label_smoothing": "label_smoothing", "orpo_lambda": "orpo_lambda",
     "num_generations": "num_generations", "max_completion_length": "max_completion_length",
@@ -328,12 +329,14 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--compute", choices=["bf16", "fp8"],
                     help="fp8: the frozen projections as FP8 GEMMs on Ada/Hopper, but q/k's forward "
                          "(opt-in; default bf16)")
-    tr.add_argument("--qat", choices=["none", "q4_0", "nf4"],
-                    help="quantization-aware training for the 4-bit export you will make (export --gguf-type q4_0, "
-                         "or --dtype nf4): the forward sees each merged weight as that format stores it")
-    tr.add_argument("--eval-quantized", choices=["none", "q4_0", "nf4"],
-                    help="also log the held-out loss of the 4-bit export you will make (eval_loss_q4_0 / "
-                         "eval_loss_nf4 beside eval_loss at every evaluation; needs --eval-fraction)")
+    tr.add_argument("--qat", choices=["none", "q4_0", "q4_k", "nf4"],
+                    help="quantization-aware training for the 4-bit export you will make (export --gguf-type q4_0 "
+                         "or q4_k_m, or --dtype nf4): the forward sees each merged weight as that format stores it")
+    tr.add_argument("--qat-start-step", type=int,
+                    help="train the steps before this one without --qat (the faster plain step), the rest with it")
+    tr.add_argument("--eval-quantized", choices=["none", "q4_0", "q4_k", "nf4"],
+                    help="also log the held-out loss of the 4-bit export you will make (eval_loss_q4_0, "
+                         "_q4_k or _nf4 beside eval_loss at every evaluation; needs --eval-fraction)")
     tr.add_argument("--unroll-layers", action="store_true",
                     help="trace each decoder layer on its own instead of looping over them: ~2%% faster steps, "
                          "a longer compile (~1 min at 80 layers); not with --remat offload")

@@ -244,7 +244,7 @@ class CausalLM(nnx.Module):
         # into and out of (faster), a compile time that grows with the layer count; remat "offload" keeps its
         # own loops
         self.unroll_layers: bool = False
-        # quantization-aware training: "q4_0" or "nf4" puts each LoRA projection's merged weight through that
+        # quantization-aware training: "q4_0", "q4_k" or "nf4" puts each LoRA projection's merged weight through that
         # format's quantizer in the forward pass (straight-through gradient); set by train() like `compute`
         self.qat: str | None = None
 

@@ -19,8 +19,12 @@ CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_
 IDS = np.random.default_rng(0).integers(0, 128, size=(2, 12))
 
 
-def _tuned(tmp_path, load_in_4bit: bool):
-    build_hf_model(LlamaConfig(**CONFIG), tmp_path / "base")
+# rows of whole 256-weight super-blocks, so that Q4_K_M's projections are q4_K (CONFIG's are its q5_0 fallback)
+WIDE = dict(CONFIG, hidden_size=256, intermediate_size=512)
+
+
+def _tuned(tmp_path, load_in_4bit: bool, config: dict = CONFIG):
+    build_hf_model(LlamaConfig(**config), tmp_path / "base")
     model, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=load_in_4bit)
     jaxtune.get_peft_model(model, r=4, lora_alpha=8)
     rng = np.random.default_rng(1)
@@ -29,8 +33,10 @@ def _tuned(tmp_path, load_in_4bit: bool):
     return model
 
 
-def _merged(model, name: str, layer: int) -> np.ndarray:
+def _merged(model, name: str, layer: int, as_jaxtune: bool = False) -> np.ndarray:
     p = projection(model, name)
+    if as_jaxtune:  # jaxtune's float32 merge, bit for bit
+        return np.asarray(p.merged_weight()[layer])
     a, b = np.asarray(p.lora_a[...][layer], np.float64), np.asarray(p.lora_b[...][layer], np.float64)
     base = p.base
     if hasattr(base, "weight_nf4"):
@@ -50,6 +56,16 @@ def _round_trip(w: np.ndarray, fmt: str) -> np.ndarray:
 
         q = gguf.GGMLQuantizationType.Q4_0
         return gguf.quants.dequantize(gguf.quants.quantize(w, q), q).astype(np.float32)
+    if fmt == "q4_k":  # ggml's q4_K bytes (jaxtune's numpy quantizer, byte-equal to llama.cpp's), read by `gguf`
+        import gguf
+
+        from jaxtune.quant import quantize_q4_k
+
+        if w.shape[-1] % 256:  # the export's fallback
+            q = gguf.GGMLQuantizationType.Q5_0
+            return gguf.quants.dequantize(gguf.quants.quantize(w, q), q).astype(np.float32)
+        q = gguf.GGMLQuantizationType.Q4_K
+        return gguf.quants.dequantize(quantize_q4_k(w), q).reshape(w.shape).astype(np.float32)
     import bitsandbytes.functional as F
 
     q, state = F.quantize_4bit(torch.from_numpy(w), blocksize=64, compress_statistics=True, quant_type="nf4")
@@ -57,20 +73,25 @@ def _round_trip(w: np.ndarray, fmt: str) -> np.ndarray:
 
 
 def _deployed(tmp_path, model, fmt: str):
-    """transformers' model of the base, its projections replaced by the quantized merged weights."""
+    """transformers' model of the base, its projections replaced by the quantized merged weights. q4_K's scale
+    search is discontinuous (a last-bit change of a weight may pick another grid for its block), so it quantizes
+    jaxtune's own float32 merge; the others numpy's float64 one."""
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
     with torch.no_grad():
-        for layer in range(CONFIG["num_hidden_layers"]):
+        for layer in range(hf.config.num_hidden_layers):
             for name in LORA_TARGETS:
                 module = getattr(getattr(hf.model.layers[layer], PARENT_MODULE[name]), name)
-                module.weight.copy_(torch.from_numpy(_round_trip(_merged(model, name, layer), fmt)))
+                merged = _merged(model, name, layer, as_jaxtune=fmt == "q4_k")
+                module.weight.copy_(torch.from_numpy(_round_trip(merged, fmt)))
     return hf
 
 
-@pytest.mark.parametrize("fmt, load_in_4bit, tol", [("q4_0", False, 1e-4), ("q4_0", True, 1e-4),
-                                                     ("nf4", True, 2e-3)])  # bnb's absmax codes: a few one apart
-def test_the_qat_forward_is_the_exported_4bit_models(tmp_path, fmt, load_in_4bit, tol):
-    model = _tuned(tmp_path, load_in_4bit)
+@pytest.mark.parametrize("fmt, load_in_4bit, tol, config", [
+    ("q4_0", False, 1e-4, CONFIG), ("q4_0", True, 1e-4, CONFIG),
+    ("nf4", True, 2e-3, CONFIG),  # bnb's absmax codes: a few one apart
+    ("q4_k", True, 1e-4, WIDE), ("q4_k", False, 1e-4, CONFIG)])
+def test_the_qat_forward_is_the_exported_4bit_models(tmp_path, fmt, load_in_4bit, tol, config):
+    model = _tuned(tmp_path, load_in_4bit, config)
     plain = np.asarray(model(IDS))
     model.qat = fmt
     qat = np.asarray(model(IDS))
@@ -118,7 +139,7 @@ def test_qat_trains_and_refuses_what_it_cannot_combine_with(tiny_tokenizer):
     with pytest.raises(jaxtune.ConfigError, match="LoRA dropout cannot apply; set lora_dropout 0"):
         jaxtune.TrainConfig(qat="nf4", lora_dropout=0.05)
     with pytest.raises(jaxtune.ConfigError, match="qat"):
-        jaxtune.TrainConfig(qat="q4_k")
+        jaxtune.TrainConfig(qat="q3_k")
     from jaxtune.config import ModelConfig
     from jaxtune.model import init_model
     from jaxtune.qlora import quantize_layers
@@ -154,3 +175,25 @@ def test_eval_quantized_logs_the_held_out_loss_of_the_4bit_export(tmp_path, tiny
     want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100).item()
     assert last["eval_loss_q4_0"] == pytest.approx(want, rel=1e-4)
     assert abs(last["eval_loss"] - want) > 5e-4 * want  # eval_loss is the unquantized model's (measured 7e-4)
+
+
+def test_qat_from_a_later_step_trains_the_steps_before_it_as_plain_lora(tiny_tokenizer):
+    """qat_start_step=2: steps 1-2 are a plain run's to the bit, step 3 on goes through the quantizer (its loss is
+    the 4-bit model's, not the plain run's)."""
+    from jaxtune.config import ModelConfig
+    from jaxtune.model import init_model
+    from jaxtune.qlora import quantize_layers
+
+    cfg = ModelConfig(model_type="llama", vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, eos_token_id=tiny_tokenizer.eos_token_id)
+    rows = [{"text": f"the quick brown fox {i} jumps over the lazy dog " * 2} for i in range(16)]
+
+    def losses(**qat) -> list[float]:
+        model = quantize_layers(init_model(cfg, dtype="float32", seed=0))
+        return jaxtune.train(model, tiny_tokenizer, rows, jaxtune.TrainConfig(
+            format="text", seq_len=32, micro_batch_size=4, max_steps=4, learning_rate=3e-3, warmup_steps=0, **qat),
+            progress=False).losses
+
+    plain, late, qat = losses(), losses(qat="q4_0", qat_start_step=2), losses(qat="q4_0")
+    assert late[:2] == plain[:2] and late[0] != qat[0]
+    assert late[2] != plain[2]

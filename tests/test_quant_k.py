@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -58,3 +59,28 @@ def test_k_quants_read_back_by_gguf_as_by_jaxtune(fmt, shape):
 def test_k_quants_refuse_rows_of_partial_super_blocks():
     with pytest.raises(ValueError, match="whole 256-weight super-blocks; a row has 576"):
         quantize_q4_k(np.zeros((2, 576), np.float32))
+
+
+def test_the_traced_q4_k_round_trip_reads_back_as_llama_cpps_bytes():
+    """QAT's q4_K (traced) is what llama.cpp's own bytes of every fixture tensor read back as through the `gguf`
+    package, to the bit (on a CPU: ggml's order of sums, no fused multiply-adds)."""
+    from jaxtune.quant.k_quants_traced import round_trip_q4_k
+
+    tensors = _llama_cpp()
+    for name in sorted({k.split(".")[0] for k in tensors}):
+        x = tensors[f"{name}.input"]
+        want = gguf.quants.dequantize(tensors[f"{name}.q4_K"], gguf.GGMLQuantizationType.Q4_K).reshape(x.shape)
+        np.testing.assert_array_equal(np.asarray(jax.jit(round_trip_q4_k)(x)), want, err_msg=name)
+
+
+@pytest.mark.parametrize("shape", [(4, 96), (3, 576)])
+def test_the_traced_q5_0_round_trip_is_the_gguf_packages(shape):
+    """Rows that are not whole super-blocks: the Q4_K_M export's fallback, q5_0, as the `gguf` package (llama.cpp's
+    reference in numpy) quantizes and reads it."""
+    from jaxtune.quant.k_quants_traced import round_trip_q4_k_m
+
+    x = np.random.default_rng(shape[1]).normal(0, 0.02, shape).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block
+    q = gguf.GGMLQuantizationType.Q5_0
+    want = gguf.quants.dequantize(gguf.quants.quantize(x, q), q).reshape(shape)
+    np.testing.assert_array_equal(np.asarray(round_trip_q4_k_m(x)), want)

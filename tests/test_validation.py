@@ -42,8 +42,9 @@ BOUNDS = {
     "compute": (["int8", "fp16"], ["fp8"]),
     "compile_cache": ([1], [False]),
     "unroll_layers": (["yes"], [True]),
-    "qat": (["q4_k", None, 4], ["q4_0", "nf4", "none"]),
-    "eval_quantized": (["q4_k", None, 4], ["none"]),
+    "qat": (["q3_k", None, 4], ["q4_0", "q4_k", "nf4", "none"]),
+    "eval_quantized": (["q3_k", None, 4], ["none"]),
+    "qat_start_step": ([-1, 1.5], [0]),
     "offload_optimizer": (["on"], [True]),
     "offload_embedding": ([0], [False]),
     "mesh": (["tp=2", "data"], ["data=1"]),
@@ -104,6 +105,8 @@ def test_numbers_written_as_strings_in_yaml_are_numbers(tmp_path):
 @pytest.mark.parametrize("values,words", [
     (dict(eval_steps=10), "needs a held-out split"),
     (dict(eval_quantized="q4_0"), "needs a held-out split"),
+    (dict(qat_start_step=2), "starts quantization-aware training, which is off"),
+    (dict(qat="q4_0", qat_start_step=100, max_steps=100), "is not before max_steps=100"),
     (dict(seq_len=2**20, micro_batch_size=2048), "over 2^31"),
 ])
 def test_combinations_that_cannot_work_are_refused(values, words):
@@ -131,8 +134,8 @@ BAD_FLAGS = {
         "--format": "sharegpt", "--max-steps": "0", "--seq-len": "100000000", "--batch-size": "zero",
         "--grad-accum": "-1", "--lr": "-1", "--schedule": "exp", "--warmup-steps": "-1", "--lora-r": "0",
         "--lora-alpha": "-2", "--lora-dropout": "1.5", "--remat": "full", "--eval-fraction": "1.5",
-        "--eval-steps": "-3", "--save-steps": "-1", "--seed": "-1", "--compute": "int8", "--qat": "q4_k",
-        "--eval-quantized": "q4_k", "--mesh": "tp=2",
+        "--eval-steps": "-3", "--save-steps": "-1", "--seed": "-1", "--compute": "int8", "--qat": "q3_k",
+        "--eval-quantized": "q3_k", "--qat-start-step": "-1", "--mesh": "tp=2",
         "--report-to": "tb", "--config": "missing.yaml", "--dtype": "float8", "--data": "missing.jsonl",
         "--model": "missing-model-dir", "--out": "a-file", "--resume": None, "--no-packing": None,
         "--no-compile-cache": None, "--objective": "ppo", "--beta": "-1", "--dpo-loss": "hinge",

@@ -7,7 +7,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune import nf4
+from jaxtune.quant.k_quants_traced import round_trip_q4_k_m
 from jaxtune.quant.q4_0 import round_trip_q4_0
+
 
 def nf4_round_trip(w: jax.Array) -> jax.Array:
     """W [out, in] as its NF4 re-quantization (bitsandbytes' format, double-quantized scales) reads back."""
@@ -16,4 +18,4 @@ def nf4_round_trip(w: jax.Array) -> jax.Array:
 
 def round_trip(w: jax.Array, fmt: str) -> jax.Array:
     """`w` [out, in] as the `fmt` export stores it and a loader reads it back (float32)."""
-    return {"q4_0": round_trip_q4_0, "nf4": nf4_round_trip}[fmt](w)
+    return {"q4_0": round_trip_q4_0, "q4_k": round_trip_q4_k_m, "nf4": nf4_round_trip}[fmt](w)

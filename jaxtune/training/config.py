@@ -67,11 +67,15 @@ class TrainConfig:
     # activations to copy), a compile time that grows with the depth (~1 min at 80 layers instead of ~10 s);
     # remat "offload" keeps its own loops
     unroll_layers: bool = False
-    # quantization-aware training for a 4-bit export: "q4_0" (GGUF) or "nf4" (bitsandbytes) puts each LoRA
-    # projection's merged weight through that quantizer in the forward pass, the gradient passing straight through
+    # quantization-aware training for a 4-bit export: "q4_0" or "q4_k" (GGUF q4_0 / Q4_K_M) or "nf4" (bitsandbytes)
+    # puts each LoRA projection's merged weight through that quantizer in the forward pass, the gradient passing
+    # straight through
     qat: str = "none"
-    # the held-out loss also through a 4-bit format's quantizer ("q4_0" or "nf4": the LoRA projections' merged weights
-    # as that export quantizes them), logged as eval_loss_<format> beside eval_loss at every evaluation
+    # the steps before this one train without the fake quantization (plain LoRA, the faster step), the rest with it:
+    # QAT for the end of a run only
+    qat_start_step: int = 0
+    # the held-out loss also through a 4-bit format's quantizer ("q4_0", "q4_k" or "nf4": the LoRA projections' merged
+    # weights as that export quantizes them), logged as eval_loss_<format> beside eval_loss at every evaluation
     eval_quantized: str = "none"
     # AdamW's state (8 bytes per LoRA parameter: 1.5 GiB at 70B r=16, 0.6 GiB at 8B r=32) lives in host memory
     # between steps, copied in once the backward pass is done and out after the update, so the forward and backward
@@ -151,6 +155,12 @@ class TrainConfig:
         if self.qat != "none" and self.compute == "fp8":
             raise ConfigError("qat and compute 'fp8' do not combine: QAT multiplies by the fake-quantized merged "
                               "weight, not the NF4 base; use compute 'bf16'", field="qat")
+        if self.qat == "none" and self.qat_start_step:
+            raise ConfigError(f"qat_start_step={self.qat_start_step} starts quantization-aware training, which is off: "
+                              "set qat (q4_0, q4_k or nf4), or qat_start_step 0", field="qat_start_step")
+        if self.qat != "none" and self.qat_start_step >= self.max_steps:
+            raise ConfigError(f"qat_start_step={self.qat_start_step} is not before max_steps={self.max_steps}, so no step "
+                              "would train through the quantizer: start it earlier", field="qat_start_step")
         if self.qat != "none" and self.lora_dropout > 0:
             raise ConfigError("qat merges LoRA into the weight it quantizes, so LoRA dropout cannot apply; set "
                               "lora_dropout 0", field="qat")
@@ -321,8 +331,11 @@ _RULES: dict[str, _Rule] = {
     "compute": _Rule("choice", choices=COMPUTE_MODES),
     "compile_cache": _Rule("bool"),
     "unroll_layers": _Rule("bool"),
-    "qat": _Rule("choice", choices=("none", "q4_0", "nf4"), fix="the format the fine-tune will be exported in"),
-    "eval_quantized": _Rule("choice", choices=("none", "q4_0", "nf4"), fix="the format the fine-tune will be exported in"),
+    "qat": _Rule("choice", choices=("none", "q4_0", "q4_k", "nf4"),
+                 fix="the format the fine-tune will be exported in"),
+    "qat_start_step": _Rule("int", 0),
+    "eval_quantized": _Rule("choice", choices=("none", "q4_0", "q4_k", "nf4"),
+                            fix="the format the fine-tune will be exported in"),
     "offload_optimizer": _Rule("bool"),
     "offload_embedding": _Rule("bool"),
     "logging_steps": _Rule("int", 1),

@@ -168,13 +168,14 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
     use_compilation_cache(cfg.compile_cache)
     rows = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else unit  # what the step is planned for
 
-    def split_with(layout: tuple[int, int], quantized: str | None = None):
+    def split_with(layout: tuple[int, int], quantized: str | None = None, qat: bool = True):
         """The step's graphdef carries these flags; the user's model gets its defaults back. `quantized`: the
-        graphdef of the held-out loss through that 4-bit format (eval_quantized), computed in the model's dtype."""
+        graphdef of the held-out loss through that 4-bit format (eval_quantized), computed in the model's dtype;
+        without `qat`, the plain step of the steps before qat_start_step."""
         model.single_sequence_rows, model.compute = single_sequence_rows, "bf16" if quantized else cfg.compute
         model.offload_device_layers, model.offload_group = layout
         model.unroll_layers = cfg.unroll_layers
-        model.qat = quantized or (None if cfg.qat == "none" else cfg.qat)
+        model.qat = quantized or (None if cfg.qat == "none" or not qat else cfg.qat)
         try:
             return split_model(model)
         finally:
@@ -238,6 +239,9 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
         layout = layouts[1]
         step_fn = make_train_step(split_with(layout)[0], optimizer, schedule, cfg, mesh, batch_extra)
     on_device, group = layout
+    # QAT from qat_start_step on: the steps before it are plain LoRA's (planned with the QAT step, the larger)
+    plain_fn = (make_train_step(split_with(layout, qat=False)[0], optimizer, schedule, cfg, mesh, batch_extra)
+                if cfg.qat_start_step else step_fn)
     if on_device and lead:
         print(f"remat offload: the inputs of {on_device} of {model.config.num_layers} layers stay in device memory, "
               f"host memory holds the rest ({host.describe()})", flush=True)
@@ -318,7 +322,8 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
                     batch = to_device_batch({k: v.reshape(batches.accum, batches.micro_batch, -1)
                                              for k, v in host_batch.items()}, mesh)
                     try:
-                        new_lora, new_opt_state, m = step_fn(lora, opt_state, frozen, batch, np.int32(step))
+                        fn = plain_fn if step < cfg.qat_start_step else step_fn
+                        new_lora, new_opt_state, m = fn(lora, opt_state, frozen, batch, np.int32(step))
                         m = jax.device_get(m)  # a launch that runs out of memory may fail only here (asynchronously)
                         lora, opt_state = new_lora, new_opt_state
                         break
