@@ -13,6 +13,8 @@ from flax import nnx
 from jaxtune import nf4, ops
 from jaxtune.moe.grouped import grouped_matmul
 from jaxtune.moe.layout import TileLayout
+from jaxtune.ops import dispatch
+from jaxtune.sharding import current_mesh
 
 _INIT_STD = 0.02
 
@@ -53,7 +55,25 @@ class NF4Experts(nnx.Module):
                              self.nested_map[...], layer)
 
     def __call__(self, x: jax.Array, layout: TileLayout, rng: jax.Array | None = None) -> jax.Array:
-        return grouped_matmul(x, nf4.dequantize(self.weight_nf4, x.dtype), layout)
+        return grouped_matmul(x, self.dequantized(x.dtype), layout)
+
+    def dequantized(self, dtype: jnp.dtype) -> jax.Array:
+        """The experts' weights [E, out, in] in dtype. Where the grouped kernel runs (one device), the Pallas NF4
+        dequant kernel reads the codes in place, all experts as one [E * out, in] weight: one pass at memory
+        speed, where XLA's table lookups over every expert took a fifth of a Qwen3-30B-A3B step
+        (benchmarks/results/2026-11-28-moe-vs-unsloth-h200.md)."""
+        q = self.weight_nf4
+        codes = jnp.asarray(q.codes)
+        experts, out, half = codes.shape[-3:]
+        if (dispatch.moe_impl() != "pallas" or current_mesh() is not None
+                or (experts * out) % nf4.BLOCK or (2 * half) % nf4.BLOCK):
+            return nf4.dequantize(q, dtype)
+        from pallas_kernels.nf4_dequant import nf4_dequantize
+
+        absmax = nf4.dequantize_absmax(q).reshape(experts * out, 2 * half // nf4.BLOCK)
+        rows = codes.reshape(*codes.shape[:-3], experts * out, half)  # a view: the stack stays whole in the scan
+        w = nf4_dequantize(rows, absmax, dtype, layer=q.layer, interpret=dispatch.interpret())
+        return w.reshape(experts, out, 2 * half)
 
 
 class LoRAExperts(nnx.Module):
