@@ -26,7 +26,8 @@ from jax import core as jax_core
 
 from jaxtune.sharding import current_mesh
 
-# layer_fn(h, per_layer_i, invariant, index) -> h: one decoder layer
+# layer_fn(h, per_layer_i, invariant, index) -> h: one decoder layer (h an array, or a pytree of them: the hidden
+# states and what the layers accumulate beside them)
 LayerFn = Callable[[jax.Array, Any, Any, jax.Array], jax.Array]
 
 
@@ -63,6 +64,10 @@ def _layout(vjp_fn, trainable_i, frozen_i, invariant, index) -> tuple[_ResidualL
         else:
             layout.sources.append(("static", leaf))
     return layout, stacked
+
+
+def _is_primal(x) -> bool:
+    return isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
 
 
 def _uninitialized(shape: tuple[int, ...], dtype) -> jax.Array:
@@ -120,7 +125,7 @@ def layer_loop(layer_fn: LayerFn, h: jax.Array, per_layer: Any, invariant: Any, 
         if any(x.perturbed for x in inv_leaves):
             raise NotImplementedError("the layer loop does not differentiate its loop constants")
         trained = traced["trained"] = tuple(x.perturbed for x in layer_leaves)
-        h = h.value
+        h = jax.tree.map(lambda x: x.value, h, is_leaf=_is_primal)
         layer_leaves = [x.value for x in layer_leaves]
         inv_leaves = [x.value for x in inv_leaves]
         t_stack, f_stack = split(layer_leaves, trained)
@@ -182,8 +187,9 @@ def layer_loop(layer_fn: LayerFn, h: jax.Array, per_layer: Any, invariant: Any, 
     def run_bwd(residuals, dh):
         saved, t_stack, f_stack, inv_leaves = residuals  # stacks, or unrolled each layer's own list
         trained = traced["trained"]
-        if isinstance(dh, jax.custom_derivatives.SymbolicZero):  # the output takes no part in the loss
-            dh = jnp.zeros(dh.shape, dh.dtype)
+        # an output (or a part of the carry) that takes no part in the loss
+        dh = jax.tree.map(lambda d: jnp.zeros(d.shape, d.dtype) if isinstance(d, jax.custom_derivatives.SymbolicZero)
+                          else d, dh, is_leaf=lambda d: isinstance(d, jax.custom_derivatives.SymbolicZero))
         if unrolled:
             grads = [None] * num_layers
             for i in reversed(range(num_layers)):

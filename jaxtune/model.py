@@ -8,6 +8,7 @@ does not grow with depth. Training may unroll that loop instead (`unroll_layers`
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import jax
@@ -18,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtune import ops
 from jaxtune.config import ModelConfig
 from jaxtune.layer_loop import layer_loop
+from jaxtune.moe import balancing
 from jaxtune.moe.block import SparseMoE
 from jaxtune.rope import apply_rope, rope_tables
 
@@ -247,6 +249,9 @@ class CausalLM(nnx.Module):
         # quantization-aware training: "q4_0", "q4_k" or "nf4" puts each LoRA projection's merged weight through that
         # format's quantizer in the forward pass (straight-through gradient); set by train() like `compute`
         self.qat: str | None = None
+        # a mixture of experts' routers also count what the load-balancing loss needs (`load_balancing_loss`, read
+        # after `hidden_states`); set by train() in the step's graphdef when the config asks for that loss
+        self.router_aux: bool = False
 
     def __call__(
         self,
@@ -270,15 +275,38 @@ class CausalLM(nnx.Module):
 
         `dropout_rng` switches LoRA dropout on (training); without it the model is deterministic.
         """
+        out = self._hidden_states(input_ids, positions, segment_ids, dropout_rng)
+        return out[0] if isinstance(out, tuple) else out
+
+    def hidden_states_and_balancing_loss(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        *,
+        dropout_rng: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """(`hidden_states`, the routers' load-balancing loss over the tokens that are not padding), the loss as
+        transformers' `load_balancing_loss_func` computes it; needs `router_aux` (set by train() when the
+        config asks for the loss)."""
+        out = self._hidden_states(input_ids, positions, segment_ids, dropout_rng)
+        if not isinstance(out, tuple):
+            raise ValueError("hidden_states_and_balancing_loss needs a mixture of experts with router_aux set")
+        h, stats = out
+        return h, balancing.load_balancing_loss(stats, self.config.num_experts)
+
+    def _hidden_states(self, input_ids, positions, segment_ids, dropout_rng):
+        """The hidden states, or (them, the load-balancing statistics summed over the layers) under router_aux."""
         if positions is None:
             if segment_ids is None:
                 positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
             else:
                 positions = segment_positions(segment_ids)
+        tokens = None if segment_ids is None else segment_ids > 0  # padding is not routed for the balancing loss
         if self.single_sequence_rows:
             segment_ids = None
         with ops.frozen_compute(self.compute), ops.fake_quantized(self.qat):
-            h, _ = self._decode(input_ids, positions, segment_ids, None, None, dropout_rng)
+            h, _ = self._decode(input_ids, positions, segment_ids, None, None, dropout_rng, tokens)
         return h
 
     def head_weight(self) -> jax.Array:
@@ -305,9 +333,15 @@ class CausalLM(nnx.Module):
         h, written = self._decode(input_ids, positions, segment_ids, LayerCache(cache.k, cache.v), (seg, cache_index))
         return self.logits(h[:, -1:] if last_only else h), KVCache(written.k, written.v, seg)
 
-    def _decode(self, input_ids, positions, segment_ids, cache, cache_args, dropout_rng=None):
+    def _decode(self, input_ids, positions, segment_ids, cache, cache_args, dropout_rng=None, tokens=None):
         cos, sin = rope_tables(self.config, positions)
         h = self.embed_tokens(input_ids).astype(self.dtype)
+        # the load-balancing loss's statistics ride beside the hidden states through the layers
+        aux = self.router_aux and cache is None and bool(self.config.num_experts)
+        if aux and tokens is None:
+            tokens = jnp.ones(input_ids.shape, bool)
+        if aux:
+            h = (h, jnp.zeros(balancing.stats_size(self.config.num_experts), jnp.float32))
         cache_seg, cache_index = cache_args if cache_args is not None else (None, None)
         offloading = self.remat_policy == "offload" and cache is None
         group, on_device = (self.offload_group, self.offload_device_layers) if offloading else (1, 0)
@@ -325,13 +359,16 @@ class CausalLM(nnx.Module):
         def body(h, xs, constants=(cos, sin, segment_ids)):
             state, layer_cache, rng = xs
             layer = nnx.merge(graphdef, state)
+            h, stats = h if aux else (h, None)
             h = checkpoint_name(h, "layer_input")  # what the "offload" policy moves to host memory
             # memory-first training keeps one dequantized weight alive at a time, not a layer's worth
-            with ops.dequantize_at_use(per_layer_scales):
-                return layer(h, *constants, layer_cache, cache_seg, cache_index, rng, mlp_token_tile)
+            with ops.dequantize_at_use(per_layer_scales), (
+                    balancing.collecting(tokens) if aux else contextlib.nullcontext([])) as counted:
+                out, written = layer(h, *constants, layer_cache, cache_seg, cache_index, rng, mlp_token_tile)
+            return ((out, stats + sum(counted)) if aux else out), written
 
         if group > 1 or on_device:
-            return self.norm(self._split_offload_scan(body, h, layer_state, layer_rngs, group, on_device)), None
+            return self._final(self._split_offload_scan(body, h, layer_state, layer_rngs, group, on_device)), None
         # the NF4 codes (and their prepared kernel scales) stay whole (constants of the scan) and each layer reads
         # its own in place: the kernels that dequantize them would otherwise get a copy of every layer's codes (a
         # custom call's operand is a buffer of its own, never a slice of one)
@@ -360,11 +397,11 @@ class CausalLM(nnx.Module):
 
             h = layer_loop(rematerialized(layer_fn), h, (sliced_state, layer_rngs),
                            (codes_state, cos, sin, segment_ids), self.config.num_layers, unrolled=unrolled)
-            return self.norm(h), None
+            return self._final(h), None
         layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
         if cache is None:  # remat "offload" on one group of layers: the plain loop, no cache
             h, _ = jax.lax.scan(rematerialized(stacked_body), h, (sliced_state, None, layer_rngs, layers))
-            return self.norm(h), None
+            return self._final(h), None
 
         def cached_body(carry, xs):  # the cache stacks ride in the carry: each layer updates them in place
             h, k, v = carry
@@ -375,6 +412,13 @@ class CausalLM(nnx.Module):
         (h, k, v), _ = jax.lax.scan(rematerialized(cached_body), (h, cache.k, cache.v),
                                     (sliced_state, layer_rngs, layers))
         return self.norm(h), LayerCache(k, v)
+
+    def _final(self, h):
+        """The final norm of the last layer's hidden states (and the load-balancing statistics as they are, where
+        they ride beside them)."""
+        if isinstance(h, tuple):
+            return self.norm(h[0]), h[1]
+        return self.norm(h)
 
     def _kernel_ready_layers(self) -> nnx.Module:
         """The decoder layers with every NF4 projection's kernel scales prepared for all layers at once (a copy
@@ -416,7 +460,7 @@ class CausalLM(nnx.Module):
             inner = jax.checkpoint(per_layer, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
 
             def group_body(h, indices):
-                h = checkpoint_name(h, "group_input")
+                h = jax.tree.map(lambda a: checkpoint_name(a, "group_input"), h)
                 h, _ = jax.lax.scan(inner, h, indices)
                 return h, None
 

@@ -146,6 +146,86 @@ def test_expert_lora_equals_transformers_on_the_merged_weights(tmp_path, family,
     assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max())
 
 
+def _merge_into(hf, model) -> None:
+    """transformers' projections set to jaxtune's W + s * B @ A (attention and every expert)."""
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            merged = np.asarray(getattr(model.layers.self_attn, name).merged_weight())
+            for i, layer in enumerate(hf.model.layers):
+                getattr(layer.self_attn, name).weight.copy_(torch.from_numpy(merged[i].copy()))
+        mlp = model.layers.block_sparse_moe if hasattr(model.layers, "block_sparse_moe") else model.layers.mlp
+        gate, up, down = (np.asarray(getattr(mlp, n).merged_weight()) for n in ("gate_proj", "up_proj", "down_proj"))
+        for i, layer in enumerate(hf.model.layers):
+            experts = (layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp).experts
+            experts.gate_up_proj.copy_(torch.from_numpy(np.concatenate([gate[i], up[i]], axis=1).copy()))
+            experts.down_proj.copy_(torch.from_numpy(down[i].copy()))
+
+
+@pytest.mark.parametrize("family, padded", [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True)])
+def test_the_load_balancing_loss_is_transformers(tmp_path, family, padded):
+    """A config with output_router_logits: the SFT loss is transformers' cross-entropy plus router_aux_loss_coef
+    times its load_balancing_loss_func (padding excluded, as its attention mask excludes it), and the gradient
+    reaching an attention adapter below the routers is torch's through the chain rule (dL/dB = s dL/dW A^T)."""
+    from conftest import set_random_lora
+    from jaxtune.data.packing import IGNORE
+    from jaxtune.training.objectives import SFT
+    from jaxtune.training.step import loss_and_grads, split_model
+
+    hf = build_hf_model(CONFIGS[family](output_router_logits=True, router_aux_loss_coef=0.7), tmp_path)
+    model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32")
+    assert model.config.output_router_logits and model.config.router_aux_loss_coef == 0.7
+    jaxtune.get_peft_model(model, r=4, lora_alpha=8, seed=1)
+    set_random_lora(model, seed=2)
+    _merge_into(hf, model)
+    ids = np.random.default_rng(3).integers(0, 128, (2, 12))
+    real = np.ones_like(ids)
+    if padded:
+        real[1, 8:] = 0  # the second row: 8 tokens, then padding
+    labels = np.where(real[:, 1:] > 0, ids[:, 1:], IGNORE)
+    batch = {"input_ids": ids, "labels": np.concatenate([labels, np.full((2, 1), IGNORE)], 1),
+             "segment_ids": real, "positions": np.broadcast_to(np.arange(12), (2, 12))}
+    model.router_aux = True
+    graphdef, lora, frozen = split_model(model)
+    with jax.default_matmul_precision("highest"):
+        loss, grads, metrics = jax.jit(lambda l, f, b: loss_and_grads(graphdef, l, f, b, None, 64, SFT(0.7)))(
+            lora, frozen, {k: jnp.asarray(v, jnp.int32)[None] for k, v in batch.items()})
+    q = hf.model.layers[0].self_attn.q_proj.weight
+    q.requires_grad_(True)
+    out = hf(torch.as_tensor(ids), attention_mask=torch.as_tensor(real),
+             labels=torch.as_tensor(np.where(real > 0, ids, -100)))
+    out.loss.backward()
+    assert float(metrics["aux_loss"]) == pytest.approx(float(out.aux_loss), rel=1e-5)
+    assert float(loss) == pytest.approx(float(out.loss), rel=1e-5)
+    assert 0.7 * float(out.aux_loss) > 0.1 * float(out.loss)  # the term is not negligible
+    p = model.layers.self_attn.q_proj
+    want = p.scale * q.grad.numpy() @ np.asarray(p.lora_a[...][0]).T
+    got = np.asarray(grads["layers"]["self_attn"]["q_proj"]["lora_b"][0])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6 * np.abs(want).max())
+
+
+def test_a_run_with_the_load_balancing_loss_logs_it_and_every_layer_loop_computes_it_alike(tmp_path, tiny_tokenizer):
+    """train() adds the loss where the config asks for it, logs `aux_loss`, and the layer loop, its unrolled form
+    and remat "offload"'s loops give the same first step; DPO refuses it in one line."""
+    config = CONFIGS["qwen3_moe"](vocab_size=len(tiny_tokenizer), output_router_logits=True, router_aux_loss_coef=0.5)
+    build_hf_model(config, tmp_path / "base")
+    rows = [{"text": f"row {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 3)} for i in range(16)]
+    first = {}
+    for name, options in {"loop": {}, "unrolled": {"unroll_layers": True}, "offload": {"remat": "offload"}}.items():
+        model, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=True)
+        records = []
+        cfg = jaxtune.TrainConfig(format="text", seq_len=48, micro_batch_size=4, max_steps=2, learning_rate=1e-2,
+                                  warmup_steps=0, lora_r=4, **{"remat": "selective", **options})
+        jaxtune.train(model, tiny_tokenizer, rows, cfg, progress=False, callback=records.append)
+        assert all(r["aux_loss"] > 0 for r in records), records
+        first[name] = (records[0]["loss"], records[0]["aux_loss"])
+    assert first["unrolled"] == pytest.approx(first["loop"], rel=1e-5)
+    assert first["offload"] == pytest.approx(first["loop"], rel=1e-5)
+    with pytest.raises(jaxtune.ConfigError, match="adds to the SFT loss only, not to dpo's") as e:
+        jaxtune.train(model, tiny_tokenizer, [{"prompt": "a", "chosen": " b", "rejected": " c"}] * 4,
+                      jaxtune.TrainConfig(objective="dpo", format="text", seq_len=16, max_steps=1), progress=False)
+    assert "\n" not in str(e.value)
+
+
 def test_a_qwen3_moe_qlora_run_trains_the_expert_adapters(tmp_path, tiny_tokenizer):
     config = CONFIGS["qwen3_moe"](vocab_size=len(tiny_tokenizer))
     build_hf_model(config, tmp_path / "base")

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtune.moe import balancing
 from jaxtune.moe.experts import ExpertLinear
 from jaxtune.moe.layout import tile_layout
 from jaxtune.moe.routing import route
@@ -34,6 +35,7 @@ class SparseMoE(nnx.Module):
         b, t, hidden = x.shape
         flat = x.reshape(b * t, hidden)
         routing = route(flat, self.router.weight[...], self.top_k, self.normalize)
+        balancing.record(routing, self.num_experts)  # the load-balancing loss's statistics, when collected
         layout = tile_layout(routing.experts, self.num_experts)
         # each token's k copies are a broadcast (its gradient a sum, not a scatter-add); every routed row has a
         # padded row of its own (unique indices: no atomic updates either way)

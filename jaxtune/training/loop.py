@@ -142,11 +142,13 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
     if jax.process_index() == 0:
         check_reporters(cfg.report_to, run_dir)
     moe = model.config
-    if moe.num_experts and moe.output_router_logits and moe.router_aux_loss_coef:
-        raise ConfigError(f"{moe.model_type}'s config.json asks for the router's load-balancing loss "
-                          f"(output_router_logits=true, router_aux_loss_coef={moe.router_aux_loss_coef}), which "
-                          "jaxtune does not add yet; set output_router_logits to false (the released checkpoints' "
-                          "default) to train without it")
+    # a mixture of experts whose config asks for the routers' load-balancing loss (transformers adds it then)
+    aux_coef = moe.router_aux_loss_coef if moe.num_experts and moe.output_router_logits else 0.0
+    if aux_coef and cfg.objective != "sft":
+        raise ConfigError(f"{moe.model_type}'s config.json asks for the routers' load-balancing loss "
+                          f"(output_router_logits=true, router_aux_loss_coef={aux_coef}), which jaxtune adds to the "
+                          f"SFT loss only, not to {cfg.objective}'s; set output_router_logits to false to train "
+                          "without it")
     if not jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
         get_peft_model(model, r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                        target_modules=cfg.target_modules, use_rslora=cfg.use_rslora, seed=cfg.seed)
@@ -176,12 +178,13 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
         model.offload_device_layers, model.offload_group = layout
         model.unroll_layers = cfg.unroll_layers
         model.qat = quantized or (None if cfg.qat == "none" or not qat else cfg.qat)
+        model.router_aux = bool(aux_coef)
         try:
             return split_model(model)
         finally:
             model.single_sequence_rows, model.compute, model.offload_device_layers, model.offload_group = (
                 False, "bf16", 0, 1)
-            model.unroll_layers, model.qat = False, None
+            model.unroll_layers, model.qat, model.router_aux = False, None, False
 
     def first_layouts(remat: str) -> tuple[Any, list[tuple[int, int]]]:
         """(host budget or None, remat "offload"'s (layers whose inputs stay on device, offload group) to try)."""
@@ -209,7 +212,7 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
         def build_step(remat: str):
             graphdef = split_with(first_layouts(remat)[1][0])[0]
             step = make_train_step(graphdef, optimizer, schedule, dataclasses.replace(cfg, remat=remat), mesh,
-                                   batch_extra)
+                                   batch_extra, aux_coef)
             tried[remat] = graphdef, step
             return step
 
@@ -233,15 +236,15 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
         graphdef, step_fn = tried[cfg.remat]
     else:
         graphdef = split_with(layouts[0])[0]
-        step_fn = make_train_step(graphdef, optimizer, schedule, cfg, mesh, batch_extra)
+        step_fn = make_train_step(graphdef, optimizer, schedule, cfg, mesh, batch_extra, aux_coef)
     layout = layouts[0]
     if len(layouts) > 1 and not _fits_device(step_fn, lora, opt_state, frozen, cfg, unit):
         layout = layouts[1]
-        step_fn = make_train_step(split_with(layout)[0], optimizer, schedule, cfg, mesh, batch_extra)
+        step_fn = make_train_step(split_with(layout)[0], optimizer, schedule, cfg, mesh, batch_extra, aux_coef)
     on_device, group = layout
     # QAT from qat_start_step on: the steps before it are plain LoRA's (planned with the QAT step, the larger)
-    plain_fn = (make_train_step(split_with(layout, qat=False)[0], optimizer, schedule, cfg, mesh, batch_extra)
-                if cfg.qat_start_step else step_fn)
+    plain_fn = (make_train_step(split_with(layout, qat=False)[0], optimizer, schedule, cfg, mesh, batch_extra,
+                                aux_coef) if cfg.qat_start_step else step_fn)
     if on_device and lead:
         print(f"remat offload: the inputs of {on_device} of {model.config.num_layers} layers stay in device memory, "
               f"host memory holds the rest ({host.describe()})", flush=True)
@@ -308,7 +311,8 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
     on_gpu = local_device().platform == "gpu"
     agreed_stop = jax.process_count() > 1  # every process stops after the same step: the flag rides in the step
     uniform_loss = math.log(model.config.vocab_size)
-    objective_metrics = make_objective(cfg).metric_names  # DPO/ORPO: rewards and log-probabilities, as TRL names them
+    # DPO/ORPO: rewards and log-probabilities, as TRL names them; a mixture of experts' aux_loss
+    objective_metrics = make_objective(cfg, aux_coef).metric_names
     step, bad_in_row, collapsed_in_row, interrupted, tokens_per_s = start_step, 0, 0, False, 0.0
     bar = tqdm(total=cfg.max_steps, initial=start_step, desc="training", unit="step", disable=not progress)
     try:

@@ -32,20 +32,35 @@ def _hidden(model, micro: Batch, rng):
 
 @dataclasses.dataclass(frozen=True)
 class SFT:
-    """Mean cross-entropy of the label tokens."""
+    """Mean cross-entropy of the label tokens; for a mixture of experts whose config asks for it, plus
+    `router_aux_loss_coef` times the routers' load-balancing loss (transformers' `load_balancing_loss_func`) of
+    each micro-batch, averaged over the micro-batches (a batch of one micro-batch is transformers' loss)."""
 
     name = "sft"
     eval_weight = "tokens"
-    metric_names = ()
+    router_aux_loss_coef: float = 0.0
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return ("aux_loss",) if self.router_aux_loss_coef else ()
 
     def weights(self, batch: Batch) -> dict[str, jax.Array]:
-        return {"tokens": jnp.maximum(jnp.sum(batch["labels"] != IGNORE), 1).astype(jnp.float32)}
+        weights = {"tokens": jnp.maximum(jnp.sum(batch["labels"] != IGNORE), 1).astype(jnp.float32)}
+        if self.router_aux_loss_coef:
+            weights["micro_batches"] = jnp.float32(batch["labels"].shape[0])
+        return weights
 
     def micro_loss(self, graphdef, lora, frozen, micro: Batch, rng, chunk_size: int, weights) -> tuple:
         model = nnx.merge(graphdef, lora, frozen)
-        loss_sum, _ = chunked_cross_entropy(_hidden(model, micro, rng), model.head_weight(), micro["labels"],
-                                            chunk_size=chunk_size)
-        return loss_sum / weights["tokens"], {}
+        if not self.router_aux_loss_coef:
+            loss_sum, _ = chunked_cross_entropy(_hidden(model, micro, rng), model.head_weight(), micro["labels"],
+                                                chunk_size=chunk_size)
+            return loss_sum / weights["tokens"], {}
+        hidden, aux = model.hidden_states_and_balancing_loss(micro["input_ids"], micro["positions"],
+                                                             micro["segment_ids"], dropout_rng=rng)
+        loss_sum, _ = chunked_cross_entropy(hidden, model.head_weight(), micro["labels"], chunk_size=chunk_size)
+        aux = aux / weights["micro_batches"]
+        return loss_sum / weights["tokens"] + self.router_aux_loss_coef * aux, {"aux_loss": aux}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,9 +150,11 @@ class Preference:
 Objective = SFT | Preference
 
 
-def make_objective(cfg: TrainConfig):
+def make_objective(cfg: TrainConfig, router_aux_loss_coef: float = 0.0):
+    """The objective of `cfg`; `router_aux_loss_coef`: the weight of a mixture of experts' load-balancing loss
+    (SFT; 0 when the model's config does not ask for that loss)."""
     if cfg.objective == "sft":
-        return SFT()
+        return SFT(router_aux_loss_coef)
     if cfg.objective == "grpo":
         from jaxtune.rl.loss import GRPO
 

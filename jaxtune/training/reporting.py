@@ -19,6 +19,7 @@ SCALARS = {
     "mfu": "train/mfu",
     "peak_memory_gib": "train/peak_memory_gib",
     "skipped": "train/skipped_steps",
+    "aux_loss": "train/aux_loss",  # a mixture of experts' load-balancing loss
 }
 # DPO/ORPO metrics keep TRL's names: "rewards/chosen" -> train/rewards/chosen, "eval_rewards/chosen" -> eval/...
 OBJECTIVE_SCALARS = ("rewards/", "logps/", "nll_loss", "log_odds_ratio", "log_odds_chosen")

@@ -100,16 +100,19 @@ class OnMesh:
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
                     cfg: TrainConfig, mesh: Mesh | None = None,
-                    batch_extra: dict[str, tuple[tuple[int, ...], Any]] | None = None) -> OnMesh:
+                    batch_extra: dict[str, tuple[tuple[int, ...], Any]] | None = None,
+                    router_aux_loss_coef: float = 0.0) -> OnMesh:
     """step(lora, opt_state, frozen, batch [accum, B, T], step) -> (lora, opt_state, metrics).
 
     Gradient accumulation runs inside the jit (see `loss_and_grads`). A step whose loss or gradients are not
     finite leaves parameters and optimizer state unchanged (metrics["skipped"] = 1). An optional batch entry
     "stop" ([accum, B, 1], each process's rows holding its own stop request) comes back as metrics["stop"],
     its maximum over every process: all processes learn of a stop after the same step, at no extra sync.
+    `router_aux_loss_coef`: a mixture of experts' load-balancing loss in the objective, with this weight (the
+    graphdef's model must have `router_aux` set).
     """
     base_key = jax.random.key(cfg.seed)
-    objective = make_objective(cfg)
+    objective = make_objective(cfg, router_aux_loss_coef)
 
     def step(lora, opt_state, frozen, batch, step_index):
         batch = dict(batch)
