@@ -2,7 +2,7 @@
 demo's task (examples/data/people_*.jsonl: answer in a fixed JSON schema; held-out names).
 
     PYTHONPATH=.:examples python benchmarks/qat_smollm2.py [--steps 12] [--out runs/qat] [--formats q4_0,q4_k,nf4]
-        [--ptq-formats q4_k_m]
+        [--ptq-formats q4_k_m] [--base nf4|gguf]
 For each run (plain LoRA, then QAT per format), the same data, steps and seed: the held-out loss on the answers and
 the exact match of greedy answers, of (a) the fine-tune in memory, (b) its 4-bit export, read back as a user runs it
 (q4_0: the GGUF file through jaxtune's GGUF loader; nf4: the merged bitsandbytes checkpoint through jaxtune's
@@ -59,6 +59,9 @@ def main() -> None:
     ap.add_argument("--formats", default="q4_0,nf4", help="QAT runs, each exported in its own format")
     ap.add_argument("--ptq-formats", default="", help="more GGUF types the plain fine-tune is exported in (q4_k_m)")
     ap.add_argument("--eval-limit", type=int, default=None)
+    ap.add_argument("--base", default="nf4", choices=["nf4", "gguf"],
+                    help="train on the NF4 conversion (as `make demo`), or on the bundled GGUF's own weights in "
+                         "float32 (load_in_4bit=False: the merge is not on NF4's grid)")
     args = ap.parse_args()
     out = Path(args.out)
     evals = [json.loads(line) for line in (DATA / "people_eval.jsonl").read_text().splitlines()][:args.eval_limit]
@@ -74,7 +77,10 @@ def main() -> None:
     formats = [f for f in args.formats.split(",") if f]
     ptq_formats = [f for f in args.ptq_formats.split(",") if f]
     for qat in ["none", *formats]:
-        model, tokenizer, _ = load_converted(out)
+        if args.base == "nf4":
+            model, tokenizer, _ = load_converted(out)
+        else:
+            model, tokenizer = jaxtune.from_pretrained("smollm2", dtype="float32", load_in_4bit=False)
         cfg = jaxtune.TrainConfig(format="chat", seq_len=192, micro_batch_size=4, max_steps=args.steps,
                                   learning_rate=1e-3, schedule="cosine", warmup_steps=3, lora_r=16, lora_alpha=32,
                                   qat=qat)

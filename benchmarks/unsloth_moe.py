@@ -26,27 +26,21 @@ import unsloth  # noqa: E402,F401  (before transformers)
 from unsloth import FastLanguageModel  # noqa: E402
 import torch  # noqa: E402
 
+from unsloth_dpo import kernel_class as dense_kernel_class  # noqa: E402
+
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def kernel_class(name: str) -> str:
-    """The kernel classes of jaxtune's trace summary, with the MoE ones (grouped GEMMs, routing) apart."""
+    """unsloth_dpo's kernel classes, with the MoE ones (grouped GEMMs, routing) apart."""
     n = name.lower()
     if "grouped" in n or "group_gemm" in n or "moe" in n:
         return "grouped expert gemm"
-    if "dequant" in n:
-        return "nf4 dequant"
-    if "flash" in n or "fmha" in n or "attn" in n or "sdpa" in n:
-        return "attention"
-    if "gemm" in n or "sm90" in n or "cutlass" in n or "nvjet" in n or "matmul" in n:
-        return "gemm"
-    if "sort" in n or "topk" in n or "scatter" in n or "gather" in n or "index" in n or "histc" in n:
+    if not any(word in n for word in ("dequant", "flash", "fmha", "attn", "sdpa", "gemm", "sm90", "cutlass", "nvjet",
+                                      "matmul")) and any(word in n for word in ("sort", "topk", "scatter", "gather",
+                                                                                  "index", "histc")):
         return "routing (sort / scatter / gather)"
-    if "cross_entropy" in n or "logsumexp" in n or "softmax" in n:
-        return "cross-entropy / softmax"
-    if "adam" in n:
-        return "optimizer"
-    return "other"
+    return dense_kernel_class(name)
 
 
 def load(path: str, seq: int, ckpt):
