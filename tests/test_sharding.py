@@ -74,9 +74,9 @@ def test_sharded_step_matches_single_device_on_8_devices():
 
 
 def test_grpo_samples_and_trains_on_a_mesh_as_on_one_device(tok_dir, tmp_path):
-    """GRPO on two devices, data-parallel or FSDP: each device samples its share of a rollout, and the run samples
-    the completions and reaches the losses of one device (KL term and the kept sampling log-probabilities
-    included)."""
+    """GRPO on two devices, data-parallel or FSDP, and on two processes (hosts) of one device each: each device
+    samples its share of a rollout, and the run samples the completions and reaches the losses of one device (KL
+    term and the kept sampling log-probabilities included)."""
     def runs(devices: int, meshes: str) -> list[dict]:
         proc = subprocess.run([sys.executable, WORKER, "grpo", str(tok_dir), str(tmp_path / str(devices)), meshes],
                               capture_output=True, text=True, timeout=600,
@@ -88,6 +88,12 @@ def test_grpo_samples_and_trains_on_a_mesh_as_on_one_device(tok_dir, tmp_path):
     got = runs(2, "data=2;fsdp=2")
     assert want["devices"] == 1 and [g["mesh"] for g in got] == ["data=2", "fsdp=2"] and got[0]["devices"] == 2
     assert len(want["completions"]) == 2 and len(set(map(str, want["completions"][0]))) > 1  # 2 rollouts, varied
+    # two processes of one device each (two hosts): each samples its share, every process scores all rollouts
+    outs = _two_processes(tok_dir, tmp_path / "hosts", {}, mode="grpo")
+    for code, _, err, _ in outs:
+        assert code == 0, err[-3000:]
+    got += [_json_lines(out)[0] for _, out, _, _ in outs]
+    assert got[-1]["devices"] == 2 and (tmp_path / "hosts" / "0" / "completions.jsonl").exists()
     for g in got:
         assert g["completions"] == want["completions"], g["mesh"]
         assert g["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-7), g["mesh"]
@@ -106,12 +112,14 @@ def _single(tok_dir, out_dir, options: dict) -> dict:
     return _json_lines(proc.stdout)[0]
 
 
-def _two_processes(tok_dir, out_dir, options: dict, **env) -> list[tuple[int, str, str, float]]:
-    """(exit code, stdout, stderr, seconds to exit) of each of two processes training with --mesh data=2."""
+def _two_processes(tok_dir, out_dir, options: dict, mode: str = "train", **env) -> list[tuple[int, str, str, float]]:
+    """(exit code, stdout, stderr, seconds to exit) of each of two processes training with --mesh data=2 (`mode`:
+    the worker's "train", or "grpo", which takes no options)."""
     import time
 
     port, start = _free_port(), time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, WORKER, "train", str(tok_dir), str(out_dir), "data=2", json.dumps(options)],
+    args = [str(tok_dir), str(out_dir), "data=2"] + ([json.dumps(options)] if mode == "train" else [])
+    procs = [subprocess.Popen([sys.executable, WORKER, mode, *args],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=_env(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
                                        JAX_PROCESS_ID=str(i), **env))

@@ -17,7 +17,7 @@ from jax.experimental.multihost_utils import process_allgather
 
 from jaxtune.data import BatchStream, PackedRows
 from jaxtune.data.sources import Row
-from jaxtune.distributed import memory_stats
+from jaxtune.distributed import agree_min, memory_stats
 from jaxtune.generate import eos_token_ids
 from jaxtune.host_info import GIB
 from jaxtune.rl.advantages import _nanstd, group_advantages
@@ -148,9 +148,10 @@ class Rollouts:
                                          **self._sampling_options())
             return needs[rows] <= free
 
-        rows = rows_per_call(total, fits, 1 if self.mesh is None else batch_shards(self.mesh))
+        # every process samples in the same calls (on a mesh spanning processes each call is collective)
+        rows = agree_min(rows_per_call(total, fits, 1 if self.mesh is None else batch_shards(self.mesh)) or 0) or None
         if rows is None:
-            least = min(needs)  # one completion per device
+            least = min(needs)  # one completion per device (this process's need; another's may be what failed)
             what = "one completion" if least == 1 else f"{least} completions (one per device)"
             raise StepTooLarge(
                 f"sampling {what} of up to {self.cfg.max_completion_length} tokens after a {prompt_len}-token "

@@ -157,9 +157,6 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
     batches = make_batches(data, tokenizer, cfg, model, progress=progress, run_dir=run_dir, lead=lead, **rewards)
     eval_rows = getattr(batches, "eval_rows", None)
     mesh = make_mesh(cfg.mesh) if cfg.mesh or jax.device_count() > 1 else None
-    if cfg.objective == "grpo" and jax.process_count() > 1:
-        raise JaxtuneError("objective 'grpo' runs in one process for now; start one process per host with all its "
-                           "GPUs (--mesh data=N or fsdp=N) instead of one process per GPU")
     if mesh is not None and cfg.objective == "grpo":
         batches.place_on(mesh)  # each device samples its share of a rollout
     unit = 1 if mesh is None else batch_shards(mesh)  # micro-batches split into this many equal parts
