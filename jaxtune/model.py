@@ -246,11 +246,11 @@ class CausalLM(nnx.Module):
         # into and out of (faster), a compile time that grows with the layer count; remat "offload" keeps its
         # own loops
         self.unroll_layers: bool = False
-        # quantization-aware training: "q4_0", "q4_k" or "nf4" puts each LoRA projection's merged weight through that
-        # format's quantizer in the forward pass (straight-through gradient); set by train() like `compute`
+        # quantization-aware training: "q4_0", "q4_k" or "nf4" puts each LoRA projection's merged weight through
+        # that format's quantizer in the forward pass (straight-through gradient); set by train() like `compute`
         self.qat: str | None = None
-        # a mixture of experts' routers also count what the load-balancing loss needs (`load_balancing_loss`, read
-        # after `hidden_states`); set by train() in the step's graphdef when the config asks for that loss
+        # a mixture of experts' routers also count what the load-balancing loss needs
+        # (`hidden_states_and_balancing_loss`); set by train() in the step's graphdef when the config asks for it
         self.router_aux: bool = False
 
     def __call__(

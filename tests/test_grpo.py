@@ -414,16 +414,3 @@ def test_auto_batch_keeps_whole_groups():
     assert _whole_groups(13, 1, 4) == 12 and _whole_groups(7, 2, 8) == 4 and _whole_groups(8, 1, 8) == 8
     with pytest.raises(JaxtuneError, match="raise grad_accum"):
         _whole_groups(5, 1, 8)
-
-
-def test_grpo_across_processes_is_refused_in_one_line(tiny_tokenizer, monkeypatch):
-    """One process per GPU (or per host) is not supported yet: refused before any sampling, naming what works."""
-    import jax
-
-    import jaxtune
-    from jaxtune.errors import JaxtuneError
-
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(JaxtuneError, match=r"runs in one process for now; start one process per host with all its GPUs"):
-        jaxtune.train(_tiny_model(tiny_tokenizer), tiny_tokenizer, ADDITIONS, _grpo_config(),
-                      reward_funcs=[_length_reward], progress=False)

@@ -75,8 +75,8 @@ def test_sharded_step_matches_single_device_on_8_devices():
 
 def test_grpo_samples_and_trains_on_a_mesh_as_on_one_device(tok_dir, tmp_path):
     """GRPO on two devices, data-parallel or FSDP, and on two processes (hosts) of one device each: each device
-    samples its share of a rollout, and the run samples the completions and reaches the losses of one device (KL
-    term and the kept sampling log-probabilities included)."""
+    samples its share of a rollout (each host scores its share), and the run samples the completions and reaches
+    the losses of one device (KL term and the kept sampling log-probabilities included)."""
     def runs(devices: int, meshes: str) -> list[dict]:
         proc = subprocess.run([sys.executable, WORKER, "grpo", str(tok_dir), str(tmp_path / str(devices)), meshes],
                               capture_output=True, text=True, timeout=600,
@@ -88,12 +88,16 @@ def test_grpo_samples_and_trains_on_a_mesh_as_on_one_device(tok_dir, tmp_path):
     got = runs(2, "data=2;fsdp=2")
     assert want["devices"] == 1 and [g["mesh"] for g in got] == ["data=2", "fsdp=2"] and got[0]["devices"] == 2
     assert len(want["completions"]) == 2 and len(set(map(str, want["completions"][0]))) > 1  # 2 rollouts, varied
-    # two processes of one device each (two hosts): each samples its share, every process scores all rollouts
+    # two processes of one device each (two hosts): each samples and scores its half of every rollout, and both
+    # train on the whole
     outs = _two_processes(tok_dir, tmp_path / "hosts", {}, mode="grpo")
     for code, _, err, _ in outs:
         assert code == 0, err[-3000:]
-    got += [_json_lines(out)[0] for _, out, _, _ in outs]
-    assert got[-1]["devices"] == 2 and (tmp_path / "hosts" / "0" / "completions.jsonl").exists()
+    hosts = [_json_lines(out)[0] for _, out, _, _ in outs]
+    assert hosts[0]["devices"] == 2 and (tmp_path / "hosts" / "0" / "completions.jsonl").exists()
+    assert all(len(h["completions"][0]) == len(want["completions"][0]) // 2 for h in hosts)  # its own half scored
+    got += [{**h, "completions": [a + b for a, b in zip(hosts[0]["completions"], hosts[1]["completions"])]}
+            for h in hosts]
     for g in got:
         assert g["completions"] == want["completions"], g["mesh"]
         assert g["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-7), g["mesh"]

@@ -111,7 +111,7 @@ class Rollouts:
         if not isinstance(prompts[0], str):  # conversational: completions as assistant messages, as TRL passes them
             texts = [[{"role": "assistant", "content": t}] for t in texts]
         columns = {k: [r.data.get(k) for r in prompt_rows] for k in prompt_rows[0].data if k != "prompt"}
-        rewards = score(self.funcs, prompts, texts, completions, columns, [r.where for r in prompt_rows])
+        rewards = self._score(prompts, texts, completions, columns, [r.where for r in prompt_rows])
         advantages, reward_metrics = group_advantages(rewards, self.weights, g, cfg.scale_rewards)
         batch, truncated = rollout_rows(prompt_ids, completions, cfg.seq_len, self.eos_ids,
                                         cfg.mask_truncated_completions)
@@ -125,6 +125,19 @@ class Rollouts:
         if self.samples_path is not None and step % cfg.logging_steps == 0:
             self._write_samples(step + 1, prompts, texts, rewards, advantages)
         return batch
+
+    def _score(self, prompts: list, texts: list, completions: list[list[int]], columns: dict[str, list],
+               where: list[str]) -> np.ndarray:
+        """Rewards [completions, functions]. Across processes each scores its own share of the rollout (a reward
+        function with a cost or a side effect, a verifier or a sandbox, runs once per completion) and all gather
+        the whole."""
+        n, p = jax.process_count(), jax.process_index()
+        if n == 1:
+            return score(self.funcs, prompts, texts, completions, columns, where)
+        part = slice(p * len(texts) // n, (p + 1) * len(texts) // n)  # whole micro-batch rows: len % n == 0
+        local = score(self.funcs, prompts[part], texts[part], completions[part],
+                      {k: v[part] for k, v in columns.items()}, where[part])
+        return np.asarray(process_allgather(local, tiled=True))
 
     def _sampling_options(self) -> dict[str, Any]:
         cfg = self.cfg

@@ -159,8 +159,8 @@ class TrainConfig:
             raise ConfigError(f"qat_start_step={self.qat_start_step} starts quantization-aware training, which is off: "
                               "set qat (q4_0, q4_k or nf4), or qat_start_step 0", field="qat_start_step")
         if self.qat != "none" and self.qat_start_step >= self.max_steps:
-            raise ConfigError(f"qat_start_step={self.qat_start_step} is not before max_steps={self.max_steps}, so no step "
-                              "would train through the quantizer: start it earlier", field="qat_start_step")
+            raise ConfigError(f"qat_start_step={self.qat_start_step} is not before max_steps={self.max_steps}, so no "
+                              "step would train through the quantizer: start it earlier", field="qat_start_step")
         if self.qat != "none" and self.lora_dropout > 0:
             raise ConfigError("qat merges LoRA into the weight it quantizes, so LoRA dropout cannot apply; set "
                               "lora_dropout 0", field="qat")
