@@ -112,11 +112,14 @@ def agree_min(value: int) -> int:
 CHECKS_TIMEOUT_S = 60  # how long a process waits for its peers' start-up checks before it gives up on them
 
 
-def agree_on_checks(error: BaseException | None, timeout_s: float = CHECKS_TIMEOUT_S) -> None:
-    """Every process of a multi-process run learns whether any process's start-up checks failed, and all end
-    together, non-zero, each within `timeout_s`: the failing process with its own line, the others with one naming
-    the failing process and its line. Run after joining the distributed runtime (a peer that never joins cannot
-    hear of a failure). In a single process the error, if any, is raised."""
+def agree_on_checks(error: BaseException | None, timeout_s: float = CHECKS_TIMEOUT_S, stage: str = "checks",
+                    failed: str = "refused the run") -> None:
+    """Every process of a multi-process run learns whether any process's checks failed, and all end together,
+    non-zero, each within `timeout_s`: the failing process with its own line, the others with one naming the
+    failing process (it `failed`) and its line. Run after joining the distributed runtime (a peer that never joins
+    cannot hear of a failure); `stage` names this agreement, once per run (the start-up checks) or per step (a
+    step's rewards, which each process computes for its own share). In a single process the error, if any, is
+    raised."""
     if not is_multiprocess():
         if error is not None:
             raise error
@@ -124,7 +127,7 @@ def agree_on_checks(error: BaseException | None, timeout_s: float = CHECKS_TIMEO
     from jax._src import distributed as _distributed  # the coordinator's key-value store: waits with a deadline
 
     client, me, count = _distributed.global_state.client, jax.process_index(), jax.process_count()
-    client.key_value_set(f"jaxtune/checks/{me}", "ok" if error is None else "error: " + _first_line(error))
+    client.key_value_set(f"jaxtune/{stage}/{me}", "ok" if error is None else "error: " + _first_line(error))
     failure = error
     for peer in range(count):
         if failure is not None:
@@ -132,12 +135,12 @@ def agree_on_checks(error: BaseException | None, timeout_s: float = CHECKS_TIMEO
         if peer == me:
             continue
         try:
-            said = client.blocking_key_value_get(f"jaxtune/checks/{peer}", int(timeout_s * 1000))
+            said = client.blocking_key_value_get(f"jaxtune/{stage}/{peer}", int(timeout_s * 1000))
         except Exception:  # noqa: BLE001 (a deadline passed or the coordinator is gone: the peer is not coming)
-            said = f"error: no answer from its start-up checks within {timeout_s:.0f} s (see its log)"
+            said = f"error: no answer from its {stage} within {timeout_s:.0f} s (see its log)"
         if said != "ok":
-            failure = JaxtuneError(f"process {peer} of {count} refused the run: {said.removeprefix('error: ')}")
-    _wait_quietly(lambda: client.wait_at_barrier("jaxtune/checks/read", int(timeout_s * 1000)))
+            failure = JaxtuneError(f"process {peer} of {count} {failed}: {said.removeprefix('error: ')}")
+    _wait_quietly(lambda: client.wait_at_barrier(f"jaxtune/{stage}/read", int(timeout_s * 1000)))
     if failure is not None:
         exit_now(failure, then=lambda: _leave_in_order(client, me, count))
 

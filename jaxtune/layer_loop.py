@@ -70,6 +70,10 @@ def _is_primal(x) -> bool:
     return isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
 
 
+def _is_zero(x) -> bool:
+    return isinstance(x, jax.custom_derivatives.SymbolicZero)
+
+
 def _uninitialized(shape: tuple[int, ...], dtype) -> jax.Array:
     """An array whose contents are never read before being written: uninitialized on GPU and TPU (no fill);
     zeros on a mesh of several devices (where the partitioner must see how it is laid out) and elsewhere."""
@@ -188,8 +192,7 @@ def layer_loop(layer_fn: LayerFn, h: jax.Array, per_layer: Any, invariant: Any, 
         saved, t_stack, f_stack, inv_leaves = residuals  # stacks, or unrolled each layer's own list
         trained = traced["trained"]
         # an output (or a part of the carry) that takes no part in the loss
-        dh = jax.tree.map(lambda d: jnp.zeros(d.shape, d.dtype) if isinstance(d, jax.custom_derivatives.SymbolicZero)
-                          else d, dh, is_leaf=lambda d: isinstance(d, jax.custom_derivatives.SymbolicZero))
+        dh = jax.tree.map(lambda d: jnp.zeros(d.shape, d.dtype) if _is_zero(d) else d, dh, is_leaf=_is_zero)
         if unrolled:
             grads = [None] * num_layers
             for i in reversed(range(num_layers)):

@@ -21,6 +21,7 @@ from jaxtune.config import ModelConfig
 from jaxtune.layer_loop import layer_loop
 from jaxtune.moe import balancing
 from jaxtune.moe.block import SparseMoE
+from jaxtune.remat import offload_only, remat_policy
 from jaxtune.rope import apply_rope, rope_tables
 
 _INIT_STD = 0.02
@@ -302,7 +303,8 @@ class CausalLM(nnx.Module):
                 positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
             else:
                 positions = segment_positions(segment_ids)
-        tokens = None if segment_ids is None else segment_ids > 0  # padding is not routed for the balancing loss
+        # the tokens the load-balancing loss counts: not padding (taken before single_sequence_rows drops the ids)
+        tokens = segment_ids > 0 if self.router_aux and segment_ids is not None else None
         if self.single_sequence_rows:
             segment_ids = None
         with ops.frozen_compute(self.compute), ops.fake_quantized(self.qat):
@@ -464,7 +466,7 @@ class CausalLM(nnx.Module):
                 h, _ = jax.lax.scan(inner, h, indices)
                 return h, None
 
-            group_body = jax.checkpoint(group_body, policy=_offload_only("group_input"), prevent_cse=False)
+            group_body = jax.checkpoint(group_body, policy=offload_only("group_input"), prevent_cse=False)
             h, _ = jax.lax.scan(group_body, h, jnp.arange(offloaded).reshape(offloaded // group, group))
         if on_device:
             kept = jax.checkpoint(per_layer, policy=jax.checkpoint_policies.save_only_these_names("layer_input"),
@@ -485,45 +487,6 @@ def offload_mlp_token_tile(cfg: ModelConfig) -> int:
 
 # variables the layer scan keeps whole (read at the layer's index in place) instead of slicing per layer
 WHOLE_IN_LAYER_SCAN = ("codes", "kernel_absmax", "fp8_scale", "fp8_block_scale")
-
-# What the "selective" policy keeps per layer: every projection output but down_proj's (whose only user is the
-# residual add), the attention output and its logsumexp, LoRA's rank-r hidden. The backward pass then
-# recomputes only norms, RoPE and SwiGLU (elementwise) and never a matmul or the attention forward.
-SELECTIVE_SAVED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "attention_out",
-                   "attention_lse", "lora_hidden")
-
-
-# cuDNN's fused attention forward (its output and softmax statistics): kept like the Pallas kernel's residuals
-CUDNN_ATTENTION_FORWARD = "dot_product_attention_fwd_wrapper"
-
-
-_SAVE_NAMED = jax.checkpoint_policies.save_only_these_names(*SELECTIVE_SAVED)
-
-
-def _save_selective(prim, *args, **params) -> bool:
-    return prim.name == CUDNN_ATTENTION_FORWARD or _SAVE_NAMED(prim, *args, **params)
-
-
-def _offload_only(name: str):
-    """Saves nothing but the values named `name`, which go to pinned host memory."""
-    return jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=(), names_which_can_be_offloaded=(name,),
-        offload_src="device", offload_dst="pinned_host")
-
-
-def remat_policy(name: str):
-    """Named rematerialization policies for the per-layer scan body."""
-    policies = {
-        "full": jax.checkpoint_policies.nothing_saveable,
-        "selective": _save_selective,
-        "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        # each layer's input goes to host memory in the forward pass and comes back for its recompute
-        "offload": _offload_only("layer_input"),
-    }
-    if name not in policies:
-        raise ValueError(f"unknown remat policy {name!r}; choose one of: none, {', '.join(policies)}")
-    return policies[name]
-
 
 def init_model(cfg: ModelConfig, *, dtype: str | jnp.dtype = "bfloat16", seed: int = 0) -> CausalLM:
     """A randomly initialized model (benchmarks, tests); use `jaxtune.from_pretrained` for checkpoints."""

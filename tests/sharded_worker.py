@@ -157,7 +157,11 @@ def grpo(tokenizer_dir: str, out_dir: str, meshes: str) -> None:
     prompts = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (2, 2), (5, 1)]]
     samples = []
 
+    fails_on = os.environ.get("REWARD_FAILS_ON_PROCESS")  # a reward function failing on that host only
+
     def length_reward(prompts, completions, **_):
+        if fails_on is not None and jax.process_index() == int(fails_on):
+            raise ValueError("injected reward failure")
         samples.append(list(completions))
         return [float(len(c) % 3) for c in completions]
 

@@ -265,7 +265,7 @@ def test_remat_policies_keep_gradients_and_selective_redoes_no_kernel(policy, un
 def test_single_sequence_rows_run_cudnn_attention_with_pallas_gradients():
     """Rows of one sequence (then padding) take cuDNN's causal attention; its loss and gradients match the
     Pallas kernel's on the same rows, and selective remat keeps cuDNN's forward outputs (no recompute)."""
-    from jaxtune.model import CUDNN_ATTENTION_FORWARD
+    from jaxtune.remat import CUDNN_ATTENTION_FORWARD
 
     jaxtune.set_kernels("auto")
     model = kernel_model(dtype="bfloat16")

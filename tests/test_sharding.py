@@ -103,6 +103,17 @@ def test_grpo_samples_and_trains_on_a_mesh_as_on_one_device(tok_dir, tmp_path):
         assert g["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-7), g["mesh"]
 
 
+def test_a_reward_function_failing_on_one_host_ends_every_process(tok_dir, tmp_path):
+    """Each host scores its own share of a rollout, so a reward function can fail on one host only: every process
+    ends non-zero, within a minute, process 0 naming process 1 and its line."""
+    outs = _two_processes(tok_dir, tmp_path / "hosts", {}, mode="grpo", REWARD_FAILS_ON_PROCESS="1")
+    (code0, _, err0, s0), (code1, _, err1, s1) = outs
+    assert code1 != 0 and "reward function length_reward raised ValueError: injected reward failure" in err1
+    assert code0 != 0 and ("process 1 of 2 failed scoring its share of the rollout: reward function length_reward "
+                           "raised ValueError") in err0, err0[-2000:]
+    assert max(s0, s1) < 120
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))

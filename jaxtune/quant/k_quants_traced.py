@@ -12,8 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxtune.quant.q4_0 import round_trip_q4_0
+
 QK_K = 256  # weights per super-block
-Q5_0_BLOCK = 32
 
 
 def _ordered() -> bool:
@@ -110,18 +111,7 @@ def round_trip_q4_k(w: jax.Array) -> jax.Array:
     return (step[..., None] * codes - offset[..., None]).reshape(w.shape)
 
 
-def round_trip_q5_0(w: jax.Array) -> jax.Array:
-    """W [..., K] (K a multiple of 32) as a q5_0 tensor reads back: d * (q - 16), d = (largest magnitude) / -16
-    in f16 per 32-weight block."""
-    blocks = w.astype(jnp.float32).reshape(*w.shape[:-1], w.shape[-1] // Q5_0_BLOCK, Q5_0_BLOCK)
-    peak = jnp.take_along_axis(blocks, jnp.argmax(jnp.abs(blocks), axis=-1, keepdims=True), axis=-1)
-    d = peak / -16
-    inverse = jnp.where(d == 0, 0.0, 1 / jnp.where(d == 0, 1.0, d))
-    codes = jnp.minimum(jnp.trunc(jax.lax.optimization_barrier(blocks * inverse) + 16.5), 31)
-    return (_f16(d) * (codes - 16)).reshape(w.shape)
-
-
 def round_trip_q4_k_m(w: jax.Array) -> jax.Array:
     """A LoRA projection's weight as a Q4_K_M export stores it: q4_K, or q5_0 where a row is not whole
     super-blocks (the export's fallback)."""
-    return round_trip_q4_k(w) if w.shape[-1] % QK_K == 0 else round_trip_q5_0(w)
+    return round_trip_q4_k(w) if w.shape[-1] % QK_K == 0 else round_trip_q4_0(w, half=16)  # q5_0

@@ -19,15 +19,16 @@ def _in_blocks(w: jax.Array) -> jax.Array:
     return w.astype(jnp.float32).reshape(*w.shape[:-1], w.shape[-1] // BLOCK, BLOCK)
 
 
-def _block_scales(blocks: jax.Array) -> jax.Array:
-    """Each block's d [..., blocks, 1]: its weight of largest magnitude (the first on ties, as ggml's scan) / -8."""
-    return jnp.take_along_axis(blocks, jnp.argmax(jnp.abs(blocks), axis=-1, keepdims=True), axis=-1) / -8
+def _block_scales(blocks: jax.Array, half: int = 8) -> jax.Array:
+    """Each block's d [..., blocks, 1]: its weight of largest magnitude (the first on ties, as ggml's scan) / -half
+    (8 for q4_0, 16 for q5_0)."""
+    return jnp.take_along_axis(blocks, jnp.argmax(jnp.abs(blocks), axis=-1, keepdims=True), axis=-1) / -half
 
 
-def _codes(blocks: jax.Array, inverse: jax.Array) -> jax.Array:
-    """The 4-bit codes (as float32) of blocks scaled by 1 / d."""
+def _codes(blocks: jax.Array, inverse: jax.Array, half: int = 8) -> jax.Array:
+    """The 4-bit (5-bit with half 16) codes, as float32, of blocks scaled by 1 / d."""
     scaled = jax.lax.optimization_barrier(blocks * inverse)  # rounded before the add, as ggml: no fused multiply-add
-    return jnp.minimum(jnp.trunc(scaled + 8.5), 15)
+    return jnp.minimum(jnp.trunc(scaled + (half + 0.5)), 2 * half - 1)
 
 
 @jax.jit
@@ -54,13 +55,14 @@ def quantize_q4_0(w: np.ndarray | jax.Array) -> np.ndarray:
     return np.asarray(_pack(w, jnp.asarray(d), jnp.asarray(inverse, jnp.float32)))
 
 
-def round_trip_q4_0(w: jax.Array) -> jax.Array:
-    """W [..., K] as a q4_0 file reads it back, traced (QAT): d * (q - 8), d in float16. The reciprocal is the
-    device's, so a code on a rounding edge may differ from the export's."""
+def round_trip_q4_0(w: jax.Array, half: int = 8) -> jax.Array:
+    """W [..., K] as a q4_0 file reads it back, traced (QAT): d * (q - 8), d in float16; with `half` 16, as a q5_0
+    file does (5-bit codes, the same blocks). The reciprocal is the device's, so a code on a rounding edge may
+    differ from the export's."""
     blocks = _in_blocks(w)
-    d = _block_scales(blocks)
-    codes = _codes(blocks, jnp.where(d == 0, 0.0, 1 / jnp.where(d == 0, 1.0, d)))
-    return (d.astype(jnp.float16).astype(jnp.float32) * (codes - 8)).reshape(w.shape)
+    d = _block_scales(blocks, half)
+    codes = _codes(blocks, jnp.where(d == 0, 0.0, 1 / jnp.where(d == 0, 1.0, d)), half)
+    return (d.astype(jnp.float16).astype(jnp.float32) * (codes - half)).reshape(w.shape)
 
 
 @jax.jit

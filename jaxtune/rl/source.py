@@ -17,12 +17,12 @@ from jax.experimental.multihost_utils import process_allgather
 
 from jaxtune.data import BatchStream, PackedRows
 from jaxtune.data.sources import Row
-from jaxtune.distributed import agree_min, memory_stats
+from jaxtune.distributed import agree_min, agree_on_checks, memory_stats
 from jaxtune.generate import eos_token_ids
 from jaxtune.host_info import GIB
 from jaxtune.rl.advantages import _nanstd, group_advantages
 from jaxtune.rl.loss import GRPO
-from jaxtune.rl.rewards import RewardFunction, score
+from jaxtune.rl.rewards import RewardError, RewardFunction, score
 from jaxtune.rl.rollout import completion_lists, rollout_rows, rows_per_call, sample_completions, sampling_bytes
 from jaxtune.sharding import batch_shards, global_rows
 from jaxtune.training.autobatch import MARGIN, StepTooLarge
@@ -111,7 +111,7 @@ class Rollouts:
         if not isinstance(prompts[0], str):  # conversational: completions as assistant messages, as TRL passes them
             texts = [[{"role": "assistant", "content": t}] for t in texts]
         columns = {k: [r.data.get(k) for r in prompt_rows] for k in prompt_rows[0].data if k != "prompt"}
-        rewards = self._score(prompts, texts, completions, columns, [r.where for r in prompt_rows])
+        rewards = self._score(prompts, texts, completions, columns, [r.where for r in prompt_rows], step)
         advantages, reward_metrics = group_advantages(rewards, self.weights, g, cfg.scale_rewards)
         batch, truncated = rollout_rows(prompt_ids, completions, cfg.seq_len, self.eos_ids,
                                         cfg.mask_truncated_completions)
@@ -127,16 +127,21 @@ class Rollouts:
         return batch
 
     def _score(self, prompts: list, texts: list, completions: list[list[int]], columns: dict[str, list],
-               where: list[str]) -> np.ndarray:
+               where: list[str], step: int) -> np.ndarray:
         """Rewards [completions, functions]. Across processes each scores its own share of the rollout (a reward
         function with a cost or a side effect, a verifier or a sandbox, runs once per completion) and all gather
-        the whole."""
+        the whole; a reward function failing on one process ends every process, each with a line naming it."""
         n, p = jax.process_count(), jax.process_index()
         if n == 1:
             return score(self.funcs, prompts, texts, completions, columns, where)
         part = slice(p * len(texts) // n, (p + 1) * len(texts) // n)  # whole micro-batch rows: len % n == 0
-        local = score(self.funcs, prompts[part], texts[part], completions[part],
-                      {k: v[part] for k, v in columns.items()}, where[part])
+        local, error = None, None
+        try:
+            local = score(self.funcs, prompts[part], texts[part], completions[part],
+                          {k: v[part] for k, v in columns.items()}, where[part])
+        except RewardError as e:
+            error = e
+        agree_on_checks(error, stage=f"rewards/{step}", failed="failed scoring its share of the rollout")
         return np.asarray(process_allgather(local, tiled=True))
 
     def _sampling_options(self) -> dict[str, Any]:

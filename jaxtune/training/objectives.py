@@ -52,13 +52,14 @@ class SFT:
 
     def micro_loss(self, graphdef, lora, frozen, micro: Batch, rng, chunk_size: int, weights) -> tuple:
         model = nnx.merge(graphdef, lora, frozen)
-        if not self.router_aux_loss_coef:
-            loss_sum, _ = chunked_cross_entropy(_hidden(model, micro, rng), model.head_weight(), micro["labels"],
-                                                chunk_size=chunk_size)
-            return loss_sum / weights["tokens"], {}
-        hidden, aux = model.hidden_states_and_balancing_loss(micro["input_ids"], micro["positions"],
-                                                             micro["segment_ids"], dropout_rng=rng)
+        if self.router_aux_loss_coef:
+            hidden, aux = model.hidden_states_and_balancing_loss(micro["input_ids"], micro["positions"],
+                                                                 micro["segment_ids"], dropout_rng=rng)
+        else:
+            hidden, aux = _hidden(model, micro, rng), None
         loss_sum, _ = chunked_cross_entropy(hidden, model.head_weight(), micro["labels"], chunk_size=chunk_size)
+        if aux is None:
+            return loss_sum / weights["tokens"], {}
         aux = aux / weights["micro_batches"]
         return loss_sum / weights["tokens"] + self.router_aux_loss_coef * aux, {"aux_loss": aux}
 
