@@ -19,8 +19,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+FIRST_CALL_S: list[float] = []  # each timed function's first call (compilation and one run)
+
+
 def timed(fn, reps: int = 1) -> float:
+    t0 = time.perf_counter()
     fn()  # compile
+    FIRST_CALL_S.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     for _ in range(reps):
         fn()
@@ -68,9 +73,16 @@ def main() -> None:
     ap.add_argument("--completion", type=int, default=512)
     ap.add_argument("--trace", default="/tmp/decode_trace")
     ap.add_argument("--label", default="default")
+    ap.add_argument("--no-trace", action="store_true", help="time the sampler and one step only")
     ap.add_argument("--nf4-table", help="benchmarks/nf4_matmul.py --out JSON: up to 64 rows forward take the fused "
                                         "kernel with its fastest tile per weight shape (else dequantize + cuBLAS)")
+    ap.add_argument("--unroll-decode", choices=("auto", "on", "off"), default="auto",
+                    help="decode with one traced layer per decoder layer (auto: on a GPU) or the layer loop")
     args = ap.parse_args()
+    import importlib
+
+    decoding = importlib.import_module("jaxtune.generate")  # the package exports a function of that name
+    decoding.UNROLL_DECODE = {"auto": None, "on": True, "off": False}[args.unroll_decode]
     if args.nf4_table:
         use_fused_tiles(args.nf4_table)
 
@@ -101,11 +113,13 @@ def main() -> None:
             eos_ids=eos, ignore_eos=True))
 
     line = {"label": args.label, "device": kind, "rows": args.rows, "prompt": args.prompt,
+            "unroll_decode": decoding.unrolled_decoding(),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
     for name, temperature in (("rollout", 1.0), ("greedy", 0.0)):
         s = timed(rollout(args.completion, temperature))
         line[f"{name}_s"] = round(s, 3)
         line[f"{name}_ms_per_token"] = round(s / args.completion * 1e3, 2)
+        line[f"{name}_first_call_s"] = round(FIRST_CALL_S[-1], 1)
     print(json.dumps(line), flush=True)
 
     # one decode step outside the while loop, the cache half full
@@ -116,6 +130,7 @@ def main() -> None:
     def one_step(lora, frozen, cache, tok):
         m = nnx.merge(graphdef, lora, frozen)
         m.prepare_for_kernels()
+        m.unroll_decode = decoding.unrolled_decoding()
         pos = jnp.full((args.rows, 1), mid, jnp.int32)
         logits, cache = m.forward_with_cache(tok[:, None], pos, jnp.ones((args.rows, 1), jnp.int32), cache,
                                              jnp.int32(mid))
@@ -132,6 +147,9 @@ def main() -> None:
 
     s = timed(step, 20)
     print(json.dumps({"label": args.label, "one_step_ms": round(s * 1e3, 2)}), flush=True)
+
+    if args.no_trace:
+        return
 
     # traces of 8 and 40 new tokens: their difference is 32 decode steps without the prefill
     def trace(new_tokens: int):

@@ -40,7 +40,13 @@ def main() -> None:
                                                    "kernel instead of dequantize + cuBLAS (the table's default: 16)")
     ap.add_argument("--cap-gib", type=float, help="use only this much GPU memory (a card of that size)")
     ap.add_argument("--mesh", help="device mesh, e.g. data=2 (default: one device)")
+    ap.add_argument("--unroll-decode", choices=("auto", "on", "off"), default="auto",
+                    help="decode with one traced layer per decoder layer (auto: on a GPU) or the layer loop")
     args = ap.parse_args()
+    import importlib
+
+    decoding = importlib.import_module("jaxtune.generate")  # the package exports a function of that name
+    decoding.UNROLL_DECODE = {"auto": None, "on": True, "off": False}[args.unroll_decode]
     if args.cap_gib:
         from context_ladder import cap_device_memory
 

@@ -10,6 +10,10 @@ JAX_NUM_PROCESSES / JAX_PROCESS_ID, and checks:
   c. SIGTERM to one process: all stop after the same step, save it, exit 0; --resume reaches (a)'s losses
   d. SIGKILL of one process: the others end within 2 minutes, non-zero, saying a peer failed
   e. a malformed dataset on one process only: every process ends within a minute, non-zero, with its line
+  f. GRPO (--objective grpo, a reward function from a file): 3 steps as N processes equal one process driving all
+     GPUs (losses and rewards, 1e-3 rel): each process samples and scores its share of the rollout
+  g. GRPO with the reward function raising on one process only: every process ends within a minute, non-zero,
+     naming the function
 Prints one JSON line per case and exits non-zero if any check fails. The 8B throughput of N processes vs one
 process is `scale_qlora.py` (it reads the same environment variables).
 """
@@ -58,6 +62,31 @@ def make_model_and_data(work: str) -> tuple[str, str]:
     with open(data, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     return model_dir, data
+
+
+REWARDS = '''import os
+
+
+def length_reward(prompts, completions, **columns):
+    if os.environ.get("JAX_PROCESS_ID") == os.environ.get("REWARD_FAILS_ON_PROCESS", "none"):
+        raise ValueError("no reward on this host")
+    return [len(c) / 100.0 for c in completions]
+'''
+
+
+def make_grpo_data(work: str) -> tuple[str, str]:
+    """48 prompts and a reward function file (completions' length) for the GRPO cases."""
+    prompts, rewards = os.path.join(work, "prompts.jsonl"), os.path.join(work, "rewards.py")
+    with open(prompts, "w") as f:
+        f.writelines(json.dumps({"prompt": f"row {i}: the quick brown fox"}) + "\n" for i in range(48))
+    with open(rewards, "w") as f:
+        f.write(REWARDS)
+    return prompts, rewards
+
+
+def rewards_logged(run: str) -> list[float]:
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return [json.loads(line)["reward"] for line in f if line.strip()]
 
 
 def free_port() -> int:
@@ -151,7 +180,7 @@ def wait_for_step(run: str, step: int, timeout: float = 300) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default="/tmp/multihost")
-    ap.add_argument("--cases", default="a,b,c,d,e")
+    ap.add_argument("--cases", default="a,b,c,d,e,f,g")
     args = ap.parse_args()
     os.environ["JAX_PLATFORMS"] = "cpu"  # this driver builds the tiny model on the CPU; the GPUs are the workers'
     gpus = shutil.which("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.count("GPU ")
@@ -239,6 +268,35 @@ def main() -> int:
         report("e: a bad dataset on one process", all(c not in (None, 0) for c in codes) and max(times) <= 60
                and all(line in log_text(logs, i) for i in range(n)), exit_codes=codes,
                seconds=[round(t, 1) for t in times], tail=log_tail(logs, 0, 1) + log_tail(logs, n - 1, 1))
+    if cases & {"f", "g"}:
+        prompts, rewards = make_grpo_data(args.work)
+        grpo = ["--model", model, "--data", prompts, "--objective", "grpo", "--reward", f"{rewards}:length_reward",
+                "--num-generations", "4", "--max-completion-length", "24", "--batch-size", "8", "--dtype", "float32",
+                "--schedule", "constant", "--lr", "1e-3", "--lora-r", "8", "--seed", "3", "--mesh", f"data={n}"]
+    if "f" in cases:
+        one, run, logs = run_dir("f-one"), run_dir("f"), os.path.join(args.work, "logs-f")
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "jaxtune.cli", "train", *grpo, "--out", one, "--max-steps", "3"],
+                              env=env, cwd=ROOT, capture_output=True, text=True)
+        codes, _ = wait(launch(n, [*grpo, "--out", run, "--max-steps", "3"], logs), 600)
+        ok_runs = proc.returncode == 0 and codes == [0] * n
+        want_f, got_f = (losses(one), losses(run)) if ok_runs else ([], [])
+        want_r, got_r = (rewards_logged(one), rewards_logged(run)) if ok_runs else ([], [])
+        report("f: GRPO as N processes", ok_runs and len(got_f) == 3 and close(got_f, want_f) and close(got_r, want_r),
+               exit_codes=[proc.returncode, codes], losses=got_f, one_process_losses=want_f, rewards=got_r,
+               one_process_rewards=want_r, seconds=round(time.perf_counter() - t0, 1),
+               tail=proc.stderr.splitlines()[-2:] + log_tail(logs, 0, 2))
+    if "g" in cases:
+        run, logs = run_dir("g"), os.path.join(args.work, "logs-g")
+        os.environ["REWARD_FAILS_ON_PROCESS"] = str(n - 1)  # the workers' environment (env_for) inherits it
+        try:
+            codes, times = wait(launch(n, [*grpo, "--out", run, "--max-steps", "3"], logs), 300)
+        finally:
+            del os.environ["REWARD_FAILS_ON_PROCESS"]
+        report("g: GRPO, a reward failing on one process", all(c not in (None, 0) for c in codes)
+               and max(times) <= 60 + min(times) and all("length_reward" in log_text(logs, i) for i in range(n)),
+               exit_codes=codes, seconds=[round(t, 1) for t in times],
+               tail=log_tail(logs, 0, 1) + log_tail(logs, n - 1, 1))
     return 0 if ok else 1
 
 

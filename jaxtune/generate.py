@@ -25,6 +25,16 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> Non
         raise ConfigError(f"temperature must be >= 0, got {temperature}; 0 decodes greedily")
     if not 0 < top_p <= 1:
         raise ConfigError(f"top_p must be in (0, 1], got {top_p}; 1.0 samples from the whole distribution")
+
+# decode loops trace one layer per decoder layer (`CausalLM.unroll_decode`): None is on a GPU only, where it lets
+# CUDA graphs take a token's step whole; on a CPU the loop compiles faster and runs as fast
+UNROLL_DECODE: bool | None = None
+
+
+def unrolled_decoding() -> bool:
+    return jax.default_backend() == "gpu" if UNROLL_DECODE is None else UNROLL_DECODE
+
+
 _BUCKET = 16  # prompt and cache lengths are rounded up to this, so nearby lengths share one compilation
 
 
@@ -119,6 +129,7 @@ def _generate_ids(
 ) -> jax.Array:
     model = nnx.merge(graphdef, state)
     model.prepare_for_kernels()  # the kernels' scales once, not once per token
+    model.unroll_decode = unrolled_decoding()
     return decode(model, ids, pad, key, max_new_tokens=max_new_tokens, cache_len=cache_len, temperature=temperature,
                   top_p=top_p, eos_ids=eos_ids)
 

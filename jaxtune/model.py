@@ -247,6 +247,10 @@ class CausalLM(nnx.Module):
         # into and out of (faster), a compile time that grows with the layer count; remat "offload" keeps its
         # own loops
         self.unroll_layers: bool = False
+        # decoding (a KV cache, one token at a time) traces one layer per decoder layer instead of a loop: a token's
+        # step is then one straight program that CUDA graphs capture whole, where a loop launches every layer's
+        # ~60 small kernels one by one; set by the samplers on a GPU (`unrolled_decoding`)
+        self.unroll_decode: bool = False
         # quantization-aware training: "q4_0", "q4_k" or "nf4" puts each LoRA projection's merged weight through
         # that format's quantizer in the forward pass (straight-through gradient); set by train() like `compute`
         self.qat: str | None = None
@@ -411,6 +415,14 @@ class CausalLM(nnx.Module):
             h, written = stacked_body(h, (sliced, LayerCache(k, v, index), rng, index))
             return (h, written.k, written.v), None
 
+        if self.unroll_decode:
+            k, v = cache.k, cache.v
+            for i in range(self.config.num_layers):
+                sliced = jax.tree.map(lambda a, i=i: a[i], sliced_state)
+                index = jnp.int32(i)
+                h, written = stacked_body(h, (sliced, LayerCache(k, v, index), None, index))
+                k, v = written.k, written.v
+            return self.norm(h), LayerCache(k, v)
         (h, k, v), _ = jax.lax.scan(rematerialized(cached_body), (h, cache.k, cache.v),
                                     (sliced_state, layer_rngs, layers))
         return self.norm(h), LayerCache(k, v)

@@ -142,3 +142,36 @@ def test_long_context_mlp_tiles_bound_the_intermediate_size_and_split_evenly():
     assert "length=3" in jaxpr and "f32[3,6144,16]" in jaxpr and "24576" not in jaxpr
     x = jax.random.normal(jax.random.key(0), (2, 300, 16), jnp.float32)
     np.testing.assert_allclose(np.asarray(mlp(x, token_tile=256)), np.asarray(mlp(x)), rtol=1e-5, atol=1e-6)
+
+
+def test_unrolled_decoding_equals_the_layer_loop_with_adapters(tiny_qlora_model):
+    """A GPU decodes with one traced layer per decoder layer (`unroll_decode`): the same logits and KV cache as the
+    scanned loop, prefill and single-token steps, NF4 base and non-zero LoRA."""
+    import jaxtune
+    from jaxtune.model import KVCache
+
+    model = tiny_qlora_model
+    jaxtune.get_peft_model(model, r=4, lora_alpha=8)
+    for _, b in nnx.iter_graph(model):
+        if isinstance(b, nnx.LoRAParam) and b[...].ndim and b[...].shape[-1] == 4:
+            b[...] = jax.random.normal(jax.random.key(1), b[...].shape, b[...].dtype) * 0.05
+    ids = jax.random.randint(jax.random.key(2), (2, 9), 1, model.config.vocab_size)
+
+    def run(unrolled: bool):
+        model.unroll_decode = unrolled
+        cache = KVCache.empty(model.config, 2, 16, model.dtype)
+        logits, cache = model.forward_with_cache(ids[:, :6], jnp.broadcast_to(jnp.arange(6), (2, 6)),
+                                                 jnp.ones((2, 6), jnp.int32), cache, jnp.int32(0))
+        out = [logits]
+        for i in range(6, 9):
+            step, cache = model.forward_with_cache(ids[:, i:i + 1], jnp.full((2, 1), i), jnp.ones((2, 1), jnp.int32),
+                                                   cache, jnp.int32(i))
+            out.append(step)
+        return np.concatenate([np.asarray(o) for o in out], axis=1), cache
+
+    (loop, loop_cache), (unrolled, unrolled_cache) = run(False), run(True)
+    model.unroll_decode = False
+    np.testing.assert_allclose(unrolled, loop, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(unrolled_cache.k), np.asarray(loop_cache.k), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(unrolled_cache.v), np.asarray(loop_cache.v), rtol=0, atol=1e-6)
+    assert np.abs(np.asarray(loop_cache.k)[:, :, :, :9]).max() > 0  # the cache holds what was written

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtune.data.packing import IGNORE
 from jaxtune.data.sources import DataError, Row
-from jaxtune.generate import cache_length, decode, encode_prompt, left_padded, prompt_bucket
+from jaxtune.generate import cache_length, decode, encode_prompt, left_padded, prompt_bucket, unrolled_decoding
 from jaxtune.sharding import BATCH_AXES, global_rows
 
 
@@ -56,6 +56,7 @@ def sample(graphdef, lora, frozen, ids, pad, key, *, max_new_tokens: int, cache_
     """Completions [N, max_new_tokens] (-1 after EOS) of left-padded prompts under the adapters `lora`."""
     model = nnx.merge(graphdef, lora, frozen)
     model.prepare_for_kernels()  # the kernels' scales once per rollout, not once per token
+    model.unroll_decode = unrolled_decoding()
     return decode(model, ids, pad, key, max_new_tokens=max_new_tokens, cache_len=cache_len,
                   temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=eos_ids, ignore_eos=ignore_eos)
 
