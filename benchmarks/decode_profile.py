@@ -76,13 +76,13 @@ def main() -> None:
     ap.add_argument("--no-trace", action="store_true", help="time the sampler and one step only")
     ap.add_argument("--nf4-table", help="benchmarks/nf4_matmul.py --out JSON: up to 64 rows forward take the fused "
                                         "kernel with its fastest tile per weight shape (else dequantize + cuBLAS)")
-    ap.add_argument("--unroll-decode", choices=("auto", "on", "off"), default="auto",
-                    help="decode with one traced layer per decoder layer (auto: on a GPU) or the layer loop")
+    ap.add_argument("--per-layer-cache", choices=("auto", "on", "off"), default="auto",
+                    help="decode with a KV cache per layer, one traced layer each (auto: on a GPU), or the layer loop")
     args = ap.parse_args()
     import importlib
 
     decoding = importlib.import_module("jaxtune.generate")  # the package exports a function of that name
-    decoding.UNROLL_DECODE = {"auto": None, "on": True, "off": False}[args.unroll_decode]
+    decoding.PER_LAYER_CACHE = {"auto": None, "on": True, "off": False}[args.per_layer_cache]
     if args.nf4_table:
         use_fused_tiles(args.nf4_table)
 
@@ -110,10 +110,10 @@ def main() -> None:
         return lambda: np.asarray(sample(
             graphdef, lora, frozen, ids, pad, jax.random.key(0), max_new_tokens=new_tokens,
             cache_len=cache_length(args.prompt, new_tokens), temperature=temperature, top_p=1.0, top_k=0,
-            eos_ids=eos, ignore_eos=True))
+            eos_ids=eos, ignore_eos=True, per_layer=decoding.per_layer_cache()))
 
     line = {"label": args.label, "device": kind, "rows": args.rows, "prompt": args.prompt,
-            "unroll_decode": decoding.unrolled_decoding(),
+            "per_layer_cache": decoding.per_layer_cache(),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
     for name, temperature in (("rollout", 1.0), ("greedy", 0.0)):
         s = timed(rollout(args.completion, temperature))
@@ -130,13 +130,12 @@ def main() -> None:
     def one_step(lora, frozen, cache, tok):
         m = nnx.merge(graphdef, lora, frozen)
         m.prepare_for_kernels()
-        m.unroll_decode = decoding.unrolled_decoding()
         pos = jnp.full((args.rows, 1), mid, jnp.int32)
         logits, cache = m.forward_with_cache(tok[:, None], pos, jnp.ones((args.rows, 1), jnp.int32), cache,
                                              jnp.int32(mid))
         return jnp.argmax(logits[:, 0], -1).astype(jnp.int32), cache
 
-    cache = KVCache.empty(model.config, args.rows, cache_len, model.dtype)
+    cache = KVCache.empty(model.config, args.rows, cache_len, model.dtype, per_layer=decoding.per_layer_cache())
     cache = cache._replace(segment_ids=jnp.ones_like(cache.segment_ids))
     tok = ids[:, -1]
     state = {"cache": cache, "tok": tok}

@@ -40,13 +40,13 @@ def main() -> None:
                                                    "kernel instead of dequantize + cuBLAS (the table's default: 16)")
     ap.add_argument("--cap-gib", type=float, help="use only this much GPU memory (a card of that size)")
     ap.add_argument("--mesh", help="device mesh, e.g. data=2 (default: one device)")
-    ap.add_argument("--unroll-decode", choices=("auto", "on", "off"), default="auto",
-                    help="decode with one traced layer per decoder layer (auto: on a GPU) or the layer loop")
+    ap.add_argument("--per-layer-cache", choices=("auto", "on", "off"), default="auto",
+                    help="decode with a KV cache per layer, one traced layer each (auto: on a GPU), or the layer loop")
     args = ap.parse_args()
     import importlib
 
     decoding = importlib.import_module("jaxtune.generate")  # the package exports a function of that name
-    decoding.UNROLL_DECODE = {"auto": None, "on": True, "off": False}[args.unroll_decode]
+    decoding.PER_LAYER_CACHE = {"auto": None, "on": True, "off": False}[args.per_layer_cache]
     if args.cap_gib:
         from context_ladder import cap_device_memory
 
@@ -106,7 +106,7 @@ def main() -> None:
         print(json.dumps({
             "system": "jaxtune", "device": kind, "batch": spec, "completions_per_step": micro * accum,
             "cap_gib": args.cap_gib, "mesh": args.mesh, "devices": jax.device_count(),
-            "fused_rows": args.fused_rows or 16,
+            "fused_rows": args.fused_rows or 16, "per_layer_cache": decoding.per_layer_cache(),
             "step_s": round(step_s, 3), "rollout_s": round(rollout_s, 3),
             "rest_s": round(step_s - rollout_s, 3), "generated_tok_s": round(generated / rollout_s),
             "step_completion_tok_s": round(generated / step_s),

@@ -26,13 +26,12 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> Non
     if not 0 < top_p <= 1:
         raise ConfigError(f"top_p must be in (0, 1], got {top_p}; 1.0 samples from the whole distribution")
 
-# decode loops trace one layer per decoder layer (`CausalLM.unroll_decode`): None is on a GPU only, where it lets
-# CUDA graphs take a token's step whole; on a CPU the loop compiles faster and runs as fast
-UNROLL_DECODE: bool | None = None
+# decoding keeps a KV cache per layer and traces one layer per decoder layer (`KVCache`): None is on a GPU only
+PER_LAYER_CACHE: bool | None = None
 
 
-def unrolled_decoding() -> bool:
-    return jax.default_backend() == "gpu" if UNROLL_DECODE is None else UNROLL_DECODE
+def per_layer_cache() -> bool:
+    return jax.default_backend() == "gpu" if PER_LAYER_CACHE is None else PER_LAYER_CACHE
 
 
 _BUCKET = 16  # prompt and cache lengths are rounded up to this, so nearby lengths share one compilation
@@ -80,16 +79,17 @@ def _sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float,
 
 def decode(model: CausalLM, ids: jax.Array, pad: jax.Array, key: jax.Array, *, max_new_tokens: int, cache_len: int,
            temperature: float, top_p: float, eos_ids: tuple[int, ...], top_k: int = 0,
-           ignore_eos: bool = False) -> jax.Array:
+           ignore_eos: bool = False, per_layer: bool = False) -> jax.Array:
     """New tokens [batch, max_new_tokens] after left-padded prompts ids [batch, P] (pad: each row's padding),
     -1 after a row's EOS (the EOS kept); one prefill, then a while loop of single-token steps on a KV cache that
     ends when every row is done. `ignore_eos`: EOS is never sampled (benchmarks: every row runs its full length).
+    `per_layer`: a KV cache per layer (`KVCache`; what a GPU runs fastest: `per_layer_cache()`).
     Traced inside a caller's jit."""
     batch, prompt_len = ids.shape
     idx = jnp.arange(prompt_len, dtype=jnp.int32)[None]
     seg = (idx >= pad[:, None]).astype(jnp.int32)  # left padding is segment 0: never attended by real tokens
     pos = jnp.maximum(idx - pad[:, None], 0)
-    cache = KVCache.empty(model.config, batch, cache_len, model.dtype)
+    cache = KVCache.empty(model.config, batch, cache_len, model.dtype, per_layer=per_layer)
     logits, cache = model.forward_with_cache(ids, pos, seg, cache, jnp.int32(0), last_only=True)
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
 
@@ -122,16 +122,16 @@ def decode(model: CausalLM, ids: jax.Array, pad: jax.Array, key: jax.Array, *, m
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len", "temperature", "top_p", "eos_ids")
+    jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len", "temperature", "top_p", "eos_ids",
+                              "per_layer")
 )
 def _generate_ids(
-    graphdef, state, ids, pad, key, *, max_new_tokens, cache_len, temperature, top_p, eos_ids
+    graphdef, state, ids, pad, key, *, max_new_tokens, cache_len, temperature, top_p, eos_ids, per_layer
 ) -> jax.Array:
     model = nnx.merge(graphdef, state)
     model.prepare_for_kernels()  # the kernels' scales once, not once per token
-    model.unroll_decode = unrolled_decoding()
     return decode(model, ids, pad, key, max_new_tokens=max_new_tokens, cache_len=cache_len, temperature=temperature,
-                  top_p=top_p, eos_ids=eos_ids)
+                  top_p=top_p, eos_ids=eos_ids, per_layer=per_layer)
 
 
 def prompt_bucket(length: int) -> int:
@@ -176,6 +176,7 @@ def generate_tokens(
         graphdef, state, jnp.asarray(ids), jnp.asarray(pad), jax.random.key(seed),
         max_new_tokens=max_new_tokens, cache_len=cache_length(ids.shape[1], max_new_tokens),
         temperature=float(temperature), top_p=float(top_p), eos_ids=tuple(int(e) for e in eos_ids),
+        per_layer=per_layer_cache(),
     )
     results = []
     for row in np.asarray(out):

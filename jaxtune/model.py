@@ -61,25 +61,34 @@ class Embed(nnx.Module):
 
 
 class LayerCache(NamedTuple):
-    """The KV cache a layer reads and writes: every layer's k, v [L, B, S, Hkv, D] and this layer's index. The
-    stacks are the layer loop's carry, so a step writes its new tokens in place instead of copying the cache."""
+    """The KV cache a layer reads and writes: every layer's k, v [L, B, S, Hkv, D] and this layer's index (the
+    stacks are the layer loop's carry, so a step writes its new tokens in place instead of copying the cache); or,
+    with `layer` None, this layer's own k, v [B, S, Hkv, D] (per-layer caches)."""
 
     k: jax.Array
     v: jax.Array
-    layer: jax.Array | int = 0
+    layer: jax.Array | int | None = 0
 
 
 class KVCache(NamedTuple):
-    """Stacked KV cache for all layers: k, v [L, B, S, Hkv, D]; segment_ids [B, S] (0 = empty/padding)."""
+    """KV cache for all layers: k, v stacked [L, B, S, Hkv, D], or tuples of L per-layer [B, S, Hkv, D];
+    segment_ids [B, S] (0 = empty/padding).
 
-    k: jax.Array
-    v: jax.Array
+    Stacked, the model runs its layers as a loop (one layer's program, compiled once). Per layer, it traces one
+    layer per decoder layer and each writes and reads its own arrays: on a GPU a token's step is then one straight
+    program with no cache slice copied, which runs faster and compiles slower."""
+
+    k: jax.Array | tuple[jax.Array, ...]
+    v: jax.Array | tuple[jax.Array, ...]
     segment_ids: jax.Array
 
     @classmethod
-    def empty(cls, cfg: ModelConfig, batch: int, length: int, dtype: jnp.dtype) -> "KVCache":
-        shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, length), jnp.int32))
+    def empty(cls, cfg: ModelConfig, batch: int, length: int, dtype: jnp.dtype, per_layer: bool = False) -> "KVCache":
+        shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+        segments = jnp.zeros((batch, length), jnp.int32)
+        if per_layer:
+            return cls(*(tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)) for _ in "kv"), segments)
+        return cls(jnp.zeros((cfg.num_layers, *shape), dtype), jnp.zeros((cfg.num_layers, *shape), dtype), segments)
 
 
 class Attention(nnx.Module):
@@ -121,14 +130,20 @@ class Attention(nnx.Module):
         if cache is None:
             out = ops.attention(q, k, v, q_segment_ids=segment_ids, sliding_window=self.sliding_window)
         else:
-            start = (cache.layer, 0, cache_index, 0, 0)
-            cache = LayerCache(
-                jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), start),
-                jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start),
-                cache.layer,
-            )
-            layer_k = jax.lax.dynamic_index_in_dim(cache.k, cache.layer, 0, keepdims=False)
-            layer_v = jax.lax.dynamic_index_in_dim(cache.v, cache.layer, 0, keepdims=False)
+            if cache.layer is None:  # this layer's own arrays
+                start = (0, cache_index, 0, 0)
+                cache = LayerCache(jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), start),
+                                   jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), start), None)
+                layer_k, layer_v = cache.k, cache.v
+            else:
+                start = (cache.layer, 0, cache_index, 0, 0)
+                cache = LayerCache(
+                    jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), start),
+                    jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start),
+                    cache.layer,
+                )
+                layer_k = jax.lax.dynamic_index_in_dim(cache.k, cache.layer, 0, keepdims=False)
+                layer_v = jax.lax.dynamic_index_in_dim(cache.v, cache.layer, 0, keepdims=False)
             out = ops.attention(
                 q, layer_k.astype(q.dtype), layer_v.astype(q.dtype), q_segment_ids=segment_ids,
                 kv_segment_ids=cache_segment_ids, q_offset=cache_index, sliding_window=self.sliding_window,
@@ -247,10 +262,6 @@ class CausalLM(nnx.Module):
         # into and out of (faster), a compile time that grows with the layer count; remat "offload" keeps its
         # own loops
         self.unroll_layers: bool = False
-        # decoding (a KV cache, one token at a time) traces one layer per decoder layer instead of a loop: a token's
-        # step is then one straight program that CUDA graphs capture whole, where a loop launches every layer's
-        # ~60 small kernels one by one; set by the samplers on a GPU (`unrolled_decoding`)
-        self.unroll_decode: bool = False
         # quantization-aware training: "q4_0", "q4_k" or "nf4" puts each LoRA projection's merged weight through
         # that format's quantizer in the forward pass (straight-through gradient); set by train() like `compute`
         self.qat: str | None = None
@@ -415,14 +426,13 @@ class CausalLM(nnx.Module):
             h, written = stacked_body(h, (sliced, LayerCache(k, v, index), rng, index))
             return (h, written.k, written.v), None
 
-        if self.unroll_decode:
-            k, v = cache.k, cache.v
+        if isinstance(cache.k, tuple):  # per-layer caches: one traced layer per decoder layer
+            k, v = list(cache.k), list(cache.v)
             for i in range(self.config.num_layers):
                 sliced = jax.tree.map(lambda a, i=i: a[i], sliced_state)
-                index = jnp.int32(i)
-                h, written = stacked_body(h, (sliced, LayerCache(k, v, index), None, index))
-                k, v = written.k, written.v
-            return self.norm(h), LayerCache(k, v)
+                h, written = stacked_body(h, (sliced, LayerCache(k[i], v[i], None), None, jnp.int32(i)))
+                k[i], v[i] = written.k, written.v
+            return self.norm(h), LayerCache(tuple(k), tuple(v))
         (h, k, v), _ = jax.lax.scan(rematerialized(cached_body), (h, cache.k, cache.v),
                                     (sliced_state, layer_rngs, layers))
         return self.norm(h), LayerCache(k, v)

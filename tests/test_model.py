@@ -144,9 +144,9 @@ def test_long_context_mlp_tiles_bound_the_intermediate_size_and_split_evenly():
     np.testing.assert_allclose(np.asarray(mlp(x, token_tile=256)), np.asarray(mlp(x)), rtol=1e-5, atol=1e-6)
 
 
-def test_unrolled_decoding_equals_the_layer_loop_with_adapters(tiny_qlora_model):
-    """A GPU decodes with one traced layer per decoder layer (`unroll_decode`): the same logits and KV cache as the
-    scanned loop, prefill and single-token steps, NF4 base and non-zero LoRA."""
+def test_per_layer_caches_decode_as_the_stacked_cache_with_adapters(tiny_qlora_model):
+    """A GPU decodes with a KV cache per layer (one traced layer per decoder layer, `KVCache`): the same logits and
+    cache contents as the stacked cache's layer loop, prefill and single-token steps, NF4 base and non-zero LoRA."""
     import jaxtune
     from jaxtune.model import KVCache
 
@@ -157,9 +157,8 @@ def test_unrolled_decoding_equals_the_layer_loop_with_adapters(tiny_qlora_model)
             b[...] = jax.random.normal(jax.random.key(1), b[...].shape, b[...].dtype) * 0.05
     ids = jax.random.randint(jax.random.key(2), (2, 9), 1, model.config.vocab_size)
 
-    def run(unrolled: bool):
-        model.unroll_decode = unrolled
-        cache = KVCache.empty(model.config, 2, 16, model.dtype)
+    def run(per_layer: bool):
+        cache = KVCache.empty(model.config, 2, 16, model.dtype, per_layer=per_layer)
         logits, cache = model.forward_with_cache(ids[:, :6], jnp.broadcast_to(jnp.arange(6), (2, 6)),
                                                  jnp.ones((2, 6), jnp.int32), cache, jnp.int32(0))
         out = [logits]
@@ -169,9 +168,24 @@ def test_unrolled_decoding_equals_the_layer_loop_with_adapters(tiny_qlora_model)
             out.append(step)
         return np.concatenate([np.asarray(o) for o in out], axis=1), cache
 
-    (loop, loop_cache), (unrolled, unrolled_cache) = run(False), run(True)
-    model.unroll_decode = False
+    (loop, stacked), (unrolled, per_layer) = run(False), run(True)
+    assert isinstance(per_layer.k, tuple) and len(per_layer.k) == model.config.num_layers
     np.testing.assert_allclose(unrolled, loop, rtol=0, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(unrolled_cache.k), np.asarray(loop_cache.k), rtol=0, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(unrolled_cache.v), np.asarray(loop_cache.v), rtol=0, atol=1e-6)
-    assert np.abs(np.asarray(loop_cache.k)[:, :, :, :9]).max() > 0  # the cache holds what was written
+    np.testing.assert_allclose(np.stack(per_layer.k), np.asarray(stacked.k), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.stack(per_layer.v), np.asarray(stacked.v), rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(per_layer.segment_ids), np.asarray(stacked.segment_ids))
+    assert np.abs(np.asarray(stacked.k)[:, :, :9]).max() > 0 and not np.asarray(stacked.k)[:, :, 9:].any()
+
+
+def test_generation_with_per_layer_caches_samples_the_stacked_caches_tokens(tiny_qlora_model, monkeypatch):
+    """The samplers' choice of cache (`per_layer_cache`, on a GPU per layer) changes no token, seeded sampling too."""
+    import importlib
+
+    decoding = importlib.import_module("jaxtune.generate")
+    prompts = [[5, 9, 13, 2], [7, 3]]
+    runs = {}
+    for per_layer in (False, True):
+        monkeypatch.setattr(decoding, "PER_LAYER_CACHE", per_layer)
+        runs[per_layer] = [decoding.generate_tokens(tiny_qlora_model, prompts, max_new_tokens=6, temperature=t, seed=1)
+                           for t in (0.0, 1.0)]
+    assert runs[True] == runs[False] and all(len(row) == 6 for run in runs[True] for row in run)

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtune.data.packing import IGNORE
 from jaxtune.data.sources import DataError, Row
-from jaxtune.generate import cache_length, decode, encode_prompt, left_padded, prompt_bucket, unrolled_decoding
+from jaxtune.generate import cache_length, decode, encode_prompt, left_padded, per_layer_cache, prompt_bucket
 from jaxtune.sharding import BATCH_AXES, global_rows
 
 
@@ -50,22 +50,23 @@ def encode_prompts(rows: Sequence[Row], tokenizer: Any, max_prompt_tokens: int) 
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len", "temperature", "top_p",
-                                             "top_k", "eos_ids", "ignore_eos"))
+                                             "top_k", "eos_ids", "ignore_eos", "per_layer"))
 def sample(graphdef, lora, frozen, ids, pad, key, *, max_new_tokens: int, cache_len: int, temperature: float,
-           top_p: float, top_k: int, eos_ids: tuple[int, ...], ignore_eos: bool = False) -> jax.Array:
+           top_p: float, top_k: int, eos_ids: tuple[int, ...], ignore_eos: bool = False,
+           per_layer: bool = False) -> jax.Array:
     """Completions [N, max_new_tokens] (-1 after EOS) of left-padded prompts under the adapters `lora`."""
     model = nnx.merge(graphdef, lora, frozen)
     model.prepare_for_kernels()  # the kernels' scales once per rollout, not once per token
-    model.unroll_decode = unrolled_decoding()
     return decode(model, ids, pad, key, max_new_tokens=max_new_tokens, cache_len=cache_len,
-                  temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=eos_ids, ignore_eos=ignore_eos)
+                  temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=eos_ids, ignore_eos=ignore_eos,
+                  per_layer=per_layer)
 
 
 def _options(max_new_tokens: int, prompt_len: int, temperature: float, top_p: float, top_k: int,
              eos_ids: Sequence[int], ignore_eos: bool) -> dict[str, Any]:
     return dict(max_new_tokens=max_new_tokens, cache_len=cache_length(prompt_len, max_new_tokens),
                 temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
-                eos_ids=tuple(int(e) for e in eos_ids), ignore_eos=ignore_eos)
+                eos_ids=tuple(int(e) for e in eos_ids), ignore_eos=ignore_eos, per_layer=per_layer_cache())
 
 
 def sample_completions(graphdef, lora, frozen, prompt_ids: list[list[int]], key: jax.Array, *, max_new_tokens: int,
