@@ -104,16 +104,17 @@ def main() -> None:
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(10, model.config.vocab_size, (args.rows, args.prompt)), jnp.int32)
     pad = jnp.zeros((args.rows,), jnp.int32)
+    per_layer = decoding.per_layer_cache(jax.default_backend() == "gpu")  # as the rollout chooses
     eos = (int(model.config.eos_token_id),) if isinstance(model.config.eos_token_id, int) else (0,)
 
     def rollout(new_tokens: int, temperature: float):
         return lambda: np.asarray(sample(
             graphdef, lora, frozen, ids, pad, jax.random.key(0), max_new_tokens=new_tokens,
             cache_len=cache_length(args.prompt, new_tokens), temperature=temperature, top_p=1.0, top_k=0,
-            eos_ids=eos, ignore_eos=True, per_layer=decoding.per_layer_cache()))
+            eos_ids=eos, ignore_eos=True, per_layer=per_layer))
 
     line = {"label": args.label, "device": kind, "rows": args.rows, "prompt": args.prompt,
-            "per_layer_cache": decoding.per_layer_cache(),
+            "per_layer_cache": per_layer,
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
     for name, temperature in (("rollout", 1.0), ("greedy", 0.0)):
         s = timed(rollout(args.completion, temperature))
@@ -135,7 +136,7 @@ def main() -> None:
                                              jnp.int32(mid))
         return jnp.argmax(logits[:, 0], -1).astype(jnp.int32), cache
 
-    cache = KVCache.empty(model.config, args.rows, cache_len, model.dtype, per_layer=decoding.per_layer_cache())
+    cache = KVCache.empty(model.config, args.rows, cache_len, model.dtype, per_layer=per_layer)
     cache = cache._replace(segment_ids=jnp.ones_like(cache.segment_ids))
     tok = ids[:, -1]
     state = {"cache": cache, "tok": tok}

@@ -106,7 +106,8 @@ def main() -> None:
         print(json.dumps({
             "system": "jaxtune", "device": kind, "batch": spec, "completions_per_step": micro * accum,
             "cap_gib": args.cap_gib, "mesh": args.mesh, "devices": jax.device_count(),
-            "fused_rows": args.fused_rows or 16, "per_layer_cache": decoding.per_layer_cache(),
+            "fused_rows": args.fused_rows or 16,
+            "per_layer_cache": decoding.per_layer_cache(jax.default_backend() == "gpu"),
             "step_s": round(step_s, 3), "rollout_s": round(rollout_s, 3),
             "rest_s": round(step_s - rollout_s, 3), "generated_tok_s": round(generated / rollout_s),
             "step_completion_tok_s": round(generated / step_s),

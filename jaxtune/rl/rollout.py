@@ -66,7 +66,8 @@ def _options(max_new_tokens: int, prompt_len: int, temperature: float, top_p: fl
              eos_ids: Sequence[int], ignore_eos: bool) -> dict[str, Any]:
     return dict(max_new_tokens=max_new_tokens, cache_len=cache_length(prompt_len, max_new_tokens),
                 temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
-                eos_ids=tuple(int(e) for e in eos_ids), ignore_eos=ignore_eos, per_layer=per_layer_cache())
+                eos_ids=tuple(int(e) for e in eos_ids), ignore_eos=ignore_eos,
+                per_layer=per_layer_cache(jax.default_backend() == "gpu"))
 
 
 def sample_completions(graphdef, lora, frozen, prompt_ids: list[list[int]], key: jax.Array, *, max_new_tokens: int,
