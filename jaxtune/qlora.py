@@ -119,10 +119,16 @@ class LoRALinear(nnx.Module):
         B is the straight-through one (the rounding's derivative taken as 1), which is plain LoRA's: a LoRA term of
         value zero carries it, so no [out, in] weight gradient is ever formed; x's gradient is dy @ the rounded
         weight. The rounded weight is not differentiated (a remat policy recomputes it from the codes)."""
+        from jaxtune.ops.fake_quant import fused_round_trip
         from jaxtune.quant.fake import round_trip
 
-        weight = jax.lax.stop_gradient(round_trip(self.merged_weight(), fmt)).astype(x.dtype)
-        y = ops.linear(x, weight)
+        weight = None
+        if isinstance(self.base, NF4Linear):  # one kernel pass from the codes where it serves the format
+            weight = fused_round_trip(self.base.weight_nf4, self.lora_a[...].astype(jnp.float32),
+                                      self.lora_b[...].astype(jnp.float32), self.scale, fmt, x.dtype)
+        if weight is None:
+            weight = round_trip(self.merged_weight(), fmt).astype(x.dtype)
+        y = ops.linear(x, jax.lax.stop_gradient(weight))
         a, b = whole_on_every_device(self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype))
         lora = ops.linear(ops.linear(jax.lax.stop_gradient(x), a) * jnp.asarray(self.scale, x.dtype), b,
                           out_dtype=y.dtype)

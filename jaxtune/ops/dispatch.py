@@ -80,6 +80,13 @@ def moe_impl() -> str:
     return _forced("pallas") or "pallas"
 
 
+def qat_impl() -> str:
+    """`pallas` (one kernel pass from the NF4 codes to the rounded bf16 weight) or `xla` for quantization-aware
+    training's q4_0 weights. On GPU the kernel: XLA's passes over float32 copies cost 1.26x the step at 8B
+    (benchmarks/results/2026-11-27-qat-cost-h100.md)."""
+    return _forced("pallas") or "pallas"
+
+
 def fp8_impl() -> str:
     """`xla` (the jnp reference: dequantize, f32 dot), `cublas` (XLA's FP8 dot: cuBLASLt) or `pallas` (the
     FP8 kernel) for FP8 projections. On GPU cuBLASLt, measured 2x bf16 where the Pallas kernel is 0.64x
