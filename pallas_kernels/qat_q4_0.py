@@ -54,7 +54,7 @@ def _product_unfused(x: jax.Array, y: jax.Array, interpret: bool) -> jax.Array:
     reference rounds w / d before adding 8.5."""
     if interpret:
         return x * y
-    [out] = pltriton.elementwise_inline_asm("mul.rn.f32 $0, $1, $2;", args=[x, y], constraints="=r,r,r", pack=1,
+    [out] = pltriton.elementwise_inline_asm("mul.rn.f32 $0, $1, $2;", args=[x, y], constraints="=f,f,f", pack=1,
                                             result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
     return out
 
