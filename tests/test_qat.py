@@ -203,3 +203,31 @@ def test_qat_from_a_later_step_trains_the_steps_before_it_as_plain_lora(tiny_tok
     plain, late, qat = losses(), losses(qat="q4_0", qat_start_step=2), losses(qat="q4_0")
     assert late[:2] == plain[:2] and late[0] != qat[0]
     assert late[2] != plain[2]
+
+
+def test_the_kernel_path_trains_the_adapters_as_xla_does(tmp_path):
+    """On a GPU the q4_0 weights of NF4 projections come from one Pallas pass (here interpreted): the same loss and
+    LoRA gradients as XLA's passes (the kernel's weight is not differentiated; the straight-through term is)."""
+    import jax
+
+    from jaxtune.training.step import split_model
+
+    model = _tuned(tmp_path, load_in_4bit=True)
+    model.qat = "q4_0"
+    graphdef, lora, frozen = split_model(model)
+
+    def loss(lora):
+        return jax.numpy.mean(jax.numpy.square(nnx.merge(graphdef, lora, frozen)(IDS)))
+
+    results = {}
+    for kernels in (None, "pallas-interpret"):
+        jaxtune.set_kernels(kernels)
+        try:
+            results[kernels] = jax.value_and_grad(loss)(lora)
+        finally:
+            jaxtune.set_kernels(None)
+    (want, want_grads), (got, got_grads) = results[None], results["pallas-interpret"]
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    for (path, g), (_, w) in zip(nnx.to_flat_state(got_grads), nnx.to_flat_state(want_grads)):
+        assert np.abs(np.asarray(w.get_value())).max() > 0, path
+        np.testing.assert_allclose(np.asarray(g.get_value()), np.asarray(w.get_value()), rtol=1e-4, atol=1e-7)
