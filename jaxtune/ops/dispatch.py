@@ -80,11 +80,16 @@ def moe_impl() -> str:
     return _forced("pallas") or "pallas"
 
 
+# QAT's q4_0 weights of NF4 projections on a GPU by the one-pass kernel: measured 5.3x faster than XLA's passes
+# per weight (benchmarks/results/2026-11-28-qat-q4-0-kernel-h200.md), not yet in a training step on the device;
+# on once that step is measured
+QAT_KERNEL_ON_GPU = False
+
+
 def qat_impl() -> str:
-    """`pallas` (one kernel pass from the NF4 codes to the rounded bf16 weight) or `xla` for quantization-aware
-    training's q4_0 weights. On GPU the kernel: XLA's passes over float32 copies cost 1.26x the step at 8B
-    (benchmarks/results/2026-11-27-qat-cost-h100.md)."""
-    return _forced("pallas") or "pallas"
+    """`pallas` (one kernel pass from the NF4 codes to the rounded bf16 weight) or `xla` (passes over float32
+    copies: 1.25x the step at 8B) for quantization-aware training's q4_0 weights."""
+    return _forced("pallas") or ("pallas" if QAT_KERNEL_ON_GPU else "xla")
 
 
 def fp8_impl() -> str:

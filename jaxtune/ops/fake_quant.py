@@ -1,5 +1,6 @@
-"""Quantization-aware training's rounded weight from a frozen NF4 projection in one Pallas pass (on GPU), where
-the kernel serves the format: q4_0 (`pallas_kernels/qat_q4_0.py`). Elsewhere the caller rounds in XLA."""
+"""Quantization-aware training's rounded weight from a frozen NF4 projection in one Pallas pass, where the kernel
+serves the format (q4_0: `pallas_kernels/qat_q4_0.py`) and `dispatch.qat_impl` picks it. Elsewhere the caller
+rounds in XLA."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from jaxtune.sharding import current_mesh
 
 def fused_round_trip(weight, a: jax.Array, b: jax.Array, scale: float, fmt: str, dtype) -> jax.Array | None:
     """`fmt`'s read-back of NF4 W + scale * B @ A [out, in] in dtype by one kernel pass over the codes, or None
-    where the kernel does not run (another format, XLA's mode, a CPU, a mesh, tiles that do not divide W)."""
+    where the kernel does not run (another format, `dispatch.qat_impl`, a mesh, tiles that do not divide W)."""
     if fmt != "q4_0" or dispatch.qat_impl() != "pallas" or current_mesh() is not None or not kernel_shaped(weight):
         return None
     from pallas_kernels.qat_q4_0 import qat_q4_0_weight

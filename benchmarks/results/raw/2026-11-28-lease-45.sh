@@ -3,6 +3,8 @@
 # the plain dequantization per 8B weight shape (with its agreement on the GPU), then the training step at Llama-3-8B
 # shapes with 16 of its 32 layers (the device time left): plain QLoRA, --qat q4_0 through the kernel, and through XLA.
 # bash benchmarks/results/raw/poll.sh THIS 45 240
+# (as it ran: the kernel was then the GPU default and --qat-xla opted out; since, XLA is the default and
+# --qat-kernel opts in)
 set -u
 . benchmarks/lease_queue.sh
 run ckpt env PYTHONPATH=. python3 benchmarks/make_bnb4_checkpoint.py --model llama3-8b --layers 16 /tmp/bnb4_8b16
