@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
 from jaxtune.data.packing import IGNORE
 from jaxtune.rl.advantages import group_advantages
@@ -390,6 +391,26 @@ def test_a_grpo_run_resumes_exactly_and_logs_trls_metrics_and_completions(tiny_t
     assert {s["step"] for s in samples} == {1, 3} and set(samples[0]["rewards"]) == {"_length_reward",
                                                                                        "last_number"}
     assert samples[0]["prompt"] in [r["prompt"] for r in ADDITIONS] and isinstance(samples[0]["completion"], str)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(compute="fp8"), dict(qat="q4_0")])
+def test_a_reused_batchs_first_step_has_ratio_one_under_the_steps_own_forward(tiny_tokenizer, options):
+    """num_iterations 2 keeps the batch's log-probabilities for the ratio; they come from the step's own forward
+    (FP8 projections, QAT's rounding, as TRL computes them with the model it trains), so the batch's first step has
+    ratio 1 everywhere: the adapters num_iterations 1 trains on the same rollout (a ratio off 1 scales each
+    token's gradient)."""
+    import jaxtune
+
+    def trained(num_iterations):
+        cfg = _grpo_config(max_steps=1, num_iterations=num_iterations, **options)
+        model = _tiny_model(tiny_tokenizer)
+        jaxtune.train(model, tiny_tokenizer, ADDITIONS, cfg, reward_funcs=[_length_reward], progress=False)
+        return [np.asarray(v.get_value()) for _, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))]
+
+    one, two = trained(1), trained(2)
+    assert max(np.abs(b).max() for b in one[1::2]) > 1e-4  # the step moved the adapters (B starts at zero)
+    for a, b in zip(two, one):  # Adam's first update is about lr * sign(gradient): a ratio off 1 flips some (0.02)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
 
 
 def test_grpo_settings_are_checked_before_any_work():

@@ -61,7 +61,7 @@ class Rollouts:
         self.rows_per_call: int | None = None  # sampling calls' rows (None: a step's completions in one call)
         self._planned = False
         self._cached: dict[str, np.ndarray] | None = None
-        self._logps_fn = None
+        self._logps_fns: dict = {}  # jitted per QAT format (qat_start_step switches it)
         self.mesh = None  # set by place_on: sampling and the ratio's log-probabilities split over its devices
 
     def place_on(self, mesh) -> None:
@@ -117,7 +117,7 @@ class Rollouts:
                                         cfg.mask_truncated_completions)
         batch["advantages"] = advantages[:, None]
         if cfg.num_iterations > 1:  # the sampling policy's log-probabilities, for the ratio on the later steps
-            batch["old_logps"] = self._old_logps(lora, frozen, batch)
+            batch["old_logps"] = self._old_logps(lora, frozen, batch, step)
         self.efficiency = float((batch["segment_ids"] > 0).mean())
         self.metrics = self._metrics(completions, truncated, rewards, reward_metrics, t1 - t0,
                                      time.perf_counter() - t1)
@@ -181,25 +181,33 @@ class Rollouts:
                   f"need {needs[total] / GIB:,.1f} GiB; the device has {free / GIB:,.1f} GiB free)")
         return None if rows == total else rows
 
-    def _old_logps(self, lora, frozen, batch: dict[str, np.ndarray]) -> np.ndarray:
-        if self._logps_fn is None:
-            objective, graphdef = GRPO(temperature=self.cfg.temperature), self.sampler_graphdef
+    def _old_logps(self, lora, frozen, batch: dict[str, np.ndarray], step: int) -> np.ndarray:
+        """The batch's log-probabilities under the adapters that sampled it, by the step's own forward (its FP8
+        projections, QAT's rounding from qat_start_step on), as TRL computes them with the model it trains: a
+        batch's first step then has ratio 1."""
+        cfg = self.cfg
+        qat = None if cfg.qat == "none" or step < cfg.qat_start_step else cfg.qat
+        if qat not in self._logps_fns:
+            objective, graphdef = GRPO(temperature=cfg.temperature), self.sampler_graphdef
 
             @jax.jit
             def logps(lora, frozen, micro):
                 frozen = frozen[0] if isinstance(frozen, tuple) else frozen
-                return objective.token_logps(nnx.merge(graphdef, lora, frozen), micro, self.cfg.ce_chunk_size)[0]
+                model = nnx.merge(graphdef, lora, frozen)
+                model.compute, model.qat = cfg.compute, qat
+                return objective.token_logps(model, micro, cfg.ce_chunk_size)[0]
 
-            self._logps_fn = logps
+            self._logps_fns[qat] = logps
+        logps_fn = self._logps_fns[qat]
         keys = ("input_ids", "labels", "segment_ids", "positions")
         out = []
         for s in range(0, len(batch["input_ids"]), self.micro_batch):
             micro = {k: batch[k][s:s + self.micro_batch] for k in keys}
             if self.mesh is None:
-                out.append(np.asarray(self._logps_fn(lora, frozen, {k: jnp.asarray(v) for k, v in micro.items()})))
+                out.append(np.asarray(logps_fn(lora, frozen, {k: jnp.asarray(v) for k, v in micro.items()})))
                 continue
             with jax.set_mesh(self.mesh):
-                logps = self._logps_fn(lora, frozen, {k: global_rows(self.mesh, v) for k, v in micro.items()})
+                logps = logps_fn(lora, frozen, {k: global_rows(self.mesh, v) for k, v in micro.items()})
             out.append(np.asarray(process_allgather(logps, tiled=True)))
         return np.concatenate(out).astype(np.float32)
 
