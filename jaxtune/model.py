@@ -3,7 +3,8 @@
 Parameter paths mirror Hugging Face names (`layers.self_attn.q_proj.weight`, ...) so checkpoint I/O is a
 rename. Decoder layers are stored stacked along a leading layer axis and run as one loop (`jax.lax.scan`;
 for training `jaxtune.layer_loop`, which saves activations in place): one compiled layer body, so compile time
-does not grow with depth. Training may unroll that loop instead (`unroll_layers`: faster steps, longer compiles).
+does not grow with depth. Training may unroll that loop instead (`unroll_layers`: faster steps, longer compiles),
+and so does decoding with a KV cache per layer (`KVCache`: GRPO's rollouts on a GPU).
 """
 
 from __future__ import annotations
