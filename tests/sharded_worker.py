@@ -40,8 +40,13 @@ CFG = ModelConfig(model_type="llama", vocab_size=320, hidden_size=128, intermedi
                   num_heads=2, num_kv_heads=1, head_dim=64, eos_token_id=2)
 
 
-def model(vocab: int = 320):
-    cfg = CFG if vocab == CFG.vocab_size else ModelConfig(**{**CFG.__dict__, "vocab_size": vocab})
+# a mixture of experts (Qwen3-MoE): 8 experts of width 64, top 2, NF4 expert stacks sharded like any weight
+MOE_CFG = ModelConfig(**{**CFG.__dict__, "model_type": "qwen3_moe", "qk_norm": True, "num_experts": 8,
+                         "num_experts_per_tok": 2, "moe_intermediate_size": 64})
+
+
+def model(vocab: int = 320, cfg: ModelConfig = CFG):
+    cfg = cfg if vocab == cfg.vocab_size else ModelConfig(**{**cfg.__dict__, "vocab_size": vocab})
     m = get_peft_model(quantize_layers(init_model(cfg, dtype="float32", seed=0)), r=4, seed=1)
     lora = nnx.state(m, nnx.LoRAParam)  # non-zero B, so every LoRA gradient is non-trivial
     nnx.update(m, jax.tree.map(lambda p: p + 0.02 * jax.random.normal(jax.random.key(2), p.shape, p.dtype), lora))
@@ -116,6 +121,19 @@ def check_grads() -> None:
     loss, grads, shard_maps, moved = grads_on(mesh, graphdef, lora, frozen, batch)
     report(grads, fp8_grads, mesh="data=2,fsdp=2", kernels="pallas-interpret", compute="fp8", loss=float(loss),
            ref_loss=float(fp8_loss), float32_loss=float(ref_loss), shard_maps=shard_maps, moved_activations=moved)
+    # a mixture of experts: its expert stacks sharded over fsdp too, XLA's grouped products or the Pallas grouped
+    # kernels (interpreted) per shard
+    jaxtune.set_kernels("xla")
+    graphdef, lora, frozen = split_model(model(cfg=MOE_CFG))
+    moe_loss, moe_grads, _, _ = grads_on(None, graphdef, lora, frozen, batch)
+    for spec, kernels in (("data=2,fsdp=4", "xla"), ("data=2,fsdp=2", "pallas-interpret")):
+        jaxtune.set_kernels(kernels)
+        mesh = sharding.make_mesh(spec, jax.devices()[:4] if spec == "data=2,fsdp=2" else None)
+        experts = [str(a.sharding.spec) for a in jax.tree.leaves(sharding.shard_state(mesh, frozen))
+                   if a.ndim == 4 and "fsdp" in str(a.sharding.spec)]  # [layers, experts, out, in / 2] codes
+        loss, grads, shard_maps, moved = grads_on(mesh, graphdef, lora, frozen, batch)
+        report(grads, moe_grads, mesh=spec, kernels=kernels, model="qwen3_moe", loss=float(loss),
+               ref_loss=float(moe_loss), shard_maps=shard_maps, moved_activations=moved, sharded_experts=experts)
 
 
 def train(tokenizer_dir: str, out_dir: str, mesh: str | None = None, options: str = "{}") -> None:
