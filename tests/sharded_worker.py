@@ -3,7 +3,7 @@
     python tests/sharded_worker.py grads            # with XLA_FLAGS=--xla_force_host_platform_device_count=8
     python tests/sharded_worker.py train TOKENIZER_DIR OUT_DIR [MESH [OPTIONS_JSON]]  # optionally under jax.distributed
     python tests/sharded_worker.py grpo TOKENIZER_DIR OUT_DIR MESH[;MESH...]  # GRPO runs, one per mesh ("": none)
-OPTIONS_JSON: {"steps": 5, "batch": 4 or "auto", "save_steps": 5, "resume": false,
+OPTIONS_JSON: {"steps": 5, "batch": 4 or "auto", "save_steps": 5, "resume": false, "moe": false (Qwen3-MoE),
                "sigterm_at": {"process": 1, "step": 2}, "raise_at": {"process": 1, "step": 2}}
 Prints JSON lines.
 """
@@ -156,7 +156,8 @@ def train(tokenizer_dir: str, out_dir: str, mesh: str | None = None, options: st
         if opts.get("raise_at", {}).get("process") == me and record["step"] == opts["raise_at"]["step"]:
             raise RuntimeError(f"injected failure at step {record['step']}")
 
-    result = jaxtune.train(model(len(tok)), tok, rows, cfg, out_dir=out_dir, progress=False, callback=act,
+    trained = model(len(tok), MOE_CFG if opts.get("moe") else CFG)
+    result = jaxtune.train(trained, tok, rows, cfg, out_dir=out_dir, progress=False, callback=act,
                            resume=opts.get("resume", False))
     print(json.dumps({"process": me, "processes": jax.process_count(), "devices": jax.device_count(),
                       "losses": result.losses, "steps": result.steps, "interrupted": result.interrupted,

@@ -201,6 +201,18 @@ def test_two_processes_train_to_the_same_losses_as_one(tok_dir, tmp_path, one_pr
         assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4, 5, 6]
 
 
+def test_two_processes_train_a_mixture_of_experts_to_the_losses_of_one(tok_dir, tmp_path):
+    """A Qwen3-MoE (8 experts, top 2) as two processes of one device each, data-parallel: one process's losses."""
+    options = {"moe": True, "batch": 8, "steps": 4, "save_steps": 0}
+    want = _single(tok_dir, tmp_path / "one", options)
+    outs = _two_processes(tok_dir, tmp_path / "two", options)
+    for code, _, err, _ in outs:
+        assert code == 0, err[-3000:]
+    assert want["losses"][-1] < want["losses"][0]
+    for got in (_json_lines(out)[0] for _, out, _, _ in outs):
+        assert got["processes"] == 2 and got["losses"] == pytest.approx(want["losses"], rel=1e-5)
+
+
 def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resume_continues(tok_dir, tmp_path, one_process):
     """A preempted host: SIGTERM to process 1 after step 2. Both processes stop after one agreed step, save it
     once, exit 0; the same command with resume reaches the losses of an uninterrupted run."""
