@@ -22,7 +22,7 @@ from jaxtune.config import ModelConfig
 from jaxtune.layer_loop import layer_loop
 from jaxtune.moe import balancing
 from jaxtune.moe.block import SparseMoE
-from jaxtune.remat import offload_only, remat_policy
+from jaxtune.remat import remat_policy, split_offload_scan
 from jaxtune.rope import apply_rope, rope_tables
 
 _INIT_STD = 0.02
@@ -131,20 +131,18 @@ class Attention(nnx.Module):
         if cache is None:
             out = ops.attention(q, k, v, q_segment_ids=segment_ids, sliding_window=self.sliding_window)
         else:
-            if cache.layer is None:  # this layer's own arrays
-                start = (0, cache_index, 0, 0)
-                cache = LayerCache(jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), start),
-                                   jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), start), None)
-                layer_k, layer_v = cache.k, cache.v
-            else:
-                start = (cache.layer, 0, cache_index, 0, 0)
-                cache = LayerCache(
-                    jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), start),
-                    jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start),
-                    cache.layer,
-                )
-                layer_k = jax.lax.dynamic_index_in_dim(cache.k, cache.layer, 0, keepdims=False)
-                layer_v = jax.lax.dynamic_index_in_dim(cache.v, cache.layer, 0, keepdims=False)
+            stacked = cache.layer is not None  # every layer's stack at this layer, or this layer's own arrays
+            lead = (cache.layer,) if stacked else ()
+
+            def write(stack, new):
+                new = (new[None] if stacked else new).astype(stack.dtype)
+                return jax.lax.dynamic_update_slice(stack, new, (*lead, 0, cache_index, 0, 0))
+
+            def read(stack):
+                return jax.lax.dynamic_index_in_dim(stack, cache.layer, 0, keepdims=False) if stacked else stack
+
+            cache = LayerCache(write(cache.k, k), write(cache.v, v), cache.layer)
+            layer_k, layer_v = read(cache.k), read(cache.v)
             out = ops.attention(
                 q, layer_k.astype(q.dtype), layer_v.astype(q.dtype), q_segment_ids=segment_ids,
                 kv_segment_ids=cache_segment_ids, q_offset=cache_index, sliding_window=self.sliding_window,
@@ -386,7 +384,8 @@ class CausalLM(nnx.Module):
             return ((out, stats + sum(counted)) if aux else out), written
 
         if group > 1 or on_device:
-            return self._final(self._split_offload_scan(body, h, layer_state, layer_rngs, group, on_device)), None
+            return self._final(split_offload_scan(body, h, layer_state, layer_rngs, self.config.num_layers, group,
+                                                   on_device)), None
         # the NF4 codes (and their prepared kernel scales) stay whole (constants of the scan) and each layer reads
         # its own in place: the kernels that dequantize them would otherwise get a copy of every layer's codes (a
         # custom call's operand is a buffer of its own, never a slice of one)
@@ -462,40 +461,6 @@ class CausalLM(nnx.Module):
         """Prepares the kernel scales once for many calls (token by token decoding). Only on a model local to a
         traced function: the scales are arrays of that trace."""
         self.layers = self._kernel_ready_layers()
-
-    def _split_offload_scan(self, layer_body, h, layer_state, layer_rngs, group: int, on_device: int) -> jax.Array:
-        """Long-context layout: the inputs of the first layers go to host memory, one per `group` layers (the
-        layers inside a group rematerialized from its input while its backward runs); the last `on_device`
-        layers keep their inputs in device memory."""
-        layers = self.config.num_layers
-        offloaded = layers - on_device
-        if not 0 <= on_device <= layers:
-            raise ValueError(f"offload_device_layers={on_device} is not between 0 and the {layers} layers")
-        if offloaded % group:
-            raise ValueError(f"offload_group={group} does not divide the {offloaded} offloaded layers "
-                             f"({layers} layers, {on_device} kept on device)")
-        # the scans run over layer indices and read the stacked weights in place: slicing the stack into the
-        # two parts would copy every layer's weights
-        def per_layer(h, index):
-            pick = lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False)  # noqa: E731
-            return layer_body(h, (jax.tree.map(pick, layer_state), None,
-                                  None if layer_rngs is None else pick(layer_rngs)))
-
-        if offloaded:
-            inner = jax.checkpoint(per_layer, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
-
-            def group_body(h, indices):
-                h = jax.tree.map(lambda a: checkpoint_name(a, "group_input"), h)
-                h, _ = jax.lax.scan(inner, h, indices)
-                return h, None
-
-            group_body = jax.checkpoint(group_body, policy=offload_only("group_input"), prevent_cse=False)
-            h, _ = jax.lax.scan(group_body, h, jnp.arange(offloaded).reshape(offloaded // group, group))
-        if on_device:
-            kept = jax.checkpoint(per_layer, policy=jax.checkpoint_policies.save_only_these_names("layer_input"),
-                                  prevent_cse=False)
-            h, _ = jax.lax.scan(kept, h, jnp.arange(offloaded, layers))
-        return h
 
 
 # long-context mode: the MLP's [tokens, intermediate] tensors of one token tile at most this many elements (16,384

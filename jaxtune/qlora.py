@@ -124,8 +124,9 @@ class LoRALinear(nnx.Module):
 
         weight = None
         if isinstance(self.base, NF4Linear):  # one kernel pass from the codes where it serves the format
-            a, b = (jax.lax.stop_gradient(p[...].astype(jnp.float32)) for p in (self.lora_a, self.lora_b))
-            weight = fused_round_trip(self.base.weight_nf4, a, b, self.scale, fmt, x.dtype)
+            weight = fused_round_trip(self.base.weight_nf4, *(jax.lax.stop_gradient(p[...].astype(jnp.float32))
+                                                              for p in (self.lora_a, self.lora_b)),
+                                      self.scale, fmt, x.dtype)
         if weight is None:
             weight = round_trip(self.merged_weight(), fmt).astype(x.dtype)
         y = ops.linear(x, jax.lax.stop_gradient(weight))

@@ -1,8 +1,11 @@
-"""The rematerialization policies of the decoder layers' scan: what each layer keeps for its backward pass."""
+"""The rematerialization policies of the decoder layers' scan (what each layer keeps for its backward pass), and
+remat "offload"'s long-context layout of the scan."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 # What the "selective" policy keeps per layer: every projection output but down_proj's (whose only user is the
 # residual add), the attention output and its logsumexp, LoRA's rank-r hidden. The backward pass then
@@ -41,3 +44,39 @@ def remat_policy(name: str):
     if name not in policies:
         raise ValueError(f"unknown remat policy {name!r}; choose one of: none, {', '.join(policies)}")
     return policies[name]
+
+
+def split_offload_scan(layer_body, h, layer_state, layer_rngs, layers: int, group: int, on_device: int):
+    """Long-context layout: the inputs of the first layers go to host memory, one per `group` layers (the
+    layers inside a group rematerialized from its input while its backward runs); the last `on_device`
+    layers keep their inputs in device memory. `layer_body(h, (layer state, None, rng))` runs one layer of the
+    stacked `layer_state`."""
+    offloaded = layers - on_device
+    if not 0 <= on_device <= layers:
+        raise ValueError(f"offload_device_layers={on_device} is not between 0 and the {layers} layers")
+    if offloaded % group:
+        raise ValueError(f"offload_group={group} does not divide the {offloaded} offloaded layers "
+                         f"({layers} layers, {on_device} kept on device)")
+
+    # the scans run over layer indices and read the stacked weights in place: slicing the stack into the
+    # two parts would copy every layer's weights
+    def per_layer(h, index):
+        pick = lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False)  # noqa: E731
+        return layer_body(h, (jax.tree.map(pick, layer_state), None,
+                              None if layer_rngs is None else pick(layer_rngs)))
+
+    if offloaded:
+        inner = jax.checkpoint(per_layer, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+
+        def group_body(h, indices):
+            h = jax.tree.map(lambda a: checkpoint_name(a, "group_input"), h)
+            h, _ = jax.lax.scan(inner, h, indices)
+            return h, None
+
+        group_body = jax.checkpoint(group_body, policy=offload_only("group_input"), prevent_cse=False)
+        h, _ = jax.lax.scan(group_body, h, jnp.arange(offloaded).reshape(offloaded // group, group))
+    if on_device:
+        kept = jax.checkpoint(per_layer, policy=jax.checkpoint_policies.save_only_these_names("layer_input"),
+                              prevent_cse=False)
+        h, _ = jax.lax.scan(kept, h, jnp.arange(offloaded, layers))
+    return h

@@ -22,8 +22,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.nf4_dequant import nf4_dequantize_reference
 from pallas_kernels.nf4_tiles import (
-    BLOCK, BYTES_PER_BLOCK, at_layer, block_scales, check_weight, layer_codes, layer_operand, lut_operand,
-    nf4_lookup, optional_refs, scales_operand, tile_spec,
+    BLOCK, BYTES_PER_BLOCK, MatmulTiles, at_layer, block_scales, check_weight, fit_tiles, layer_codes,
+    layer_operand, lut_operand, nf4_lookup, optional_refs, scales_operand, tile_spec,
 )
 
 Q4_0_BLOCK = 32  # weights per q4_0 block: 16 bytes of NF4 codes
@@ -113,9 +113,8 @@ def qat_q4_0_weight(a: jax.Array, b: jax.Array, codes: jax.Array, absmax: jax.Ar
     half = k // 2
     if a.shape[-1] != k or b.shape[0] != n or a.shape[0] != b.shape[1]:
         raise ValueError(f"LoRA factors A {a.shape}, B {b.shape} do not fit a weight [{n}, {k}]")
-    bn, bb = block_n, block_bytes if half % block_bytes == 0 else BYTES_PER_BLOCK  # K is a multiple of 64
-    while n % bn:
-        bn //= 2
+    tiles = fit_tiles(MatmulTiles(block_n=block_n, block_bytes=block_bytes), n, half, "k")
+    bn, bb = tiles.block_n, tiles.block_bytes
     rank = a.shape[0]
     padded = -(-rank // _LORA_RANK_STEP) * _LORA_RANK_STEP
     a = jnp.pad(a.astype(jnp.float32), ((0, padded - rank), (0, 0)))

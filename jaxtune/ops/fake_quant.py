@@ -20,7 +20,7 @@ def fused_round_trip(weight, a: jax.Array, b: jax.Array, scale: float, fmt: str,
     from pallas_kernels.qat_q4_0 import qat_q4_0_weight
 
     def kernel(codes, absmax, **layer):
-        return qat_q4_0_weight(a, b, codes, absmax, scale=scale, dtype=jnp.dtype(dtype), interpret=dispatch.interpret(),
-                               **layer)
+        return qat_q4_0_weight(a, b, codes, absmax, scale=scale, dtype=jnp.dtype(dtype),
+                               interpret=dispatch.interpret(), **layer)
 
     return with_codes(weight, kernel)
