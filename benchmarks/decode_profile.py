@@ -45,24 +45,27 @@ def busy_ms(events) -> float:
 
 
 def use_fused_tiles(path: str) -> None:
-    """Decode rows (<= 64, forward) through the fused NF4 kernel, each weight shape with its sweep's best tile."""
+    """Decode rows (5-16 and 17-64, forward) through the fused NF4 kernel, each weight shape with its sweep's best
+    tile at 16 and at 64 rows (`benchmarks/nf4_matmul.py --ms 16,64 --dirs fwd --out PATH`)."""
     import importlib
 
     from jaxtune.ops import dispatch
     from pallas_kernels.nf4_matmul import MatmulTiles
 
-    best = {(r["N"], r["K"]): MatmulTiles(**r["best_fused"]) for r in json.load(open(path))
-            if r["dir"] == "fwd" and r["M"] == 64 and r.get("best_fused")}
+    best = {(r["M"], r["N"], r["K"]): MatmulTiles(**r["best_fused"]) for r in json.load(open(path))
+            if r["dir"] == "fwd" and r["M"] in (16, 64) and r.get("best_fused")}
     nf4_linear = importlib.import_module("jaxtune.ops.nf4_linear")  # the package exports a function of that name
     default = nf4_linear.kernel_tiles
 
     def kernel_tiles(m, direction, shape=None):
-        if 16 < m <= 64 and direction == "fwd" and tuple(shape or ()) in best:
-            return best[tuple(shape)]
+        rows = 16 if 4 < m <= 16 else 64 if 16 < m <= 64 else None
+        if direction == "fwd" and (rows, *(shape or ())) in best:
+            return best[(rows, *shape)]
         return default(m, direction, shape)
 
     nf4_linear.kernel_tiles = kernel_tiles
-    dispatch.NF4_TABLE = ((16, "fused"), (64, "fused" if best else "dequant+dot"), (float("inf"), "dequant+dot"))
+    fused_up_to = 64 if any(m == 64 for m, _, _ in best) else 16
+    dispatch.NF4_TABLE = ((fused_up_to, "fused"), (float("inf"), "dequant+dot"))
 
 
 def main() -> None:

@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--profile", help="trace step 4 to this folder and print its GPU time by kernel class")
     ap.add_argument("--fused-rows", type=int, help="NF4 projections of up to this many rows (decoding) take the fused "
                                                    "kernel instead of dequantize + cuBLAS (the table's default: 16)")
+    ap.add_argument("--nf4-table", help="benchmarks/nf4_matmul.py --out JSON: decoding's rows (up to 64) take the "
+                                        "fused kernel with the fastest tile per weight shape")
     ap.add_argument("--cap-gib", type=float, help="use only this much GPU memory (a card of that size)")
     ap.add_argument("--mesh", help="device mesh, e.g. data=2 (default: one device)")
     ap.add_argument("--per-layer-cache", choices=("auto", "on", "off"), default="auto",
@@ -55,6 +57,10 @@ def main() -> None:
         from jaxtune.ops import dispatch
 
         dispatch.NF4_TABLE = ((args.fused_rows, "fused"), (float("inf"), "dequant+dot"))
+    if args.nf4_table:
+        from decode_profile import use_fused_tiles
+
+        use_fused_tiles(args.nf4_table)
 
     import jax
     import jax.numpy as jnp

@@ -48,12 +48,17 @@ def candidates(m: int, direction: str) -> list[MatmulTiles]:
                                                   (256, 64, 4, 8, "gather"), (128, 32, 8, 4, "gather"),
                                                   (64, 64, 16, 4, "gather"), (16, 64, 16, 2, "gather"),
                                                   (64, 64, 8, 4, "select"), (128, 64, 8, 4, "gather"))]
-        return tensor_core + (gemv if direction == "fwd" and m <= 4 else [])
+        weight_first = [MatmulTiles(16, bn, bb, split, 4, 3, lut=lut, weight_first=True)
+                        for bn in (64, 128) for bb in (32, 64) for split in (4, 8) for lut in ("select", "gather")]
+        return (tensor_core + (gemv if direction == "fwd" and m <= 4 else [])
+                + (weight_first if direction == "fwd" and m > 4 else []))
     if m <= 64 and direction == "fwd":  # a GRPO rollout's decode rows: one tile of rows reads each code once
-        return [MatmulTiles(64, bn, bb, split, warps, stages, lut=lut)
-                for bn in (32, 64, 128) for bb in (32, 64) for split in (1, 2, 4) for warps in ((4, 8) if bn == 64 else
-                                                                                          (8,) if bn == 128 else (4,))
-                for stages, lut in ((3, "gather"),)]
+        # the weight tile as the dot's left operand (wgmma's register operand), and the best x-first tile of
+        # 2026-11-27 (benchmarks/results/2026-11-27-grpo-h100.md) to compare
+        return [MatmulTiles(64, 32, 32, 2, 4, 3, lut="gather")] + [
+            MatmulTiles(64, bn, bb, split, warps, 3, lut=lut, weight_first=True)
+            for bn in (64, 128) for bb in (32, 64) for split in (1, 2, 4) for lut in ("select", "gather")
+            for warps in ((4, 8) if bn == 128 and lut == "gather" else (4,))]
     if m <= 256:
         return [MatmulTiles(64, 64, 64, 2, 4, 3), MatmulTiles(128, 128, 64, 1, 8, 3), MatmulTiles(64, 128, 32, 2, 4, 3),
                 MatmulTiles(32, 64, 64, 4, 4, 3)]
@@ -85,7 +90,7 @@ def time_us(fn, *args, iters: int = 5) -> float:
 
 
 def tiles_name(t: MatmulTiles) -> str:
-    kind = "gemv" if t.gemv else "fused"
+    kind = "gemv" if t.gemv else "wfirst" if t.weight_first else "fused"
     return f"{kind}-m{t.block_m}n{t.block_n}b{t.block_bytes}s{t.split}w{t.num_warps}p{t.num_stages}-{t.lut}"
 
 
@@ -158,7 +163,7 @@ def main() -> None:
     for t in table:
         sel = [r for r in rows if r["N"] == t["N"] and r["K"] == t["K"] and r["M"] == t["M"] and r["dir"] == t["dir"] and "us" in r]
         by = {r["impl"]: r["us"] for r in sel}
-        fused = {k: v for k, v in by.items() if k.startswith(("fused", "gemv"))}
+        fused = {k: v for k, v in by.items() if k.startswith(("fused", "gemv", "wfirst"))}
         fbest = min(fused, key=fused.get) if fused else "-"
         print(f"| {t['N']}x{t['K']} | {t['M']} | {t['dir']} | {by.get('bf16', 0):.1f} | {by.get('xla', 0):.1f} | "
               f"{by.get('dequant+dot', 0):.1f} | {fbest} | {fused.get(fbest, 0):.1f} | {t['speedup_vs_bf16']:.2f}x |")

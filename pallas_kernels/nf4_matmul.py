@@ -43,10 +43,11 @@ def nf4_matmul_reference(x: jax.Array, codes: jax.Array, absmax: jax.Array) -> j
 # ---------------------------------------------------------------------------------------------------- kernels
 
 
-def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps, stacked, gemv):
+def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps, stacked, gemv, weight_first):
     """y tile [bm, bn] (+= over this program's share of K) = x_even @ W_hiᵀ + x_odd @ W_loᵀ (`gemv`: products
     accumulated elementwise in float32 over the steps, no tensor-core dot, and summed over the tile's bytes once
-    at the end: a sum per step costs a cross-thread reduction per step)."""
+    at the end: a sum per step costs a cross-thread reduction per step; `weight_first`: accumulated transposed,
+    W_hi @ x_evenᵀ + W_lo @ x_oddᵀ, and transposed once at the store)."""
     layer_ref, _, _, lut_ref, y_ref = optional_refs(refs, stacked, 1)
     s = pl.program_id(2)
     bm, bn = y_ref.shape
@@ -62,11 +63,15 @@ def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps
         if gemv:  # [bm, bn, block_bytes] products
             x_even, x_odd = x_even.astype(jnp.float32)[:, None, :], x_odd.astype(jnp.float32)[:, None, :]
             return acc + x_even * w_hi[None] + x_odd * w_lo[None]
+        if weight_first:  # [bn, bm]
+            acc = acc + pltriton.dot(w_hi, x_even, trans_b=True)
+            return acc + pltriton.dot(w_lo, x_odd, trans_b=True)
         acc = acc + pltriton.dot(x_even, w_hi, trans_b=True)
         return acc + pltriton.dot(x_odd, w_lo, trans_b=True)
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn, block_bytes) if gemv else (bm, bn), jnp.float32))
-    y_ref[...] = (jnp.sum(acc, axis=2) if gemv else acc).astype(y_ref.dtype)
+    shape = (bm, bn, block_bytes) if gemv else (bn, bm) if weight_first else (bm, bn)
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(shape, jnp.float32))
+    y_ref[...] = (jnp.sum(acc, axis=2) if gemv else acc.T if weight_first else acc).astype(y_ref.dtype)
 
 
 def _matmul_t_kernel(dy_ref, codes_ref, absmax_ref, *refs, block_n, block_bytes, steps, stacked):
@@ -131,7 +136,7 @@ def nf4_matmul_forward(x: jax.Array, codes: jax.Array, absmax: jax.Array, *, til
     scales = scales_operand(absmax)
     y = pl.pallas_call(
         functools.partial(_matmul_kernel, half=half, block_bytes=bb, steps=steps, stacked=layer is not None,
-                          gemv=tiles.gemv),
+                          gemv=tiles.gemv, weight_first=tiles.weight_first),
         grid=(mp // bm, n // bn, split),
         in_specs=[
             pl.BlockSpec((bm, k), lambda i, j, s: (i, 0)),
@@ -157,8 +162,9 @@ def nf4_matmul_dx(dy: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: 
     codes, _ = layer_codes(codes, layer)
     if dy.shape[-1] != n:
         raise ValueError(f"dy has N={dy.shape[-1]} but the NF4 weight has N={n}")
-    if tiles.gemv:
-        raise ValueError("gemv tiles are for the forward kernel; dx takes tensor-core tiles")
+    if tiles.gemv or tiles.weight_first:
+        raise ValueError("gemv and weight_first tiles are for the forward kernel; dx takes tensor-core tiles "
+                         "with x's rows first")
     lead = dy.shape[:-1]
     half = k // 2
     dy2 = dy.reshape(-1, n)

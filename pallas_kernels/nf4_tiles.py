@@ -45,6 +45,10 @@ class MatmulTiles:
     # forward only, for a few rows (decoding): products and row sums on the CUDA cores instead of a tensor-core
     # dot, whose tiles need 16 rows (block_m then needs no more than the rows there are, padded to a power of 2)
     gemv: bool = False
+    # forward only: the decoded weight tile as the dot's left operand (yᵀ tile = W tile @ xᵀ). Hopper's wgmma may take
+    # its left operand from registers, so the decoded values need no trip through shared memory, and the weight's
+    # rows fill the 64-row side of the instruction while the few rows of x fill its narrow side (8-256)
+    weight_first: bool = False
 
 
 # ---------------------------------------------------------------------------------------------- tile decoding

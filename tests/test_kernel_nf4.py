@@ -77,15 +77,23 @@ GEMV_TILES = [MatmulTiles(1, 32, 64, 4, 4, lut="gather", gemv=True), MatmulTiles
               MatmulTiles(4, 32, 64, 2, 2, gemv=True), MatmulTiles(8, 128, 32, 1, 4, gemv=True)]
 
 
+# the weight tile as the dot's left operand (decoding's 16-64 rows on tensor cores)
+WEIGHT_FIRST_TILES = [MatmulTiles(16, 64, 32, 1, weight_first=True), MatmulTiles(16, 128, 64, 2, weight_first=True),
+                      MatmulTiles(64, 64, 32, 4, lut="gather", weight_first=True),
+                      MatmulTiles(32, 128, 64, 1, weight_first=True)]
+
 # each tile's row block against a row count it splits over programs or pads (or, at 4 x 4, runs exactly)
-GEMV_CASES = [(1, GEMV_TILES[0]), (3, GEMV_TILES[0]), (2, GEMV_TILES[1]), (4, GEMV_TILES[1]),
-              (3, GEMV_TILES[2]), (4, GEMV_TILES[2]), (1, GEMV_TILES[3]), (3, GEMV_TILES[3])]
+FORWARD_ONLY_CASES = [(1, GEMV_TILES[0]), (3, GEMV_TILES[0]), (2, GEMV_TILES[1]), (4, GEMV_TILES[1]),
+                      (3, GEMV_TILES[2]), (4, GEMV_TILES[2]), (1, GEMV_TILES[3]), (3, GEMV_TILES[3]),
+                      (1, WEIGHT_FIRST_TILES[0]), (16, WEIGHT_FIRST_TILES[0]), (7, WEIGHT_FIRST_TILES[1]),
+                      (64, WEIGHT_FIRST_TILES[2]), (50, WEIGHT_FIRST_TILES[3]), (100, WEIGHT_FIRST_TILES[3])]
 
 
-@pytest.mark.parametrize("m, tiles", GEMV_CASES)
-def test_gemv_forward_matches_float64(m, tiles):
-    """The forward kernel's CUDA-core mode (few rows, no tensor-core dot) on every test shape, rows padded to a
-    power of two or split over programs, and reading one layer of a stack in place."""
+@pytest.mark.parametrize("m, tiles", FORWARD_ONLY_CASES)
+def test_forward_only_tiles_match_float64(m, tiles):
+    """The forward kernel's CUDA-core mode (few rows, no tensor-core dot) and its weight-first tensor-core mode on
+    every test shape, rows padded to the row block or split over programs, and reading one layer of a stack in
+    place."""
     rng = np.random.default_rng(m)
     for n, k in SHAPES:
         _, codes, absmax = quantized(n, k, seed=n + k)
@@ -102,7 +110,7 @@ def test_gemv_forward_matches_float64(m, tiles):
         for scales in (absmax, jnp.stack([absmax.T] * 3)):  # the layer's own, or a prepared stack
             y = nf4_matmul_forward(x, stack, scales, tiles=tiles, layer=jnp.int32(layer), interpret=True)
             np.testing.assert_allclose(np.asarray(y, np.float64), want, atol=1e-4 * np.abs(want).max())
-    with pytest.raises(ValueError, match="gemv"):
+    with pytest.raises(ValueError, match="gemv and weight_first"):
         nf4_matmul_dx(jnp.zeros((m, 128)), stack[0], absmax, tiles=tiles, interpret=True)
 
 
@@ -244,6 +252,21 @@ def test_decoding_tiles_on_gpu_match_float64(m, n, k):
                                atol=2e-6 * np.abs(x).max() * np.abs(w).sum(1).max())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", WEIGHT_FIRST_TILES)
+@pytest.mark.parametrize("m", [5, 16, 64])
+def test_weight_first_tiles_on_gpu_match_float64(m, tiles):
+    """Compiled: the weight-first tensor-core tiles on the 8B shapes in float32 against float64 numpy (the
+    interpreter cannot see how Triton lays out a register operand)."""
+    for n, k in [(14336, 4096), (4096, 14336), (1024, 4096)]:
+        _, codes, absmax = quantized(n, k, seed=n + m)
+        x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+        y = jax.jit(lambda x, c, a: nf4_matmul_forward(x, c, a, tiles=tiles))(jnp.asarray(x), codes, absmax)
+        w = numpy_weight(codes, absmax)
+        np.testing.assert_allclose(np.asarray(y, np.float64), x.astype(np.float64) @ w.T,
+                                   atol=2e-6 * np.abs(x).max() * np.abs(w).sum(1).max())
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (16, 1024, 4096), (300, 14336, 4096), (2048, 4096, 14336),
                                    (7, 576, 1536)])
 def test_kernels_lower_for_cuda(cuda_export, m, n, k):
@@ -262,7 +285,7 @@ def test_kernels_lower_for_cuda(cuda_export, m, n, k):
     assert cuda_export(grad, x, codes, absmax).count(f"@{CUSTOM_CALL}(") == 2
     if m <= 16:  # every few-row tile the dispatch table holds, and the tests' own
         table = [kernel_tiles(rows, "fwd", (at_least or n, k)) for rows in (1, 4) for at_least, _ in DISPATCH_GEMV_TILES[rows]]
-        for tiles in GEMV_TILES + table:
+        for tiles in GEMV_TILES + WEIGHT_FIRST_TILES + table:
             assert cuda_export(lambda x, c, a: nf4_matmul_forward(x, c, a, tiles=tiles), x, codes, absmax).count(
                 f"@{CUSTOM_CALL}(") == 1
     for lut in ("gather", "select"):
