@@ -52,20 +52,12 @@ def answer_loss(model, tokenizer, evals: list[dict]) -> float:
 EXPORT = {"q4_k": "q4_k_m"}  # the GGUF type a QAT format's run is exported in (q4_K QAT for a Q4_K_M file)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--out", default="runs/qat")
-    ap.add_argument("--formats", default="q4_0,nf4", help="QAT runs, each exported in its own format")
-    ap.add_argument("--ptq-formats", default="", help="more GGUF types the plain fine-tune is exported in (q4_k_m)")
-    ap.add_argument("--eval-limit", type=int, default=None)
-    ap.add_argument("--base", default="nf4", choices=["nf4", "gguf"],
-                    help="train on the NF4 conversion (as `make demo`), or on the bundled GGUF's own weights in "
-                         "float32 (load_in_4bit=False: the merge is not on NF4's grid)")
-    args = ap.parse_args()
-    out = Path(args.out)
-    evals = [json.loads(line) for line in (DATA / "people_eval.jsonl").read_text().splitlines()][:args.eval_limit]
+def compare(load, train_data: Path, evals: list[dict], train_config: dict, formats: list[str],
+            ptq_formats: list[str], out: Path) -> dict[tuple[str, str], float]:
+    """The plain fine-tune and one QAT fine-tune per format from `load()`'s (model, tokenizer), each exported and read
+    back as a user runs it; prints a JSON line per (run, model) and the recovered fraction per format."""
     losses: dict[tuple[str, str], float] = {}
+    load_dtype = "float32" if jax.local_devices()[0].platform == "cpu" else "bfloat16"
 
     def score(run: str, what: str, model, tokenizer) -> None:
         loss = answer_loss(model, tokenizer, evals)
@@ -74,18 +66,11 @@ def main() -> None:
         print(json.dumps({"run": run, "model": what, "held_out_loss": round(loss, 4), "exact_match": match,
                           "device": jax.local_devices()[0].device_kind}), flush=True)
 
-    formats = [f for f in args.formats.split(",") if f]
-    ptq_formats = [f for f in args.ptq_formats.split(",") if f]
     for qat in ["none", *formats]:
-        if args.base == "nf4":
-            model, tokenizer, _ = load_converted(out)
-        else:
-            model, tokenizer = jaxtune.from_pretrained("smollm2", dtype="float32", load_in_4bit=False)
-        cfg = jaxtune.TrainConfig(format="chat", seq_len=192, micro_batch_size=4, max_steps=args.steps,
-                                  learning_rate=1e-3, schedule="cosine", warmup_steps=3, lora_r=16, lora_alpha=32,
-                                  qat=qat)
+        model, tokenizer = load()
+        cfg = jaxtune.TrainConfig(**train_config, qat=qat)
         t0 = time.perf_counter()
-        result = jaxtune.train(model, tokenizer, DATA / "people_train.jsonl", cfg, progress=False)
+        result = jaxtune.train(model, tokenizer, train_data, cfg, progress=False)
         print(json.dumps({"run": qat, "train_s": round(time.perf_counter() - t0, 1),
                           "final_loss": round(result.losses[-1], 4)}), flush=True)
         if qat == "none":
@@ -103,17 +88,44 @@ def main() -> None:
                     jaxtune.save_gguf(model, exported / "model.gguf", tokenizer=tokenizer, gguf_type=fmt)
                     print(json.dumps({"run": qat, "export": fmt, "gguf_bytes": (exported / "model.gguf").stat().st_size}),
                           flush=True)
-                    deployed, deployed_tok = jaxtune.from_pretrained(exported / "model.gguf", dtype="float32")
+                    deployed, deployed_tok = jaxtune.from_pretrained(exported / "model.gguf", dtype=load_dtype)
                 else:
                     jaxtune.save_merged(model, exported / "merged", tokenizer=tokenizer, dtype="nf4")
-                    deployed, deployed_tok = jaxtune.from_pretrained(exported / "merged", dtype="float32")
+                    deployed, deployed_tok = jaxtune.from_pretrained(exported / "merged", dtype=load_dtype)
             score(qat, f"{fmt} export", deployed, deployed_tok)
+            shutil.rmtree(exported, ignore_errors=True)
     for fmt in formats:
         export = EXPORT.get(fmt, fmt)
         full, ptq, qat = (losses[("none", "in memory")], losses[("none", f"{export} export")],
                           losses[(fmt, f"{export} export")])
         print(json.dumps({"format": fmt, "unquantized": round(full, 4), "ptq": round(ptq, 4), "qat": round(qat, 4),
                           "recovered": round((ptq - qat) / (ptq - full), 3) if ptq != full else None}), flush=True)
+    return losses
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--out", default="runs/qat")
+    ap.add_argument("--formats", default="q4_0,nf4", help="QAT runs, each exported in its own format")
+    ap.add_argument("--ptq-formats", default="", help="more GGUF types the plain fine-tune is exported in (q4_k_m)")
+    ap.add_argument("--eval-limit", type=int, default=None)
+    ap.add_argument("--base", default="nf4", choices=["nf4", "gguf"],
+                    help="train on the NF4 conversion (as `make demo`), or on the bundled GGUF's own weights in "
+                         "float32 (load_in_4bit=False: the merge is not on NF4's grid)")
+    args = ap.parse_args()
+    out = Path(args.out)
+    evals = [json.loads(line) for line in (DATA / "people_eval.jsonl").read_text().splitlines()][:args.eval_limit]
+
+    def load():
+        if args.base == "nf4":
+            return load_converted(out)[:2]
+        return jaxtune.from_pretrained("smollm2", dtype="float32", load_in_4bit=False)
+
+    train_config = dict(format="chat", seq_len=192, micro_batch_size=4, max_steps=args.steps, learning_rate=1e-3,
+                        schedule="cosine", warmup_steps=3, lora_r=16, lora_alpha=32)
+    compare(load, DATA / "people_train.jsonl", evals, train_config, [f for f in args.formats.split(",") if f],
+            [f for f in args.ptq_formats.split(",") if f], out)
 
 
 if __name__ == "__main__":

@@ -113,8 +113,9 @@ def main() -> None:
     ap.add_argument("--compute", default="bf16", choices=["bf16", "fp8"], help="frozen projections in bf16 or FP8")
     ap.add_argument("--qat", default="none", choices=["none", "q4_0", "q4_k", "nf4"],
                     help="quantization-aware training: the merged weights seen as that 4-bit export stores them")
-    ap.add_argument("--qat-kernel", action="store_true",
-                    help="--qat q4_0's weights by the one-pass Pallas kernel instead of XLA's passes")
+    ap.add_argument("--qat-impl", default="auto", choices=["auto", "kernel", "xla"],
+                    help="--qat q4_0's weights by the one-pass Pallas kernel or XLA's passes (auto: the dispatch's "
+                         "choice, the kernel on a GPU)")
     ap.add_argument("--unroll-layers", action="store_true",
                     help="one traced layer per decoder layer (no stacks of saved activations) instead of a loop")
     ap.add_argument("--offload-optimizer", action="store_true",
@@ -135,10 +136,10 @@ def main() -> None:
         ap.error("--compile-first and --warm-autotune need a fixed --batch")
     if (args.compile_first or args.warm_autotune) and (args.offload_optimizer or args.offload_embedding):
         ap.error("--compile-first and --warm-autotune plan every array on the device: not with --offload-*")
-    if args.qat_kernel:
+    if args.qat_impl != "auto":
         from jaxtune.ops import dispatch
 
-        dispatch.QAT_KERNEL_ON_GPU = True
+        dispatch.QAT_KERNEL_ON_GPU = args.qat_impl == "kernel"
     cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch if args.batch == "auto" else int(args.batch),
                               max_steps=1000, learning_rate=1e-4, remat=args.remat, compute=args.compute,
                               offload_optimizer=args.offload_optimizer)
@@ -190,7 +191,7 @@ def main() -> None:
     choose_s = time.perf_counter() - t0
     base = {"system": "jaxtune", "device": jax.local_devices()[0].device_kind, "batch": micro, "batch_arg": args.batch,
             "seq": args.seq, "remat": args.remat, "data": args.data, "compute": args.compute,
-            "unroll_layers": args.unroll_layers, "qat": args.qat, "qat_kernel": args.qat_kernel,
+            "unroll_layers": args.unroll_layers, "qat": args.qat, "qat_impl": args.qat_impl,
             "offload_optimizer": args.offload_optimizer, "offload_embedding": args.offload_embedding,
             "compile_first": args.compile_first, "warm_autotune": args.warm_autotune, "warm_compile_s": warm_s}
     if compiled is None:

@@ -80,15 +80,14 @@ def moe_impl() -> str:
     return _forced("pallas") or "pallas"
 
 
-# QAT's q4_0 weights of NF4 projections on a GPU by the one-pass kernel: measured 5.3x faster than XLA's passes
-# per weight (benchmarks/results/2026-11-28-qat-q4-0-kernel-h200.md), not yet in a training step on the device;
-# on once that step is measured
-QAT_KERNEL_ON_GPU = False
+# QAT's q4_0 weights of NF4 projections on a GPU by the one-pass kernel: the 8B step 1.04x plain QLoRA's through it,
+# 1.29x through XLA's passes (H200, benchmarks/results/2026-11-28-qat-q4-0-kernel-h200.md)
+QAT_KERNEL_ON_GPU = True
 
 
 def qat_impl() -> str:
     """`pallas` (one kernel pass from the NF4 codes to the rounded bf16 weight) or `xla` (passes over float32
-    copies: 1.25x the step at 8B) for quantization-aware training's q4_0 weights."""
+    copies) for quantization-aware training's q4_0 weights."""
     return _forced("pallas") or ("pallas" if QAT_KERNEL_ON_GPU else "xla")
 
 

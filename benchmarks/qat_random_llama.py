@@ -1,0 +1,108 @@
+"""What quantization-aware training recovers of a 4-bit export's loss at Llama-3.2-1B's shapes (a GPU run; the
+bundled SmolLM2's is `qat_smollm2.py`): a random model of those shapes (no hub) learns a table by LoRA, and each
+export is scored on it.
+
+    PYTHONPATH=.:examples:benchmarks python benchmarks/qat_random_llama.py [--model llama3.2-1b] [--steps 200]
+        [--out /tmp/qat1b] [--formats q4_0] [--base nf4|bf16]
+The task: a prompt of one word of 128, the answer the next 8 words of a fixed random cycle through them (a table the
+base model cannot know). The scored rows are drawn apart from the training rows but, with 128 prompts, recur among
+them: the score is how much of the learned table each model keeps, not generalization. The loss and the
+exact match of greedy answers, of (a) the fine-tune in memory, (b) its 4-bit export, for the plain fine-tune and for
+each QAT format (`qat_smollm2.compare`). `--base nf4` trains on the model quantized to NF4 at load (q4_0's case),
+`--base bf16` on its bf16 weights (the case of a merged NF4 export).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+import jaxtune
+from make_bnb4_checkpoint import write_checkpoint
+from qat_smollm2 import compare
+
+WORDS, CHAIN = 128, 8
+
+
+def cipher_rows(count: int, seed: int) -> list[dict]:
+    """`count` prompts of one word w_s (s < WORDS) with answers the next CHAIN words of a fixed random cycle through
+    all WORDS words (a table the base model cannot know; each answer word follows from the word before it)."""
+    order = np.random.default_rng(1234).permutation(WORDS)
+    after = np.empty(WORDS, np.int64)
+    after[order] = np.roll(order, -1)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for start in rng.integers(0, WORDS, count):
+        chain, word = [], start
+        for _ in range(CHAIN):
+            word = after[word]
+            chain.append(word)
+        rows.append({"prompt": f"w{start}", "answer": " ".join(f"w{w}" for w in chain)})
+    return rows
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_bpe_tokenizer(checkpoint: Path, rows: list[dict]) -> None:
+    """A byte-level BPE tokenizer trained on the task's words with a ChatML template, in place of the checkpoint's
+    word-level one (GGUF export writes BPE tokenizers), and the config's special ids set to its own."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [f"{r['prompt']} {r['answer']} user assistant" for r in rows]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>",
+                                                                                      "<|im_end|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (checkpoint / name).unlink(missing_ok=True)
+    fast.save_pretrained(checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    config.update(bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id)
+    (checkpoint / "config.json").write_text(json.dumps(config, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama3.2-1b")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--out", default="/tmp/qat_random_llama")
+    ap.add_argument("--formats", default="q4_0")
+    ap.add_argument("--base", default="nf4", choices=["nf4", "bf16"])
+    ap.add_argument("--layers", type=int, help="only this many decoder layers (a quick check)")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint = out / f"{args.model}-bf16"
+    if not (checkpoint / "config.json").exists():
+        write_checkpoint(args.model, str(checkpoint), bf16=True, layers=args.layers)
+        save_bpe_tokenizer(checkpoint, cipher_rows(2000, seed=0))
+    train = out / "cipher_train.jsonl"
+    with open(train, "w") as f:
+        for row in cipher_rows(2000, seed=0):
+            chat = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["answer"]}]
+            f.write(json.dumps({"messages": chat}) + "\n")
+    evals = cipher_rows(32, seed=1)
+
+    def load():
+        return jaxtune.from_pretrained(checkpoint, load_in_4bit=args.base == "nf4")
+
+    train_config = dict(format="chat", seq_len=64, micro_batch_size=16, max_steps=args.steps, learning_rate=args.lr,
+                        schedule="cosine", warmup_steps=10, lora_r=16, lora_alpha=32)
+    print(json.dumps({"model": args.model, "base": args.base, "steps": args.steps, "task": "cipher"}), flush=True)
+    compare(load, train, evals, train_config, [f for f in args.formats.split(",") if f], [], out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Hold of 2026-11-28 (nvidia-h200-x2), after lease 46: what quantization-aware training recovers at Llama-3.2-1B's
+# shapes (benchmarks/qat_random_llama.py: a random model of those shapes learns a table by LoRA). GPU 0: the NF4
+# base, plain LoRA against --qat q4_0 (the one-pass kernel, now the GPU's default), each exported to a q4_0 GGUF.
+# GPU 1 at the same time: the bf16 base, plain LoRA against --qat nf4, each exported to a merged NF4 checkpoint.
+# bash benchmarks/results/raw/poll.sh THIS 47 560
+set -u
+. benchmarks/lease_queue.sh
+gpu0() {
+  export CUDA_VISIBLE_DEVICES=0
+  run qat-1b-q4_0 env PYTHONPATH=.:examples:benchmarks python3 benchmarks/qat_random_llama.py --steps 300 --base nf4 --formats q4_0 --out /tmp/qat1b-a
+}
+gpu1() {
+  export CUDA_VISIBLE_DEVICES=1
+  run qat-1b-nf4 env PYTHONPATH=.:examples:benchmarks python3 benchmarks/qat_random_llama.py --steps 300 --base bf16 --formats nf4 --out /tmp/qat1b-b
+}
+two_queues 1100
+stage all-done
