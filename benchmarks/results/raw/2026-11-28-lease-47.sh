@@ -3,16 +3,21 @@
 # shapes (benchmarks/qat_random_llama.py: a random model of those shapes learns a table by LoRA). GPU 0: the NF4
 # base, plain LoRA against --qat q4_0 (the one-pass kernel, now the GPU's default), each exported to a q4_0 GGUF.
 # GPU 1 at the same time: the bf16 base, plain LoRA against --qat nf4, each exported to a merged NF4 checkpoint.
-# bash benchmarks/results/raw/poll.sh THIS 47 560
+# Two table sizes each. The first try (a 128-word table, 300 steps) learned it to a loss of 0.0001, where no export
+# loses anything, and lacked the gguf package here; carry .gguf_site (gguf's wheel unpacked).
+# bash benchmarks/results/raw/poll.sh THIS 47 540
 set -u
 . benchmarks/lease_queue.sh
+export PYTHONPATH=.:examples:benchmarks:$here/.gguf_site
 gpu0() {
   export CUDA_VISIBLE_DEVICES=0
-  run qat-1b-q4_0 env PYTHONPATH=.:examples:benchmarks python3 benchmarks/qat_random_llama.py --steps 300 --base nf4 --formats q4_0 --out /tmp/qat1b-a
+  run qat-1b-q4_0-w2048 python3 benchmarks/qat_random_llama.py --steps 150 --words 2048 --base nf4 --formats q4_0 --out /tmp/qat1b-a
+  run qat-1b-q4_0-w8192 python3 benchmarks/qat_random_llama.py --steps 150 --words 8192 --base nf4 --formats q4_0 --out /tmp/qat1b-c
 }
 gpu1() {
   export CUDA_VISIBLE_DEVICES=1
-  run qat-1b-nf4 env PYTHONPATH=.:examples:benchmarks python3 benchmarks/qat_random_llama.py --steps 300 --base bf16 --formats nf4 --out /tmp/qat1b-b
+  run qat-1b-nf4-w2048 python3 benchmarks/qat_random_llama.py --steps 150 --words 2048 --base bf16 --formats nf4 --out /tmp/qat1b-b
+  run qat-1b-nf4-w8192 python3 benchmarks/qat_random_llama.py --steps 150 --words 8192 --base bf16 --formats nf4 --out /tmp/qat1b-d
 }
 two_queues 1100
 stage all-done
