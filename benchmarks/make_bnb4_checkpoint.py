@@ -61,6 +61,8 @@ MODELS: dict[str, dict] = {
     "tiny-moe": dict(model_type="qwen3_moe", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512, rope_theta=10000.0,
                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True),
+    "small": dict(model_type="llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=4, vocab_size=2048, rope_theta=10000.0),
     "tiny": dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512, rope_theta=10000.0),
 }

@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--formats", default="q4_0")
     ap.add_argument("--base", default="nf4", choices=["nf4", "bf16"])
     ap.add_argument("--layers", type=int, help="only this many decoder layers (a quick check)")
+    ap.add_argument("--qat-start-step", type=int, default=0, help="QAT runs train plain LoRA before this step")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -102,8 +103,9 @@ def main() -> None:
     train_config = dict(format="chat", seq_len=64, micro_batch_size=16, max_steps=args.steps, learning_rate=args.lr,
                         schedule="cosine", warmup_steps=10, lora_r=16, lora_alpha=32)
     print(json.dumps({"model": args.model, "base": args.base, "steps": args.steps, "lr": args.lr, "words": args.words,
-                      "task": "cycle table"}), flush=True)
-    compare(load, train, evals, train_config, [f for f in args.formats.split(",") if f], [], out)
+                      "qat_start_step": args.qat_start_step, "task": "cycle table"}), flush=True)
+    compare(load, train, evals, train_config, [f for f in args.formats.split(",") if f], [], out,
+            qat_start_step=args.qat_start_step)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ EXPORT = {"q4_k": "q4_k_m"}  # the GGUF type a QAT format's run is exported in (
 
 
 def compare(load, train_data: Path, evals: list[dict], train_config: dict, formats: list[str],
-            ptq_formats: list[str], out: Path) -> dict[tuple[str, str], float]:
+            ptq_formats: list[str], out: Path, qat_start_step: int = 0) -> dict[tuple[str, str], float]:
     """The plain fine-tune and one QAT fine-tune per format from `load()`'s (model, tokenizer), each exported and read
     back as a user runs it; prints a JSON line per (run, model) and the recovered fraction per format."""
     losses: dict[tuple[str, str], float] = {}
@@ -68,7 +68,7 @@ def compare(load, train_data: Path, evals: list[dict], train_config: dict, forma
 
     for qat in ["none", *formats]:
         model, tokenizer = load()
-        cfg = jaxtune.TrainConfig(**train_config, qat=qat)
+        cfg = jaxtune.TrainConfig(**train_config, qat=qat, qat_start_step=qat_start_step if qat != "none" else 0)
         t0 = time.perf_counter()
         result = jaxtune.train(model, tokenizer, train_data, cfg, progress=False)
         print(json.dumps({"run": qat, "train_s": round(time.perf_counter() - t0, 1),

@@ -158,3 +158,29 @@ def test_empty_dataset_and_unknown_format(tmp_path, tiny_tokenizer):
     (tmp_path / "broken.jsonl").write_text('{"text": "ok"}\n{"text": \n')
     with pytest.raises(DataError, match=r"broken.jsonl:2: invalid JSON"):
         read_rows(tmp_path / "broken.jsonl")
+
+
+@pytest.mark.parametrize("objective", ["sft", "grpo"])
+def test_a_tokenizer_of_another_model_is_refused_before_training(tmp_path, tiny_tokenizer, objective):
+    """Ids past the model's embedding table (a tokenizer from another model) fail with the id and the fix, before any
+    step, instead of a NaN loss after a few (the lookup reads past the table)."""
+    import jaxtune
+    from jaxtune.config import ModelConfig
+    from jaxtune.model import init_model
+
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16, eos_token_id=1)
+    model = init_model(cfg, dtype="float32", seed=0)
+    jaxtune.get_peft_model(model, r=2)
+    rows = [{"text": "The quick brown fox jumps over the lazy dog."}] if objective == "sft" else \
+        [{"prompt": "The quick brown fox jumps over the lazy dog."}]
+    top = max(tiny_tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"])
+    assert top >= 64
+    config = jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=1, objective=objective,
+                                 **({"max_completion_length": 8, "num_generations": 2} if objective == "grpo"
+                                    else {"format": "text"}))
+    with pytest.raises(DataError, match=r"token id \d+ .* vocabulary has 64 ids: the tokenizer belongs to another model"):
+        jaxtune.train(model, tiny_tokenizer, rows, config, out_dir=str(tmp_path / "run"), progress=False,
+                      **({"reward_funcs": [lambda prompts, completions, **kw: [0.0] * len(prompts)]}
+                         if objective == "grpo" else {}))
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -100,6 +100,17 @@ class PackedBatches:
         self.stream.restore(state)
 
 
+def check_token_ids(ids: Sequence[np.ndarray], tokenizer, vocab_size: int) -> None:
+    """A DataError when the tokenizer made an id the model has no embedding for (a tokenizer from another model:
+    left alone, the lookup reads past the table and the loss turns NaN)."""
+    top = max((int(a.max(initial=0)) for a in ids if a.size), default=0)
+    if top >= vocab_size:
+        token = tokenizer.convert_ids_to_tokens(top) if hasattr(tokenizer, "convert_ids_to_tokens") else top
+        raise DataError(f"the tokenizer made token id {top} ({token!r}) but the model's vocabulary has {vocab_size} "
+                        f"ids: the tokenizer belongs to another model; load the model and its tokenizer from the "
+                        f"same checkpoint")
+
+
 def make_batches(data, tokenizer, cfg: TrainConfig, model, *, progress: bool = True,
                  reward_funcs: Sequence[str | Callable] | None = None, reward_weights: Sequence[float] | None = None,
                  run_dir: str | None = None, lead: bool = True):
@@ -107,7 +118,10 @@ def make_batches(data, tokenizer, cfg: TrainConfig, model, *, progress: bool = T
     if cfg.objective != "grpo":
         if reward_funcs:
             raise DataError(f"reward functions apply to objective 'grpo' only; objective is {cfg.objective!r}")
-        return PackedBatches(*prepare_data(data, tokenizer, cfg, progress), seed=cfg.seed)
+        train_rows, eval_rows = prepare_data(data, tokenizer, cfg, progress)
+        check_token_ids([r.input_ids for r in (train_rows, eval_rows) if r is not None], tokenizer,
+                        model.config.vocab_size)
+        return PackedBatches(train_rows, eval_rows, seed=cfg.seed)
     from jaxtune.rl.rewards import check_weights, resolve_rewards
     from jaxtune.rl.rollout import check_prompt_rows, encode_prompts
     from jaxtune.rl.source import Rollouts
@@ -117,4 +131,5 @@ def make_batches(data, tokenizer, cfg: TrainConfig, model, *, progress: bool = T
     rows = rows_from(data)
     check_prompt_rows(rows)
     prompt_ids = encode_prompts(rows, tokenizer, cfg.seq_len - cfg.max_completion_length)
+    check_token_ids([np.asarray(p) for p in prompt_ids], tokenizer, model.config.vocab_size)
     return Rollouts(rows, prompt_ids, tokenizer, model, cfg, funcs, weights, run_dir, lead)
