@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--formats", default="q4_0")
     ap.add_argument("--base", default="nf4", choices=["nf4", "bf16"])
     ap.add_argument("--layers", type=int, help="only this many decoder layers (a quick check)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--qat-start-step", type=int, default=0, help="QAT runs train plain LoRA before this step")
     args = ap.parse_args()
     out = Path(args.out)
@@ -98,7 +99,7 @@ def main() -> None:
     evals = cipher_rows(32, seed=1, words=args.words)
 
     def load():
-        return jaxtune.from_pretrained(checkpoint, load_in_4bit=args.base == "nf4")
+        return jaxtune.from_pretrained(checkpoint, load_in_4bit=args.base == "nf4", dtype=args.dtype)
 
     train_config = dict(format="chat", seq_len=64, micro_batch_size=16, max_steps=args.steps, learning_rate=args.lr,
                         schedule="cosine", warmup_steps=10, lora_r=16, lora_alpha=32)
