@@ -49,7 +49,7 @@ def candidates(m: int, direction: str) -> list[MatmulTiles]:
                                                   (64, 64, 16, 4, "gather"), (16, 64, 16, 2, "gather"),
                                                   (64, 64, 8, 4, "select"), (128, 64, 8, 4, "gather"))]
         weight_first = [MatmulTiles(16, bn, bb, split, 4, 3, lut=lut, weight_first=True)
-                        for bn in (64, 128) for bb in (32, 64) for split in (4, 8) for lut in ("select", "gather")]
+                        for bn in (64, 128) for bb in (32, 64) for split in (4, 8) for lut in ("select", "permute")]
         return (tensor_core + (gemv if direction == "fwd" and m <= 4 else [])
                 + (weight_first if direction == "fwd" and m > 4 else []))
     if m <= 64 and direction == "fwd":  # a GRPO rollout's decode rows: one tile of rows reads each code once
@@ -57,8 +57,9 @@ def candidates(m: int, direction: str) -> list[MatmulTiles]:
         # 2026-11-27 (benchmarks/results/2026-11-27-grpo-h100.md) to compare
         return [MatmulTiles(64, 32, 32, 2, 4, 3, lut="gather")] + [
             MatmulTiles(64, bn, bb, split, warps, 3, lut=lut, weight_first=True)
-            for bn in (64, 128) for bb in (32, 64) for split in (1, 2, 4) for lut in ("select", "gather")
-            for warps in ((4, 8) if bn == 128 and lut == "gather" else (4,))]
+            for bn in (64, 128) for bb in (32, 64) for split in (1, 2, 4) for lut in ("select", "permute")
+            for warps in ((4, 8) if bn == 128 else (4,))] + [
+            MatmulTiles(64, bn, bb, split, 4, 3, lut="permute") for bn in (32, 64) for bb in (32, 64) for split in (2, 4)]
     if m <= 256:
         return [MatmulTiles(64, 64, 64, 2, 4, 3), MatmulTiles(128, 128, 64, 1, 8, 3), MatmulTiles(64, 128, 32, 2, 4, 3),
                 MatmulTiles(32, 64, 64, 4, 4, 3)]

@@ -95,6 +95,68 @@ def _e4m3_table(scale: jax.Array) -> tuple:
     return tuple(words)
 
 
+# bf16 weights by byte permutes, for the fused matmul's few-row forward (`MatmulTiles(lut="permute")`): the 16 bf16
+# values NF4[c] * scale of a (row, 64-block) (bitsandbytes' float32 product, rounded once per table entry) are a table
+# of 16 low bytes and one of 16 high bytes, 4 registers each; a code byte becomes its 2 bf16 values (high nibble, then
+# low) in 8 integer ops and 7 permutes, against two 15-select trees, multiplies and roundings. (One code byte per
+# instance: Pallas lowers an inline-asm call to one result, and a 64-bit result needs x64.)
+_BF16_BY_PERMUTE_PTX = """{
+.reg .b32 s, t, s7, s2, a, b, lo, hi;
+shr.b32 t, $1, 4;
+and.b32 s, $1, 0x0F;
+shl.b32 s, s, 4;
+or.b32 s, s, t;
+and.b32 s7, s, 0x77;
+and.b32 s2, s, 0x88;
+shr.b32 s2, s2, 1;
+add.u32 s2, s2, 0x3210;
+prmt.b32 a, $2, $3, s7;
+prmt.b32 b, $4, $5, s7;
+prmt.b32 lo, a, b, s2;
+prmt.b32 a, $6, $7, s7;
+prmt.b32 b, $8, $9, s7;
+prmt.b32 hi, a, b, s2;
+prmt.b32 $0, lo, hi, 0x5140;
+}"""
+
+
+def bf16_permute_table(scale: jax.Array) -> tuple:
+    """The 8 uint32 words of a (row, block)'s bf16 table (scale float32, any shape): words 0-3 hold the low bytes of
+    bf16(NF4[c] * scale) for c = 0..15 (4 per word, c = 4w + byte), words 4-7 the high bytes."""
+    low, high = [], []
+    for w in range(4):
+        lo_word = hi_word = None
+        for b in range(4):
+            value = (jnp.float32(NF4_VALUES[4 * w + b]) * scale).astype(jnp.bfloat16)
+            bits = jax.lax.bitcast_convert_type(value, jnp.uint16).astype(jnp.uint32)
+            lo_byte, hi_byte = (bits & 0xFF) << (8 * b), (bits >> 8) << (8 * b)
+            lo_word = lo_byte if lo_word is None else lo_word | lo_byte
+            hi_word = hi_byte if hi_word is None else hi_word | hi_byte
+        low.append(lo_word)
+        high.append(hi_word)
+    return (*low, *high)
+
+
+def bf16_planes_by_permute(codes: jax.Array, table: tuple, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """W's even- and odd-column planes in bf16 (bitsandbytes' bits) from a code tile (uint32 holding a byte each) and
+    the 8 table words of each element's (row, block) (`bf16_permute_table`); the PTX above on a GPU, the same steps
+    in jnp when interpreted."""
+    if not interpret:  # declared int32: Triton takes signless integer results only
+        [out] = pltriton.elementwise_inline_asm(
+            _BF16_BY_PERMUTE_PTX, args=[codes, *table], constraints="=r," + ",".join(["r"] * 9), pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.int32)])
+        words = jax.lax.bitcast_convert_type(out, jnp.uint32)
+    else:
+        selector = (codes >> 4) | ((codes & 0x0F) << 4)  # nibbles of the even value, then the odd one
+        merge = ((selector & 0x88) >> 1) + 0x3210
+        low7, high7 = selector & 0x77, selector & 0x77
+        lo = _prmt(_prmt(table[0], table[1], low7), _prmt(table[2], table[3], low7), merge)
+        hi = _prmt(_prmt(table[4], table[5], high7), _prmt(table[6], table[7], high7), merge)
+        words = _prmt(lo, hi, jnp.uint32(0x5140))
+    return tuple(jax.lax.bitcast_convert_type((h & 0xFFFF).astype(jnp.uint16), jnp.bfloat16)
+                 for h in (words, words >> 16))
+
+
 # ---------------------------------------------------------------------------------------------------- kernels
 
 

@@ -27,9 +27,10 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.nf4_dequant import nf4_dequantize_reference
+from pallas_kernels.nf4_dequant import bf16_permute_table, bf16_planes_by_permute, nf4_dequantize_reference
 from pallas_kernels.nf4_tiles import (
-    BLOCK, MatmulTiles, at_layer, check_weight, fit_tiles, layer_codes, layer_operand, lut_operand, nibble_planes,
+    BLOCK, MatmulTiles, at_layer, block_scales, by_block, check_weight, fit_tiles, layer_codes, layer_operand,
+    lut_operand, nibble_planes,
     optional_refs, scales_operand, tile_scale, tile_spec,
 )
 
@@ -43,11 +44,13 @@ def nf4_matmul_reference(x: jax.Array, codes: jax.Array, absmax: jax.Array) -> j
 # ---------------------------------------------------------------------------------------------------- kernels
 
 
-def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps, stacked, gemv, weight_first):
+def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps, stacked, gemv, weight_first,
+                   permute, interpret):
     """y tile [bm, bn] (+= over this program's share of K) = x_even @ W_hiᵀ + x_odd @ W_loᵀ (`gemv`: products
     accumulated elementwise in float32 over the steps, no tensor-core dot, and summed over the tile's bytes once
     at the end: a sum per step costs a cross-thread reduction per step; `weight_first`: accumulated transposed,
-    W_hi @ x_evenᵀ + W_lo @ x_oddᵀ, and transposed once at the store)."""
+    W_hi @ x_evenᵀ + W_lo @ x_oddᵀ, and transposed once at the store; `permute`: the planes decoded by byte
+    permutes from a bf16 table per (row, block))."""
     layer_ref, _, _, lut_ref, y_ref = optional_refs(refs, stacked, 1)
     s = pl.program_id(2)
     bm, bn = y_ref.shape
@@ -56,8 +59,15 @@ def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps
     def body(t, acc):
         byte0 = (s * steps + t) * block_bytes
         codes = at_layer(codes_ref, layer_ref, (slice(None), pl.ds(byte0, block_bytes)))
-        scale = tile_scale(absmax_ref, layer_ref, byte0, rows, block_bytes)
-        w_hi, w_lo = nibble_planes(codes, scale, jnp.float32 if gemv else x_ref.dtype, lut_ref)
+        if permute:
+            tables = [bf16_permute_table(scale)
+                      for scale in block_scales(absmax_ref, layer_ref, byte0, rows, block_bytes)]
+            table = tuple(jnp.broadcast_to(by_block([t[w] for t in tables], block_bytes), codes.shape)
+                          for w in range(8))
+            w_hi, w_lo = bf16_planes_by_permute(codes.astype(jnp.uint32), table, interpret)
+        else:
+            scale = tile_scale(absmax_ref, layer_ref, byte0, rows, block_bytes)
+            w_hi, w_lo = nibble_planes(codes, scale, jnp.float32 if gemv else x_ref.dtype, lut_ref)
         x_even = x_ref[:, pl.ds(byte0, block_bytes)]
         x_odd = x_ref[:, pl.ds(half + byte0, block_bytes)]
         if gemv:  # [bm, bn, block_bytes] products
@@ -119,6 +129,9 @@ def nf4_matmul_forward(x: jax.Array, codes: jax.Array, absmax: jax.Array, *, til
     is a stack [layers, N, K/2] read at that layer in place."""
     lead, k = x.shape[:-1], x.shape[-1]
     n, _ = check_weight(codes, absmax, k, layer)
+    if tiles.lut == "permute" and (x.dtype != jnp.bfloat16 or tiles.gemv):
+        raise ValueError(f"lut='permute' decodes W to bf16 for tensor-core tiles: x must be bfloat16 and gemv off, "
+                         f"got x {x.dtype}, gemv={tiles.gemv}")
     codes, _ = layer_codes(codes, layer)
     half = k // 2
     x2 = x.reshape(-1, k)
@@ -136,7 +149,8 @@ def nf4_matmul_forward(x: jax.Array, codes: jax.Array, absmax: jax.Array, *, til
     scales = scales_operand(absmax)
     y = pl.pallas_call(
         functools.partial(_matmul_kernel, half=half, block_bytes=bb, steps=steps, stacked=layer is not None,
-                          gemv=tiles.gemv, weight_first=tiles.weight_first),
+                          gemv=tiles.gemv, weight_first=tiles.weight_first, permute=tiles.lut == "permute",
+                          interpret=interpret),
         grid=(mp // bm, n // bn, split),
         in_specs=[
             pl.BlockSpec((bm, k), lambda i, j, s: (i, 0)),
@@ -162,9 +176,9 @@ def nf4_matmul_dx(dy: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: 
     codes, _ = layer_codes(codes, layer)
     if dy.shape[-1] != n:
         raise ValueError(f"dy has N={dy.shape[-1]} but the NF4 weight has N={n}")
-    if tiles.gemv or tiles.weight_first:
-        raise ValueError("gemv and weight_first tiles are for the forward kernel; dx takes tensor-core tiles "
-                         "with x's rows first")
+    if tiles.gemv or tiles.weight_first or tiles.lut == "permute":
+        raise ValueError("gemv, weight_first and permute tiles are for the forward kernel; dx takes tensor-core "
+                         "tiles with x's rows first and the 'gather' or 'select' lookup")
     lead = dy.shape[:-1]
     half = k // 2
     dy2 = dy.reshape(-1, n)

@@ -41,7 +41,9 @@ class MatmulTiles:
     split: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    lut: str = "select"  # NF4 value lookup: "select" (bit tree) or "gather" (16-entry table load)
+    # NF4 value lookup: "select" (bit tree), "gather" (16-entry table load), or "permute" (forward, bf16 x: a bf16
+    # table per (row, block) read by PTX byte permutes, 4 values per 8 permutes)
+    lut: str = "select"
     # forward only, for a few rows (decoding): products and row sums on the CUDA cores instead of a tensor-core
     # dot, whose tiles need 16 rows (block_m then needs no more than the rows there are, padded to a power of 2)
     gemv: bool = False
@@ -212,8 +214,8 @@ def scales_operand(absmax: jax.Array) -> jax.Array:
 
 
 def lut_operand(lut: str) -> tuple[list, list]:
-    if lut == "select":
+    if lut in ("select", "permute"):  # no table operand: the tree, or the per-(row, block) tables built in the kernel
         return [], []
     if lut != "gather":
-        raise ValueError(f"unknown NF4 lookup {lut!r}; use 'gather' or 'select'")
+        raise ValueError(f"unknown NF4 lookup {lut!r}; use 'gather', 'select' or 'permute'")
     return [pl.BlockSpec((16,), lambda *g: (0,))], [jnp.asarray(NF4_VALUES, jnp.float32)]

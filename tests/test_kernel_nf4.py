@@ -110,8 +110,53 @@ def test_forward_only_tiles_match_float64(m, tiles):
         for scales in (absmax, jnp.stack([absmax.T] * 3)):  # the layer's own, or a prepared stack
             y = nf4_matmul_forward(x, stack, scales, tiles=tiles, layer=jnp.int32(layer), interpret=True)
             np.testing.assert_allclose(np.asarray(y, np.float64), want, atol=1e-4 * np.abs(want).max())
-    with pytest.raises(ValueError, match="gemv and weight_first"):
+    with pytest.raises(ValueError, match="gemv, weight_first and permute"):
         nf4_matmul_dx(jnp.zeros((m, 128)), stack[0], absmax, tiles=tiles, interpret=True)
+
+
+def test_byte_permutes_decode_bnbs_bf16_weights_bit_for_bit():
+    """The bf16 table of each (row, block) read by byte permutes (the PTX's steps, interpreted) gives every weight
+    bitsandbytes' bf16 dequantization gives: NF4[c] * absmax in float32, rounded once."""
+    from pallas_kernels.nf4_dequant import bf16_permute_table, bf16_planes_by_permute
+
+    _, codes, absmax = quantized(64, 256, seed=11)
+    want = np.asarray(nf4_dequantize(codes, absmax, jnp.bfloat16, interpret=True)).view(np.uint16)
+    scale = jnp.repeat(absmax, 32, axis=1)  # a 64-block's scale for each of its 32 code bytes
+    even, odd = bf16_planes_by_permute(codes.astype(jnp.uint32), bf16_permute_table(scale), interpret=True)
+    got = np.stack([np.asarray(even), np.asarray(odd)], axis=-1).reshape(64, 256).view(np.uint16)
+    np.testing.assert_array_equal(got, want)
+
+
+PERMUTE_TILES = [MatmulTiles(16, 64, 32, 2, lut="permute", weight_first=True),
+                 MatmulTiles(64, 64, 64, 1, lut="permute", weight_first=True), MatmulTiles(16, 64, 32, 4, lut="permute")]
+
+
+@pytest.mark.parametrize("m, tiles", [(1, PERMUTE_TILES[0]), (16, PERMUTE_TILES[0]), (50, PERMUTE_TILES[1]),
+                                      (7, PERMUTE_TILES[2])])
+def test_permute_forward_matches_float64_on_bnbs_bf16_weights(m, tiles):
+    """The forward kernel decoding W by byte permutes (bf16 x) on every test shape, and one layer of a stack read in
+    place, against float64 products of bitsandbytes' bf16 W (the kernel's weights are those, bit for bit)."""
+    rng = np.random.default_rng(m)
+    for n, k in SHAPES:
+        _, codes, absmax = quantized(n, k, seed=n + k)
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        w = np.asarray(nf4_dequantize(codes, absmax, jnp.bfloat16, interpret=True), np.float64)
+        want = np.asarray(x, np.float64) @ w.T
+        y = nf4_matmul_forward(x, codes, absmax, tiles=tiles, interpret=True)
+        np.testing.assert_allclose(np.asarray(y, np.float64), want, atol=2**-8 * np.abs(want).max() + 1e-6)
+    stack = jnp.stack([quantized(128, 192, seed=s)[1] for s in range(3)])
+    _, _, absmax = quantized(128, 192, seed=8)
+    x = jnp.asarray(rng.standard_normal((m, 192)), jnp.bfloat16)
+    for layer in range(3):
+        w = np.asarray(nf4_dequantize(stack[layer], absmax, jnp.bfloat16, interpret=True), np.float64)
+        want = np.asarray(x, np.float64) @ w.T
+        for scales in (absmax, jnp.stack([absmax.T] * 3)):
+            y = nf4_matmul_forward(x, stack, scales, tiles=tiles, layer=jnp.int32(layer), interpret=True)
+            np.testing.assert_allclose(np.asarray(y, np.float64), want, atol=2**-8 * np.abs(want).max() + 1e-6)
+    with pytest.raises(ValueError, match="x must be bfloat16"):
+        nf4_matmul_forward(x.astype(jnp.float32), stack[0], absmax, tiles=tiles, interpret=True)
+    with pytest.raises(ValueError, match="forward kernel"):
+        nf4_matmul_dx(jnp.zeros((m, 128), jnp.bfloat16), stack[0], absmax, tiles=tiles, interpret=True)
 
 
 def test_bf16_inputs_and_leading_axes():
@@ -267,6 +312,21 @@ def test_weight_first_tiles_on_gpu_match_float64(m, tiles):
                                    atol=2e-6 * np.abs(x).max() * np.abs(w).sum(1).max())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", PERMUTE_TILES)
+@pytest.mark.parametrize("m", [5, 16, 64])
+def test_permute_tiles_on_gpu_match_float64(m, tiles):
+    """Compiled: W decoded by the inline PTX's byte permutes, on the 8B shapes in bf16, against float64 products of
+    bitsandbytes' bf16 W."""
+    for n, k in [(14336, 4096), (4096, 14336), (1024, 4096)]:
+        _, codes, absmax = quantized(n, k, seed=n + m)
+        x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
+        y = jax.jit(lambda x, c, a: nf4_matmul_forward(x, c, a, tiles=tiles))(x, codes, absmax)
+        w = np.asarray(nf4_dequantize(codes, absmax, jnp.bfloat16), np.float64)
+        want = np.asarray(x, np.float64) @ w.T
+        np.testing.assert_allclose(np.asarray(y, np.float64), want, atol=2**-8 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (16, 1024, 4096), (300, 14336, 4096), (2048, 4096, 14336),
                                    (7, 576, 1536)])
 def test_kernels_lower_for_cuda(cuda_export, m, n, k):
@@ -288,6 +348,9 @@ def test_kernels_lower_for_cuda(cuda_export, m, n, k):
         for tiles in GEMV_TILES + WEIGHT_FIRST_TILES + table:
             assert cuda_export(lambda x, c, a: nf4_matmul_forward(x, c, a, tiles=tiles), x, codes, absmax).count(
                 f"@{CUSTOM_CALL}(") == 1
+        for tiles in PERMUTE_TILES:  # byte permutes in inline PTX
+            text = cuda_export(lambda x, c, a: nf4_matmul_forward(x, c, a, tiles=tiles), x, codes, absmax)
+            assert text.count(f"@{CUSTOM_CALL}(") == 1 and "prmt.b32" in text
     for lut in ("gather", "select"):
         for columns_first in (False, True):
             text = cuda_export(lambda c, a: nf4_dequantize(c, a, lut=lut, columns_first=columns_first), codes, absmax)
