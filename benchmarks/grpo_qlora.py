@@ -38,6 +38,9 @@ def main() -> None:
     ap.add_argument("--profile", help="trace step 4 to this folder and print its GPU time by kernel class")
     ap.add_argument("--fused-rows", type=int, help="NF4 projections of up to this many rows (decoding) take the fused "
                                                    "kernel instead of dequantize + cuBLAS (the table's default: 16)")
+    ap.add_argument("--dense-rollout", choices=("default", "auto", "on", "off"), default="default",
+                    help="sample from the NF4 base dequantized once per rollout (auto: where it fits, with per-layer "
+                         "caches) or from the 4-bit codes each token (default: the library's setting)")
     ap.add_argument("--nf4-table", help="benchmarks/nf4_matmul.py --out JSON: decoding's rows (up to 64) take the "
                                         "fused kernel with the fastest tile per weight shape")
     ap.add_argument("--cap-gib", type=float, help="use only this much GPU memory (a card of that size)")
@@ -70,6 +73,19 @@ def main() -> None:
     from jaxtune.rl.source import Rollouts
 
     Rollouts.ignore_eos = True
+    from jaxtune.rl import rollout
+
+    if args.dense_rollout != "default":
+        rollout.DENSE_ROLLOUT = {"auto": None, "on": True, "off": False}[args.dense_rollout]
+    chosen: dict = {}
+    plan = Rollouts._plan_sampling
+
+    def recorded_plan(self, *a):  # what the planner chose: the dense copy, rows per sampling call
+        rows = plan(self, *a)
+        chosen.update(dense_rollout=self.dense, rows_per_call=rows)
+        return rows
+
+    Rollouts._plan_sampling = recorded_plan
     model, tokenizer = jaxtune.from_pretrained(args.model, load_in_4bit=True)
     jaxtune.get_peft_model(model, r=16, lora_alpha=16)
     fresh = jax.tree.map(jnp.copy, nnx.state(model, nnx.LoRAParam))
@@ -113,7 +129,7 @@ def main() -> None:
             "system": "jaxtune", "device": kind, "batch": spec, "completions_per_step": micro * accum,
             "cap_gib": args.cap_gib, "mesh": args.mesh, "devices": jax.device_count(),
             "fused_rows": args.fused_rows or 16,
-            "per_layer_cache": decoding.per_layer_cache(jax.default_backend() == "gpu"),
+            "per_layer_cache": decoding.per_layer_cache(jax.default_backend() == "gpu"), **chosen,
             "step_s": round(step_s, 3), "rollout_s": round(rollout_s, 3),
             "rest_s": round(step_s - rollout_s, 3), "generated_tok_s": round(generated / rollout_s),
             "step_completion_tok_s": round(generated / step_s),

@@ -430,7 +430,8 @@ class CausalLM(nnx.Module):
             k, v = list(cache.k), list(cache.v)
             for i in range(self.config.num_layers):
                 sliced = jax.tree.map(lambda a, i=i: a[i], sliced_state)
-                h, written = stacked_body(h, (sliced, LayerCache(k[i], v[i], None), None, jnp.int32(i)))
+                with ops.static_layer(i):
+                    h, written = stacked_body(h, (sliced, LayerCache(k[i], v[i], None), None, jnp.int32(i)))
                 k[i], v[i] = written.k, written.v
             return self.norm(h), LayerCache(tuple(k), tuple(v))
         (h, k, v), _ = jax.lax.scan(rematerialized(cached_body), (h, cache.k, cache.v),
@@ -457,6 +458,14 @@ class CausalLM(nnx.Module):
             module.prepare_kernel_scales(ops.frozen_compute_mode() == "fp8")
         return layers
 
+    def prepare_dense_weights(self) -> None:
+        """Dequantizes every NF4 projection once, an array per layer, for decoding with per-layer caches (many tokens
+        read the same weights: a bf16 copy read by the GEMMs instead of the 4-bit codes dequantized per token). Only
+        on a model local to a traced function, after `prepare_for_kernels`."""
+        for _, module in nnx.iter_modules(self.layers):
+            if hasattr(module, "prepare_dense"):
+                module.prepare_dense(self.dtype)
+
     def prepare_for_kernels(self) -> None:
         """Prepares the kernel scales once for many calls (token by token decoding). Only on a model local to a
         traced function: the scales are arrays of that trace."""
@@ -474,7 +483,7 @@ def offload_mlp_token_tile(cfg: ModelConfig) -> int:
     return max(128, OFFLOAD_MLP_TILE_ELEMENTS // cfg.intermediate_size // 128 * 128)
 
 # variables the layer scan keeps whole (read at the layer's index in place) instead of slicing per layer
-WHOLE_IN_LAYER_SCAN = ("codes", "kernel_absmax", "fp8_scale", "fp8_block_scale")
+WHOLE_IN_LAYER_SCAN = ("codes", "kernel_absmax", "fp8_scale", "fp8_block_scale", "dense")
 
 def init_model(cfg: ModelConfig, *, dtype: str | jnp.dtype = "bfloat16", seed: int = 0) -> CausalLM:
     """A randomly initialized model (benchmarks, tests); use `jaxtune.from_pretrained` for checkpoints."""

@@ -33,6 +33,10 @@ class KernelScales(nnx.Variable):
     """Scales derived from a frozen 4-bit weight for the kernels, within one traced call (never saved)."""
 
 
+class DenseWeights(nnx.Variable):
+    """Dequantized copies of a frozen 4-bit weight, one array per layer, within one traced sampler (never saved)."""
+
+
 class NF4Linear(nnx.Module):
     """Frozen 4-bit projection y = x @ dequant(W).T (+ bias); arrays may carry a leading layer axis."""
 
@@ -46,6 +50,19 @@ class NF4Linear(nnx.Module):
         self.kernel_absmax: KernelScales | None = nnx.data(None)
         self.fp8_scale: KernelScales | None = nnx.data(None)
         self.fp8_block_scale: KernelScales | None = nnx.data(None)
+        self.dense: DenseWeights | None = nnx.data(None)
+
+    def prepare_dense(self, dtype) -> None:
+        """Dequantizes the weight once, a separate array per layer, for a sampler that reads it token after token:
+        one traced layer per decoder layer then reads its own array (a layer sliced from a stack would be copied
+        before every product). Call it on a copy of the model made inside the traced function."""
+        q = self._arrays()
+        if q.codes.ndim == 2:
+            self.dense = DenseWeights((ops.dense_nf4_weight(q, dtype),))
+            return
+        layer = lambda i: nf4.NF4Weight(*(a[i] for a in (q.codes, q.absmax_codes, q.nested_absmax, q.offset,  # noqa: E731
+                                                         q.nested_map)))
+        self.dense = DenseWeights(tuple(ops.dense_nf4_weight(layer(i), dtype) for i in range(q.codes.shape[0])))
 
     def prepare_kernel_scales(self, fp8: bool) -> None:
         """Computes the kernels' scales of every layer at once (`ops.prepare_kernel_scales`); call it on a copy
@@ -72,7 +89,14 @@ class NF4Linear(nnx.Module):
         return self._arrays(layer)
 
     def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
-        return ops.nf4_linear(x, self.weight_nf4, None if self.bias is None else self.bias[...])
+        bias = None if self.bias is None else self.bias[...]
+        if self.dense is not None:  # prepared for a sampler: this layer's own dequantized array
+            dense, layer = self.dense.get_value(), ops.static_layer_index()
+            if layer is None and ops.stacked_layer_index() is None and len(dense) == 1:
+                layer = 0  # a weight of one layer
+            if layer is not None:
+                return ops.linear(x, dense[layer], bias)
+        return ops.nf4_linear(x, self.weight_nf4, bias)
 
 
 class LoRALinear(nnx.Module):

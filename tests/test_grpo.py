@@ -301,6 +301,51 @@ def test_the_rollout_is_split_to_fit_the_device_or_refused_in_one_line(tiny_toke
         run(int(need[1] / 2 / MARGIN))
 
 
+def test_the_rollout_reads_the_base_dequantized_once_where_it_fits(tiny_tokenizer, tmp_path, monkeypatch):
+    """With per-layer caches the planner samples from the base dequantized once (XLA's plan of that sampler, the
+    copies included) when a step's completions fit that way at once, else from the codes as before (here the
+    copies' plan made 1 GB larger: a tiny model's copies are smaller than the per-token dequantization's
+    temporaries)."""
+    import importlib
+
+    from flax import nnx
+
+    import jaxtune
+    import jaxtune.rl.source as source
+    from jaxtune.qlora import get_peft_model
+    from jaxtune.rl.rollout import sampling_bytes
+    from jaxtune.training.autobatch import MARGIN
+
+    monkeypatch.setattr(importlib.import_module("jaxtune.generate"), "PER_LAYER_CACHE", True)
+    monkeypatch.setattr(importlib.import_module("jaxtune.rl.rollout"), "DENSE_ROLLOUT", None)  # where it fits
+    cfg = _grpo_config(max_steps=1)
+    model = get_peft_model(_tiny_model(tiny_tokenizer), r=cfg.lora_r)
+    graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    longest = max(len(tiny_tokenizer(r["prompt"])["input_ids"]) for r in ADDITIONS)
+    need = {dense: sampling_bytes(graphdef, lora, frozen, 8, longest, max_new_tokens=cfg.max_completion_length,
+                                  temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
+                                  eos_ids=(tiny_tokenizer.eos_token_id,), dense=dense) for dense in (False, True)}
+    monkeypatch.setattr(source, "sampling_bytes", lambda *a, dense=False, **kw: sampling_bytes(*a, dense=dense, **kw)
+                        + (2**30 if dense else 0))
+    calls = []
+    sample = source.sample_completions
+    monkeypatch.setattr(source, "sample_completions",
+                        lambda *a, **kw: calls.append((kw["dense"], kw["rows_per_call"])) or sample(*a, **kw))
+
+    def run(limit):
+        calls.clear()
+        monkeypatch.setattr(source, "memory_stats", lambda: {"bytes_limit": limit, "bytes_in_use": 0})
+        jaxtune.train(_tiny_model(tiny_tokenizer), tiny_tokenizer, ADDITIONS, cfg,
+                      out_dir=tmp_path / str(len(list(tmp_path.iterdir()))), reward_funcs=["last_number"],
+                      progress=False)
+        return calls[0]
+
+    assert run(int((need[True] + 2**30) / MARGIN) + 1) == (True, None)
+    assert run(int((need[False] + 2**29) / MARGIN)) == (False, None)
+    monkeypatch.setattr(importlib.import_module("jaxtune.rl.rollout"), "DENSE_ROLLOUT", False)
+    assert run(int((need[True] + 2**30) / MARGIN) + 1) == (False, None)
+
+
 def test_rollout_rows_put_each_completion_token_where_it_is_predicted():
     from jaxtune.rl.rollout import rollout_rows
 
@@ -435,3 +480,57 @@ def test_auto_batch_keeps_whole_groups():
     assert _whole_groups(13, 1, 4) == 12 and _whole_groups(7, 2, 8) == 4 and _whole_groups(8, 1, 8) == 8
     with pytest.raises(JaxtuneError, match="raise grad_accum"):
         _whole_groups(5, 1, 8)
+
+
+@pytest.mark.parametrize("kernels", [None, "pallas-interpret"])
+def test_a_rollout_from_the_base_dequantized_once_samples_the_nf4_rollouts_tokens(tiny_tokenizer, monkeypatch,
+                                                                                  kernels):
+    """With per-layer caches a rollout may read the base dequantized once (`dense`, where it fits): each layer's own
+    array holds the bits the per-token dequantization makes, so greedy and seeded completions are the NF4 path's."""
+    import importlib
+
+    from flax import nnx
+
+    import jaxtune
+    from conftest import set_random_lora
+    from jaxtune.qlora import NF4Linear, get_peft_model
+    from jaxtune.rl.rollout import sample_completions
+
+    decoding = importlib.import_module("jaxtune.generate")
+    monkeypatch.setattr(decoding, "PER_LAYER_CACHE", True)
+    model = set_random_lora(get_peft_model(_tiny_model(tiny_tokenizer), r=4, seed=1), seed=3)
+    graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    prompts = [tiny_tokenizer(r["prompt"])["input_ids"] for r in ADDITIONS] + [[5, 6]]
+    eos = (tiny_tokenizer.eos_token_id,)
+    from jaxtune import ops
+
+    jax.clear_caches()  # the kernel mode is read when the sampler is traced
+    traced = []  # NF4 projections traced through the per-token path
+    per_token = ops.nf4_linear
+    monkeypatch.setattr(ops, "nf4_linear", lambda *a, **kw: traced.append(1) or per_token(*a, **kw))
+    jaxtune.set_kernels(kernels)
+    try:
+        runs = {}
+        for dense in (False, True):
+            traced.clear()
+            runs[dense] = [sample_completions(graphdef, lora, frozen, prompts, jax.random.key(0), max_new_tokens=8,
+                                              eos_ids=eos, pad_id=0, temperature=t, top_p=1.0, top_k=k, dense=dense)
+                           for t, k in ((1.0, 1), (1.0, 0))]
+            assert bool(traced) != dense  # the dense rollout's GEMMs read the copies only
+        # the copies are the per-token path's weights, bit for bit, one array per layer
+        copy = nnx.merge(graphdef, lora, frozen)
+        copy.prepare_for_kernels()
+        copy.prepare_dense_weights()
+        projections = [m for _, m in nnx.iter_modules(copy.layers) if isinstance(m, NF4Linear)]
+        assert projections and all(len(m.dense.get_value()) == model.config.num_layers for m in projections)
+        from jaxtune import nf4
+
+        for m in projections:
+            q = m._arrays()
+            for i, w in enumerate(m.dense.get_value()):  # bitsandbytes' arithmetic on layer i's arrays
+                layer = nf4.NF4Weight(q.codes[i], q.absmax_codes[i], q.nested_absmax[i], q.offset[i], q.nested_map[i])
+                np.testing.assert_array_equal(np.asarray(w), np.asarray(nf4.dequantize(layer, model.dtype)))
+    finally:
+        jaxtune.set_kernels(None)
+    for got, want in zip(runs[True], runs[False]):
+        np.testing.assert_array_equal(got, want)

@@ -17,11 +17,12 @@ from jaxtune.ops import dispatch
 from jaxtune.ops.attention import attention, attention_mask
 from jaxtune.ops.context import (COMPUTE_MODES, barrier, fake_quantize_format, fake_quantized, frozen_compute,
                                  frozen_compute_mode, segments_share_prefixes, dequantize_at_use, dequantizing_at_use,
-                                 shared_prefix_segments, stacked_layer, stacked_layer_index)
+                                 shared_prefix_segments, stacked_layer, stacked_layer_index, static_layer,
+                                 static_layer_index)
 from jaxtune.ops.dense import dot_out, linear, rows
 from jaxtune.ops.fp8_linear import FP8_GRAD_FORMAT, fp8_dx_nf4_matmul, fp8_input, fp8_nf4_matmul
 from jaxtune.ops.kernel_operands import kernel_shaped, kernels_read_prepared_scales, prepare_kernel_scales
-from jaxtune.ops.nf4_linear import bf16_nf4_matmul
+from jaxtune.ops.nf4_linear import bf16_nf4_matmul, dense_nf4_weight
 
 
 def nf4_linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array:
@@ -45,6 +46,7 @@ def nf4_linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array
 
 
 __all__ = [
+    "dense_nf4_weight",
     "COMPUTE_MODES",
     "FP8_GRAD_FORMAT",
     "attention",
@@ -63,4 +65,6 @@ __all__ = [
     "prepare_kernel_scales",
     "stacked_layer",
     "stacked_layer_index",
+    "static_layer",
+    "static_layer_index",
 ]

@@ -38,6 +38,24 @@ def stacked_layer_index() -> jax.Array | None:
     return _stacked_layer.get()
 
 
+_static_layer: contextvars.ContextVar[int | None] = contextvars.ContextVar("static_layer", default=None)
+
+
+@contextlib.contextmanager
+def static_layer(index: int) -> Iterator[None]:
+    """Within the block, the decoder layer traced is layer `index`, a Python int (one traced layer per decoder
+    layer): what picks a layer's own array from a tuple of per-layer arrays."""
+    token = _static_layer.set(index)
+    try:
+        yield
+    finally:
+        _static_layer.reset(token)
+
+
+def static_layer_index() -> int | None:
+    return _static_layer.get()
+
+
 @contextlib.contextmanager
 def frozen_compute(mode: str) -> Iterator[None]:
     """Within the block, NF4 projections traced compute in `mode`: "bf16" (the model's dtype), "fp8", or

@@ -94,3 +94,15 @@ def bf16_nf4_matmul(x: jax.Array, weight, impl: str, interpret: bool, at_use: bo
     if impl != "xla" and kernel_shaped(weight):
         return _kernel_nf4_matmul(x, weight, impl, interpret, at_use)
     return _xla_nf4_matmul(x, weight, at_use)
+
+
+def dense_nf4_weight(weight, dtype) -> jax.Array:
+    """W [out, in] in dtype, dequantized as the projection's "dequantize, then dot" path dequantizes it (the Pallas
+    kernel where the weight's shape suits it and kernels run, else XLA): the same bits, for a caller that reads the
+    weight for many tokens (a sampler) and dequantizes it once."""
+    from jaxtune.nf4 import dequantize
+    from jaxtune.ops import dispatch
+
+    if dispatch.nf4_impl(1 << 30) != "xla" and kernel_shaped(weight):
+        return dequantized(weight, dtype, dispatch.interpret())
+    return dequantize(layer_on_every_device(weight), dtype)

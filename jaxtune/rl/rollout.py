@@ -49,35 +49,49 @@ def encode_prompts(rows: Sequence[Row], tokenizer: Any, max_prompt_tokens: int) 
     return out
 
 
+# None: decode from weights dequantized once per rollout wherever they fit beside the cache (one device, per-layer
+# caches); False / True: never / always. False until a GRPO step with it is measured on the device (the per-token
+# dequantization is 5.4 of a decode step's 15.2 ms at 8B shapes on an H200, benchmarks/results/
+# 2026-11-28-grpo-per-layer-cache-h200.md; `benchmarks/grpo_qlora.py --dense-rollout auto` runs it)
+DENSE_ROLLOUT: bool | None = False
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len", "temperature", "top_p",
-                                             "top_k", "eos_ids", "ignore_eos", "per_layer"))
+                                             "top_k", "eos_ids", "ignore_eos", "per_layer", "dense"))
 def sample(graphdef, lora, frozen, ids, pad, key, *, max_new_tokens: int, cache_len: int, temperature: float,
            top_p: float, top_k: int, eos_ids: tuple[int, ...], ignore_eos: bool = False,
-           per_layer: bool = False) -> jax.Array:
-    """Completions [N, max_new_tokens] (-1 after EOS) of left-padded prompts under the adapters `lora`."""
+           per_layer: bool = False, dense: bool = False) -> jax.Array:
+    """Completions [N, max_new_tokens] (-1 after EOS) of left-padded prompts under the adapters `lora`. `dense`
+    (with `per_layer`): the NF4 base dequantized once for the whole rollout, each token's GEMMs reading that copy
+    (the same bits as the per-token dequantization, at the memory of a 16-bit base)."""
     model = nnx.merge(graphdef, lora, frozen)
     model.prepare_for_kernels()  # the kernels' scales once per rollout, not once per token
+    if dense and per_layer:
+        model.prepare_dense_weights()
     return decode(model, ids, pad, key, max_new_tokens=max_new_tokens, cache_len=cache_len,
                   temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=eos_ids, ignore_eos=ignore_eos,
                   per_layer=per_layer)
 
 
 def _options(max_new_tokens: int, prompt_len: int, temperature: float, top_p: float, top_k: int,
-             eos_ids: Sequence[int], ignore_eos: bool) -> dict[str, Any]:
+             eos_ids: Sequence[int], ignore_eos: bool, dense: bool = False) -> dict[str, Any]:
+    per_layer = per_layer_cache(jax.default_backend() == "gpu")
     return dict(max_new_tokens=max_new_tokens, cache_len=cache_length(prompt_len, max_new_tokens),
                 temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
-                eos_ids=tuple(int(e) for e in eos_ids), ignore_eos=ignore_eos,
-                per_layer=per_layer_cache(jax.default_backend() == "gpu"))
+                eos_ids=tuple(int(e) for e in eos_ids), ignore_eos=ignore_eos, per_layer=per_layer,
+                dense=bool(dense and per_layer))
 
 
 def sample_completions(graphdef, lora, frozen, prompt_ids: list[list[int]], key: jax.Array, *, max_new_tokens: int,
                        temperature: float, top_p: float, top_k: int, eos_ids: tuple[int, ...], pad_id: int,
-                       ignore_eos: bool = False, rows_per_call: int | None = None, mesh=None) -> np.ndarray:
+                       ignore_eos: bool = False, rows_per_call: int | None = None, mesh=None,
+                       dense: bool = False) -> np.ndarray:
     """Completions [N, max_new_tokens] of the prompts, `rows_per_call` rows at a time (None: all in one call; in
     several calls each takes its own key, folded from `key` by the call's index). On a mesh each device samples
-    its share of the rows (split as the training step splits a micro-batch); every process gets all of them."""
+    its share of the rows (split as the training step splits a micro-batch); every process gets all of them.
+    `dense`: from the base dequantized once per call (`sample`)."""
     ids, pad = left_padded(prompt_ids, pad_id)  # one prompt length for every call: one compilation
-    options = _options(max_new_tokens, ids.shape[1], temperature, top_p, top_k, eos_ids, ignore_eos)
+    options = _options(max_new_tokens, ids.shape[1], temperature, top_p, top_k, eos_ids, ignore_eos, dense)
     step = rows_per_call or len(ids)
 
     def call(s: int, key: jax.Array) -> np.ndarray:
@@ -96,7 +110,8 @@ def sample_completions(graphdef, lora, frozen, prompt_ids: list[list[int]], key:
 
 
 def sampling_bytes(graphdef, lora, frozen, rows: int, prompt_len: int, *, max_new_tokens: int, temperature: float,
-                   top_p: float, top_k: int, eos_ids: Sequence[int], ignore_eos: bool = False, mesh=None) -> int:
+                   top_p: float, top_k: int, eos_ids: Sequence[int], ignore_eos: bool = False, mesh=None,
+                   dense: bool = False) -> int:
     """Device bytes one sampling call of `rows` prompts of `prompt_len` tokens needs beside the weights it reads (the
     KV cache, the prefill's activations, the outputs): XLA's plan of the compiled sampler, nothing run (on a mesh,
     one device's share)."""
@@ -104,7 +119,7 @@ def sampling_bytes(graphdef, lora, frozen, rows: int, prompt_len: int, *, max_ne
     split = {} if mesh is None else {"sharding": NamedSharding(mesh, P(BATCH_AXES))}
     ids = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, **split)
     pad = jax.ShapeDtypeStruct((rows,), jnp.int32, **split)
-    options = _options(max_new_tokens, prompt_len, temperature, top_p, top_k, eos_ids, ignore_eos)
+    options = _options(max_new_tokens, prompt_len, temperature, top_p, top_k, eos_ids, ignore_eos, dense)
     from jaxtune.training.autobatch import SIZING_OPTIONS_GPU  # the plan does not depend on the GEMM algorithms
 
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():

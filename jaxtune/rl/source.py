@@ -18,11 +18,12 @@ from jax.experimental.multihost_utils import process_allgather
 from jaxtune.data import BatchStream, PackedRows
 from jaxtune.data.sources import Row
 from jaxtune.distributed import agree_min, agree_on_checks, memory_stats
-from jaxtune.generate import eos_token_ids
+from jaxtune.generate import eos_token_ids, per_layer_cache
 from jaxtune.host_info import GIB
 from jaxtune.rl.advantages import _nanstd, group_advantages
 from jaxtune.rl.loss import GRPO
 from jaxtune.rl.rewards import RewardError, RewardFunction, score
+from jaxtune.rl import rollout as rollout_module
 from jaxtune.rl.rollout import completion_lists, rollout_rows, rows_per_call, sample_completions, sampling_bytes
 from jaxtune.sharding import batch_shards, global_rows
 from jaxtune.training.autobatch import MARGIN, StepTooLarge
@@ -60,6 +61,7 @@ class Rollouts:
         self.lead = lead
         self.rows_per_call: int | None = None  # sampling calls' rows (None: a step's completions in one call)
         self._planned = False
+        self.dense = False  # sampling from the base dequantized once per rollout (`_plan_sampling`)
         self._cached: dict[str, np.ndarray] | None = None
         self._logps_fns: dict = {}  # jitted per QAT format (qat_start_step switches it)
         self.mesh = None  # set by place_on: sampling and the ratio's log-probabilities split over its devices
@@ -104,7 +106,7 @@ class Rollouts:
             self.rows_per_call, self._planned = self._plan_sampling(lora, frozen, len(prompt_ids)), True
         completions = completion_lists(sample_completions(
             self.sampler_graphdef, lora, frozen, prompt_ids, key, pad_id=self.pad_id,
-            rows_per_call=self.rows_per_call, mesh=self.mesh, **self._sampling_options()))
+            rows_per_call=self.rows_per_call, mesh=self.mesh, dense=self.dense, **self._sampling_options()))
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         prompts = [r.data["prompt"] for r in prompt_rows]
@@ -152,13 +154,24 @@ class Rollouts:
     def _plan_sampling(self, lora, frozen, total: int) -> int | None:
         """Rows per sampling call: a step's completions at once when their KV cache and prefill fit the device beside
         what it holds (the training step's temporaries are freed by then), else the largest even split that fits.
-        None on CPU (host memory: one call)."""
+        None on CPU (host memory: one call). First choice on one device with per-layer caches, where it fits at
+        once: all of them from the base dequantized once per rollout (`self.dense`; `rollout.DENSE_ROLLOUT` forces it
+        on or off)."""
         stats = memory_stats()
         if stats.get("bytes_limit") is None:
+            self.dense = bool(rollout_module.DENSE_ROLLOUT)
             return None
         held = stats.get("bytes_in_use", 0)
         free = MARGIN * stats["bytes_limit"] - held
         prompt_len = max(len(p) for p in self.prompt_ids)
+        # one device: on a mesh the codes' shards would each be dequantized whole (not measured there yet)
+        if (rollout_module.DENSE_ROLLOUT is not False and per_layer_cache(jax.default_backend() == "gpu")
+                and self.mesh is None):
+            need = sampling_bytes(self.sampler_graphdef, lora, frozen, total, prompt_len, mesh=self.mesh, dense=True,
+                                  **self._sampling_options())
+            self.dense = bool(agree_min(int(need <= free or bool(rollout_module.DENSE_ROLLOUT))))
+            if self.dense:
+                return None
         needs: dict[int, int] = {}
 
         def fits(rows: int) -> bool:

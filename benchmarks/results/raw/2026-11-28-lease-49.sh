@@ -5,7 +5,10 @@
 # 1. Compiled checks: the NF4 kernels' byte-permute tiles (lut="permute": bf16 tables per (row, block) read by inline
 #    PTX) and weight-first tiles against float64; one decoder layer's loss and LoRA gradients per kernel mode against
 #    XLA's at the 1B and 8B layer shapes (tests/test_gpu_layer_paths.py), for lease 48's spread.
-# 2. The decode sweep at 16 and 64 rows with the permute tiles; the GRPO step with its best tiles, then the default.
+# 2. The GRPO step with the rollout reading the base dequantized once (--dense-rollout auto: where it fits), then
+#    from the codes per token (the default until measured), then auto capped at a 24 GB card (it must fall back).
+#    If auto is faster, set jaxtune/rl/rollout.py's DENSE_ROLLOUT = None.
+# 3. The decode sweep at 16 and 64 rows with the permute tiles; the GRPO step with its best tiles.
 # GPU 1 at the same time: Unsloth + TRL's GRPO step (the same-hold ratio), then lease 47c's plain run in float32
 # under the three kernel modes (they must agree there), then QAT at the 1B shapes in float32 from step 0 and from
 # step 100 of 150 (the recovered fraction of issue 61).
@@ -18,9 +21,12 @@ gpu0() {
   stage gpu-checks
   JAX_PLATFORMS=cuda python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_nf4.py tests/test_gpu_layer_paths.py 2>&1 | tail -40 > /tmp/jt/gpu_tests.log
   status gpu-checks "${PIPESTATUS[0]}"
+  G="python3 benchmarks/grpo_qlora.py /tmp/bnb4_8b --batches 8x8 --steps 3"
+  run jaxtune-grpo-dense env PYTHONPATH=. $G --dense-rollout auto
+  run jaxtune-grpo-codes env PYTHONPATH=. $G --dense-rollout off
+  run jaxtune-grpo-dense-cap24 env PYTHONPATH=. $G --dense-rollout auto --cap-gib 23.5
   run nf4-sweep env PYTHONPATH=. python3 benchmarks/nf4_matmul.py --ms 16,64 --dirs fwd --out /tmp/jt/nf4_table.json
-  run jaxtune-grpo-table env PYTHONPATH=. python3 benchmarks/grpo_qlora.py /tmp/bnb4_8b --batches 8x8 --steps 3 --nf4-table /tmp/jt/nf4_table.json
-  run jaxtune-grpo-default env PYTHONPATH=. python3 benchmarks/grpo_qlora.py /tmp/bnb4_8b --batches 8x8 --steps 3
+  run jaxtune-grpo-table env PYTHONPATH=. $G --dense-rollout off --nf4-table /tmp/jt/nf4_table.json
 }
 gpu1() {
   export CUDA_VISIBLE_DEVICES=1
