@@ -56,10 +56,7 @@ class NF4Linear(nnx.Module):
         """Dequantizes the weight once, a separate array per layer, for a sampler that reads it token after token:
         one traced layer per decoder layer then reads its own array (a layer sliced from a stack would be copied
         before every product). Call it on a copy of the model made inside the traced function."""
-        q = self._arrays()
-        if q.codes.ndim == 2:
-            self.dense = DenseWeights((ops.dense_nf4_weight(q, dtype),))
-            return
+        q = self._arrays()  # the decoder layers' stacks [layers, ...]
         layer = lambda i: nf4.NF4Weight(*(a[i] for a in (q.codes, q.absmax_codes, q.nested_absmax, q.offset,  # noqa: E731
                                                          q.nested_map)))
         self.dense = DenseWeights(tuple(ops.dense_nf4_weight(layer(i), dtype) for i in range(q.codes.shape[0])))
@@ -90,12 +87,9 @@ class NF4Linear(nnx.Module):
 
     def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
         bias = None if self.bias is None else self.bias[...]
-        if self.dense is not None:  # prepared for a sampler: this layer's own dequantized array
-            dense, layer = self.dense.get_value(), ops.static_layer_index()
-            if layer is None and ops.stacked_layer_index() is None and len(dense) == 1:
-                layer = 0  # a weight of one layer
-            if layer is not None:
-                return ops.linear(x, dense[layer], bias)
+        layer = ops.static_layer_index()
+        if self.dense is not None and layer is not None:  # prepared for a sampler: this layer's own array
+            return ops.linear(x, self.dense.get_value()[layer], bias)
         return ops.nf4_linear(x, self.weight_nf4, bias)
 
 

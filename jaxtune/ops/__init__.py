@@ -46,12 +46,12 @@ def nf4_linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array
 
 
 __all__ = [
-    "dense_nf4_weight",
     "COMPUTE_MODES",
     "FP8_GRAD_FORMAT",
     "attention",
     "attention_mask",
     "barrier",
+    "dense_nf4_weight",
     "dequantize_at_use",
     "dispatch",
     "dot_out",

@@ -22,34 +22,32 @@ _fp8_inputs: contextvars.ContextVar[list | None] = contextvars.ContextVar("fp8_i
 _shared_prefix: contextvars.ContextVar[bool] = contextvars.ContextVar("shared_prefix", default=False)
 _at_use: contextvars.ContextVar[bool] = contextvars.ContextVar("dequantize_at_use", default=False)
 _fake_quantized: contextvars.ContextVar[str | None] = contextvars.ContextVar("fake_quantized", default=None)
+_static_layer: contextvars.ContextVar[int | None] = contextvars.ContextVar("static_layer", default=None)
 
 
 @contextlib.contextmanager
-def stacked_layer(index: jax.Array) -> Iterator[None]:
-    """Within the block (a layer scan's body), NF4 weights whose codes are the whole stack are layer `index`."""
-    token = _stacked_layer.set(index)
+def _set_within(var: contextvars.ContextVar, value) -> Iterator[None]:
+    """`var` holds `value` within the block, its previous value after it."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _stacked_layer.reset(token)
+        var.reset(token)
+
+
+def stacked_layer(index: jax.Array) -> contextlib.AbstractContextManager[None]:
+    """Within the block (a layer scan's body), NF4 weights whose codes are the whole stack are layer `index`."""
+    return _set_within(_stacked_layer, index)
 
 
 def stacked_layer_index() -> jax.Array | None:
     return _stacked_layer.get()
 
 
-_static_layer: contextvars.ContextVar[int | None] = contextvars.ContextVar("static_layer", default=None)
-
-
-@contextlib.contextmanager
-def static_layer(index: int) -> Iterator[None]:
+def static_layer(index: int) -> contextlib.AbstractContextManager[None]:
     """Within the block, the decoder layer traced is layer `index`, a Python int (one traced layer per decoder
     layer): what picks a layer's own array from a tuple of per-layer arrays."""
-    token = _static_layer.set(index)
-    try:
-        yield
-    finally:
-        _static_layer.reset(token)
+    return _set_within(_static_layer, index)
 
 
 def static_layer_index() -> int | None:
@@ -72,15 +70,10 @@ def frozen_compute(mode: str) -> Iterator[None]:
             _fp8_inputs.reset(inputs)
 
 
-@contextlib.contextmanager
-def fake_quantized(fmt: str | None) -> Iterator[None]:
+def fake_quantized(fmt: str | None) -> contextlib.AbstractContextManager[None]:
     """Within the block, LoRA projections traced use their merged weight through `fmt`'s quantizer (QAT;
     `jaxtune.quant.fake`); None: the usual base + LoRA path."""
-    token = _fake_quantized.set(fmt)
-    try:
-        yield
-    finally:
-        _fake_quantized.reset(token)
+    return _set_within(_fake_quantized, fmt)
 
 
 def fake_quantize_format() -> str | None:
@@ -98,32 +91,22 @@ def fp8_inputs_seen() -> list | None:
     return _fp8_inputs.get()
 
 
-@contextlib.contextmanager
-def shared_prefix_segments() -> Iterator[None]:
+def shared_prefix_segments() -> contextlib.AbstractContextManager[None]:
     """Within the block, a negative segment id -2p or -2p-1 marks a branch that also attends to the run of id p
     before it (a preference pair's prompt, run once for both responses); see `pallas_kernels.attention_segments`."""
-    token = _shared_prefix.set(True)
-    try:
-        yield
-    finally:
-        _shared_prefix.reset(token)
+    return _set_within(_shared_prefix, True)
 
 
 def segments_share_prefixes() -> bool:
     return _shared_prefix.get()
 
 
-@contextlib.contextmanager
-def dequantize_at_use(on: bool = True) -> Iterator[None]:
+def dequantize_at_use(on: bool = True) -> contextlib.AbstractContextManager[None]:
     """Within the block, a frozen projection dequantizes its weight only once its input (forward) or output
     gradient (backward) exists, and the backward pass dequantizes again rather than keep the forward's copy: one
     dequantized weight alive at a time instead of a layer's worth (memory-first training: per-layer recompute and
     offload), for one more dequantization per projection in the backward pass."""
-    token = _at_use.set(on)
-    try:
-        yield
-    finally:
-        _at_use.reset(token)
+    return _set_within(_at_use, on)
 
 
 def dequantizing_at_use() -> bool:

@@ -73,6 +73,12 @@ def nf4_impl(m: int) -> str:
     return _forced("fused") or next(impl for limit, impl in NF4_TABLE if m <= limit)
 
 
+def nf4_dequant_impl() -> str:
+    """`pallas` (the dequant kernel) or `xla` for a whole NF4 weight dequantized on its own, as the "dequantize, then
+    dot" path does."""
+    return _forced("pallas") or "pallas"
+
+
 def moe_impl() -> str:
     """`pallas` (the grouped expert kernel) or `xla` (`jax.lax.ragged_dot`) for a mixture of experts' projections.
     On GPU always the kernel: XLA's ragged_dot computes every expert for every row there (1% of a dense GEMM's

@@ -103,6 +103,6 @@ def dense_nf4_weight(weight, dtype) -> jax.Array:
     from jaxtune.nf4 import dequantize
     from jaxtune.ops import dispatch
 
-    if dispatch.nf4_impl(1 << 30) != "xla" and kernel_shaped(weight):
+    if dispatch.nf4_dequant_impl() == "pallas" and kernel_shaped(weight):
         return dequantized(weight, dtype, dispatch.interpret())
     return dequantize(layer_on_every_device(weight), dtype)

@@ -157,21 +157,20 @@ class Rollouts:
         None on CPU (host memory: one call). First choice on one device with per-layer caches, where it fits at
         once: all of them from the base dequantized once per rollout (`self.dense`; `rollout.DENSE_ROLLOUT` forces it
         on or off)."""
+        choice = rollout_module.DENSE_ROLLOUT
+        # one device: on a mesh the codes' shards would each be dequantized whole (not measured there yet)
+        wanted = choice is not False and self.mesh is None and per_layer_cache(jax.default_backend() == "gpu")
         stats = memory_stats()
         if stats.get("bytes_limit") is None:
-            self.dense = bool(rollout_module.DENSE_ROLLOUT)
+            self.dense = wanted and choice is True
             return None
         held = stats.get("bytes_in_use", 0)
         free = MARGIN * stats["bytes_limit"] - held
         prompt_len = max(len(p) for p in self.prompt_ids)
-        # one device: on a mesh the codes' shards would each be dequantized whole (not measured there yet)
-        if (rollout_module.DENSE_ROLLOUT is not False and per_layer_cache(jax.default_backend() == "gpu")
-                and self.mesh is None):
-            need = sampling_bytes(self.sampler_graphdef, lora, frozen, total, prompt_len, mesh=self.mesh, dense=True,
-                                  **self._sampling_options())
-            self.dense = bool(agree_min(int(need <= free or bool(rollout_module.DENSE_ROLLOUT))))
-            if self.dense:
-                return None
+        self.dense = wanted and (choice is True or sampling_bytes(
+            self.sampler_graphdef, lora, frozen, total, prompt_len, dense=True, **self._sampling_options()) <= free)
+        if self.dense:
+            return None
         needs: dict[int, int] = {}
 
         def fits(rows: int) -> bool:
