@@ -137,6 +137,15 @@ def bf16_permute_table(scale: jax.Array) -> tuple:
     return (*low, *high)
 
 
+def bf16_planes(codes: jax.Array, per_block: list, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """A code tile's even- and odd-column planes in bf16 by byte permutes, `per_block` its 64-blocks' float32 scales
+    ([rows] each, one or two: `block_scales`): the tables built once per (row, block), then read per code byte."""
+    tables = [bf16_permute_table(scale) for scale in per_block]
+    width = codes.shape[1]
+    table = tuple(jnp.broadcast_to(by_block([t[w] for t in tables], width), codes.shape) for w in range(8))
+    return bf16_planes_by_permute(codes.astype(jnp.uint32), table, interpret)
+
+
 def bf16_planes_by_permute(codes: jax.Array, table: tuple, interpret: bool) -> tuple[jax.Array, jax.Array]:
     """W's even- and odd-column planes in bf16 (bitsandbytes' bits) from a code tile (uint32 holding a byte each) and
     the 8 table words of each element's (row, block) (`bf16_permute_table`); the PTX above on a GPU, the same steps
@@ -148,10 +157,9 @@ def bf16_planes_by_permute(codes: jax.Array, table: tuple, interpret: bool) -> t
         words = jax.lax.bitcast_convert_type(out, jnp.uint32)
     else:
         selector = (codes >> 4) | ((codes & 0x0F) << 4)  # nibbles of the even value, then the odd one
-        merge = ((selector & 0x88) >> 1) + 0x3210
-        low7, high7 = selector & 0x77, selector & 0x77
-        lo = _prmt(_prmt(table[0], table[1], low7), _prmt(table[2], table[3], low7), merge)
-        hi = _prmt(_prmt(table[4], table[5], high7), _prmt(table[6], table[7], high7), merge)
+        low3, merge = selector & 0x77, ((selector & 0x88) >> 1) + 0x3210
+        lo = _prmt(_prmt(table[0], table[1], low3), _prmt(table[2], table[3], low3), merge)
+        hi = _prmt(_prmt(table[4], table[5], low3), _prmt(table[6], table[7], low3), merge)
         words = _prmt(lo, hi, jnp.uint32(0x5140))
     return tuple(jax.lax.bitcast_convert_type((h & 0xFFFF).astype(jnp.uint16), jnp.bfloat16)
                  for h in (words, words >> 16))

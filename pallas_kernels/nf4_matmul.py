@@ -27,11 +27,10 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.nf4_dequant import bf16_permute_table, bf16_planes_by_permute, nf4_dequantize_reference
+from pallas_kernels.nf4_dequant import bf16_planes, nf4_dequantize_reference
 from pallas_kernels.nf4_tiles import (
-    BLOCK, MatmulTiles, at_layer, block_scales, by_block, check_weight, fit_tiles, layer_codes, layer_operand,
-    lut_operand, nibble_planes,
-    optional_refs, scales_operand, tile_scale, tile_spec,
+    BLOCK, MatmulTiles, at_layer, block_scales, check_weight, fit_tiles, layer_codes, layer_operand, lut_operand,
+    nibble_planes, optional_refs, scales_operand, tile_scale, tile_spec,
 )
 
 
@@ -60,11 +59,7 @@ def _matmul_kernel(x_ref, codes_ref, absmax_ref, *refs, half, block_bytes, steps
         byte0 = (s * steps + t) * block_bytes
         codes = at_layer(codes_ref, layer_ref, (slice(None), pl.ds(byte0, block_bytes)))
         if permute:
-            tables = [bf16_permute_table(scale)
-                      for scale in block_scales(absmax_ref, layer_ref, byte0, rows, block_bytes)]
-            table = tuple(jnp.broadcast_to(by_block([t[w] for t in tables], block_bytes), codes.shape)
-                          for w in range(8))
-            w_hi, w_lo = bf16_planes_by_permute(codes.astype(jnp.uint32), table, interpret)
+            w_hi, w_lo = bf16_planes(codes, block_scales(absmax_ref, layer_ref, byte0, rows, block_bytes), interpret)
         else:
             scale = tile_scale(absmax_ref, layer_ref, byte0, rows, block_bytes)
             w_hi, w_lo = nibble_planes(codes, scale, jnp.float32 if gemv else x_ref.dtype, lut_ref)

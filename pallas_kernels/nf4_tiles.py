@@ -42,7 +42,7 @@ class MatmulTiles:
     num_warps: int = 4
     num_stages: int = 3
     # NF4 value lookup: "select" (bit tree), "gather" (16-entry table load), or "permute" (forward, bf16 x: a bf16
-    # table per (row, block) read by PTX byte permutes, 4 values per 8 permutes)
+    # table per (row, block) read by PTX byte permutes, a code byte's 2 values in 7 permutes)
     lut: str = "select"
     # forward only, for a few rows (decoding): products and row sums on the CUDA cores instead of a tensor-core
     # dot, whose tiles need 16 rows (block_m then needs no more than the rows there are, padded to a power of 2)
