@@ -4,7 +4,8 @@
     python tests/sharded_worker.py train TOKENIZER_DIR OUT_DIR [MESH [OPTIONS_JSON]]  # optionally under jax.distributed
     python tests/sharded_worker.py grpo TOKENIZER_DIR OUT_DIR MESH[;MESH...]  # GRPO runs, one per mesh ("": none)
 OPTIONS_JSON: {"steps": 5, "batch": 4 or "auto", "save_steps": 5, "resume": false, "moe": false (Qwen3-MoE),
-               "sigterm_at": {"process": 1, "step": 2}, "raise_at": {"process": 1, "step": 2}}
+               "sigterm_at": {"process": 1, "step": 2}, "raise_at": {"process": 1, "step": 2},
+               "small_vocab_on": 1 (that process's model lacks the tokenizer's last 40 ids)}
 Prints JSON lines.
 """
 
@@ -156,7 +157,9 @@ def train(tokenizer_dir: str, out_dir: str, mesh: str | None = None, options: st
         if opts.get("raise_at", {}).get("process") == me and record["step"] == opts["raise_at"]["step"]:
             raise RuntimeError(f"injected failure at step {record['step']}")
 
-    trained = model(len(tok), MOE_CFG if opts.get("moe") else CFG)
+    # a host whose model lacks ids its tokenizer makes (a refusal while its data is tokenized, after the join)
+    vocab = len(tok) - 40 if opts.get("small_vocab_on") == me else len(tok)
+    trained = model(vocab, MOE_CFG if opts.get("moe") else CFG)
     result = jaxtune.train(trained, tok, rows, cfg, out_dir=out_dir, progress=False, callback=act,
                            resume=opts.get("resume", False))
     print(json.dumps({"process": me, "processes": jax.process_count(), "devices": jax.device_count(),

@@ -110,6 +110,17 @@ def test_grpo_samples_and_trains_on_a_mesh_as_on_one_device(tok_dir, tmp_path):
         assert g["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-7), g["mesh"]
 
 
+def test_data_refused_on_one_host_after_the_join_ends_every_process(tok_dir, tmp_path):
+    """Each host tokenizes its own data after the processes join: a refusal there on one host (here its model lacks
+    ids its tokenizer makes) ends every process non-zero within a minute, process 0 naming process 1 and its line."""
+    outs = _two_processes(tok_dir, tmp_path / "hosts", {"small_vocab_on": 1})
+    (code0, _, err0, s0), (code1, _, err1, s1) = outs
+    assert code1 != 0 and "the tokenizer belongs to another model" in err1, err1[-2000:]
+    assert code0 != 0 and "process 1 of 2 refused its data: the tokenizer made token id" in err0, err0[-2000:]
+    assert max(s0, s1) < 60, (s0, s1)
+    assert "Traceback" not in err0 + err1, (err0 + err1)[-3000:]
+
+
 def test_a_reward_function_failing_on_one_host_ends_every_process(tok_dir, tmp_path):
     """Each host scores its own share of a rollout, so a reward function can fail on one host only: every process
     ends non-zero, within a minute, process 0 naming process 1 and its line."""

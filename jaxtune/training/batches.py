@@ -9,6 +9,7 @@ batch's, for the step's record) and `efficiency` (the share of row slots holding
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,6 +19,8 @@ import numpy as np
 from jaxtune.data import BatchStream, PackedRows, encode_rows, pack_examples, read_rows
 from jaxtune.data.preference import encode_pairs, pack_pairs
 from jaxtune.data.sources import DataError, Row
+from jaxtune.distributed import agree_on_checks
+from jaxtune.errors import JaxtuneError
 from jaxtune.training.config import TrainConfig
 
 
@@ -111,10 +114,24 @@ def check_token_ids(ids: Sequence[np.ndarray], tokenizer, vocab_size: int) -> No
                         f"same checkpoint")
 
 
+_runs = itertools.count()  # this process's runs: each run's agreement on its data has a name of its own
+
+
 def make_batches(data, tokenizer, cfg: TrainConfig, model, *, progress: bool = True,
                  reward_funcs: Sequence[str | Callable] | None = None, reward_weights: Sequence[float] | None = None,
                  run_dir: str | None = None, lead: bool = True):
-    """The run's batch source for cfg.objective."""
+    """The run's batch source for cfg.objective. Each host reads and tokenizes its own data, so a refusal on one host
+    (a row its tokenizer makes ids the model lacks, a prompt too long) ends every host, each with that line."""
+    try:
+        source, failure = _batch_source(data, tokenizer, cfg, model, progress, reward_funcs, reward_weights, run_dir,
+                                        lead), None
+    except JaxtuneError as e:
+        source, failure = None, e
+    agree_on_checks(failure, stage=f"data/{next(_runs)}", failed="refused its data")
+    return source
+
+
+def _batch_source(data, tokenizer, cfg: TrainConfig, model, progress, reward_funcs, reward_weights, run_dir, lead):
     if cfg.objective != "grpo":
         if reward_funcs:
             raise DataError(f"reward functions apply to objective 'grpo' only; objective is {cfg.objective!r}")
