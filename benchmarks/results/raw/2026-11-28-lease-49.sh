@@ -12,6 +12,7 @@
 # GPU 1 at the same time: Unsloth + TRL's GRPO step (the same-hold ratio), then lease 47c's plain run in float32
 # under the three kernel modes (they must agree there), then QAT at the 1B shapes in float32 from step 0 and from
 # step 100 of 150 (the recovered fraction of issue 61).
+# Then both GPUs: benchmarks/multihost.py cases e, f, g again (make_batches now agrees on a refusal across processes).
 # bash benchmarks/results/raw/poll.sh THIS 49 560   (then poll again for the rest)
 set -u
 . benchmarks/lease_queue.sh
@@ -41,4 +42,7 @@ gpu1() {
   run qat-1b-nf4-f32-late $Q --base bf16 --formats nf4 --qat-start-step 100 --out /tmp/q49f
 }
 two_queues 1500
+stage multihost
+CASES=e,f,g multihost_checks
+cp /tmp/jt/multihost/*.jsonl /tmp/jt/ 2>/dev/null
 stage all-done
