@@ -65,7 +65,10 @@ class MetricsLog:
         if "tensorboard" in report_to:
             from tensorboardX import SummaryWriter
 
-            self.tensorboard = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=start_step + 1)
+            # an event file is named by the second it opens and the host: a resume within that second would open
+            # the same file again and wipe the earlier steps, so each writer's name also carries its process and step
+            self.tensorboard = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=start_step + 1,
+                                             filename_suffix=f".{os.getpid()}.{start_step}")
         if "wandb" in report_to:
             self.wandb = _wandb_run(run_dir, config)
 
