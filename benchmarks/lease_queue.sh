@@ -57,3 +57,23 @@ two_queues() {  # two_queues SECONDS: the driver's gpu0 and gpu1 at once; gpu1 i
   kill -- -$pid1 2>/dev/null && stage "gpu1 stopped at deadline"
   sleep 3
 }
+queues() {  # queues SECONDS: the driver's gpu0 .. gpuN-1 functions at once (as many as it defines, GPUs the machine
+  # has); gpu0 in this shell, the others each in a new shell (define their variables inside them); those still
+  # running SECONDS after t_start are stopped
+  stage A
+  local i pids=() n
+  n=$(nvidia-smi -L | grep -c '^GPU ')
+  gpu0 > /tmp/jt/gpu0.log 2>&1 &
+  local pid0=$!
+  for ((i = 1; i < n; i++)); do
+    declare -F "gpu$i" > /dev/null || continue
+    setsid bash -c "here=$here out=$out; . benchmarks/lease_queue.sh; $(declare -f "gpu$i"); gpu$i" > "/tmp/jt/gpu$i.log" 2>&1 &
+    pids+=($!)
+  done
+  wait $pid0
+  for pid in "${pids[@]}"; do
+    while kill -0 "$pid" 2>/dev/null && [ "$(date +%s)" -lt $((t_start + $1)) ]; do sleep 5; done
+    kill -- -"$pid" 2>/dev/null && stage "queue $pid stopped at deadline"
+  done
+  sleep 3
+}

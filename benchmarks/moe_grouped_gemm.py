@@ -22,6 +22,7 @@ from jaxtune import nf4
 from jaxtune.moe.grouped import grouped_matmul
 from jaxtune.moe.layout import BLOCK_M, tile_layout
 from pallas_kernels.grouped_matmul import GroupedTiles, grouped_matmul as kernel
+from pallas_kernels.grouped_matmul_wgmma import WgmmaTiles, fits, frozen_ragged_matmul
 
 SHAPES = {  # hidden, expert width, experts, experts per token
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -33,6 +34,10 @@ SHAPES = {  # hidden, expert width, experts, experts per token
 INTERPRET = jax.default_backend() != "gpu"  # a check run on CPU
 TILES = [GroupedTiles(64, 128, 64, 4, 3), GroupedTiles(128, 128, 64, 8, 3), GroupedTiles(64, 256, 64, 8, 3),
          GroupedTiles(128, 256, 64, 8, 3), GroupedTiles(64, 256, 64, 8, 4)]
+# (block_m, block_n, block_k, stages, grid_block_n): JAX's Mosaic GPU ragged dot (--wgmma, Hopper only)
+WGMMA_TILES = [WgmmaTiles(128, 128, 64, 4, 1), WgmmaTiles(128, 128, 64, 5, 1), WgmmaTiles(128, 256, 64, 3, 1),
+               WgmmaTiles(128, 256, 64, 4, 1), WgmmaTiles(128, 128, 64, 4, 2), WgmmaTiles(128, 192, 64, 4, 1),
+               WgmmaTiles(64, 256, 64, 4, 1)]
 
 
 def timed(fn, *args, reps: int = 20) -> float:
@@ -51,6 +56,8 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-30b-a3b", choices=list(SHAPES))
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--xla", action="store_true", help="also time XLA's ragged_dot")
+    ap.add_argument("--wgmma", action="store_true", help="also time JAX's Mosaic GPU ragged dot (Hopper)")
+    ap.add_argument("--only-wgmma", action="store_true", help="time the wgmma kernel's tilings alone")
     args = ap.parse_args()
     hidden, width, experts, top_k = SHAPES[args.model]
     rows = args.tokens * top_k
@@ -73,20 +80,34 @@ def main() -> None:
                   "device": jax.devices()[0].device_kind, "dense_ms": round(d, 3),
                   "dense_tflops": round(flops / d / 1e9, 1), "dense_dx_ms": round(ddx, 3),
                   "nf4_dequant_all_experts_ms": round(dequant, 3)}
-        variants = [("xla", None)] + [("pallas", t) for t in TILES] if args.xla else [("pallas", t) for t in TILES]
+        variants = [("xla", None)] if args.xla else []
+        variants += [] if args.only_wgmma else [("pallas", t) for t in TILES]
+        variants += [("wgmma", t) for t in WGMMA_TILES if fits(k, n, t) and fits(n, k, t)] \
+            if args.wgmma or args.only_wgmma else []
         for impl, tiles in variants:
             jaxtune.set_kernels("xla" if impl == "xla" else "pallas-interpret" if INTERPRET else "pallas")
             layout = tile_layout(chosen, experts, BLOCK_M if tiles is None else tiles.block_m)
             xp = jax.random.normal(key, (layout.rows, k), jnp.bfloat16)
             dyp = jax.random.normal(key, (layout.rows, n), jnp.bfloat16)
-            if tiles is None:
+            if impl == "wgmma":
+                fwd = jax.jit(lambda x, w, t=tiles: frozen_ragged_matmul(x, w, layout.group_sizes, t))
+                dx = jax.jit(lambda x, w, dy, t=tiles: jax.vjp(
+                    lambda x: frozen_ragged_matmul(x, w, layout.group_sizes, t), x)[1](dy)[0])
+                try:
+                    g, gdx = timed(fwd, xp, w), timed(dx, xp, w, dyp)
+                except Exception as err:  # a tiling past shared memory: recorded, not fatal
+                    print(json.dumps({**record, "impl": impl, "tiles": list(tiles.__dict__.values()),
+                                      "error": str(err).splitlines()[0][:200]}), flush=True)
+                    continue
+            elif tiles is None:
                 fwd = jax.jit(lambda x, w: grouped_matmul(x, w, layout))
                 dx = jax.jit(lambda x, w, dy: jax.vjp(lambda x: grouped_matmul(x, w, layout), x)[1](dy)[0])
             else:
                 fwd = jax.jit(lambda x, w, t=tiles: kernel(x, w, layout.tile_group, t, INTERPRET))
                 dx = jax.jit(lambda x, w, dy, t=tiles: jax.vjp(lambda x: kernel(x, w, layout.tile_group, t, INTERPRET),
                                                                 x)[1](dy)[0])
-            g, gdx = timed(fwd, xp, w), timed(dx, xp, w, dyp)
+            if impl != "wgmma":
+                g, gdx = timed(fwd, xp, w), timed(dx, xp, w, dyp)
             print(json.dumps({**record, "impl": impl, "tiles": None if tiles is None else list(tiles.__dict__.values()),
                               "padded_rows": layout.rows, "grouped_ms": round(g, 3),
                               "grouped_tflops": round(flops / g / 1e9, 1), "grouped_vs_dense": round(d / g, 3),

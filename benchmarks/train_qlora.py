@@ -116,6 +116,9 @@ def main() -> None:
     ap.add_argument("--qat-impl", default="auto", choices=["auto", "kernel", "xla"],
                     help="--qat q4_0's weights by the one-pass Pallas kernel or XLA's passes (auto: the dispatch's "
                          "choice, the kernel on a GPU)")
+    ap.add_argument("--moe-gemm", default="auto", choices=["auto", "wgmma", "triton"],
+                    help="the frozen experts' grouped GEMMs by JAX's Mosaic GPU ragged dot (wgmma, Hopper) or the "
+                         "Triton grouped kernel (auto: the dispatch's choice)")
     ap.add_argument("--unroll-layers", action="store_true",
                     help="one traced layer per decoder layer (no stacks of saved activations) instead of a loop")
     ap.add_argument("--offload-optimizer", action="store_true",
@@ -140,6 +143,10 @@ def main() -> None:
         from jaxtune.ops import dispatch
 
         dispatch.QAT_KERNEL_ON_GPU = args.qat_impl == "kernel"
+    if args.moe_gemm != "auto":
+        from jaxtune.ops import dispatch
+
+        dispatch.MOE_WGMMA_ON_HOPPER = args.moe_gemm == "wgmma"
     cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch if args.batch == "auto" else int(args.batch),
                               max_steps=1000, learning_rate=1e-4, remat=args.remat, compute=args.compute,
                               offload_optimizer=args.offload_optimizer)
@@ -192,6 +199,7 @@ def main() -> None:
     base = {"system": "jaxtune", "device": jax.local_devices()[0].device_kind, "batch": micro, "batch_arg": args.batch,
             "seq": args.seq, "remat": args.remat, "data": args.data, "compute": args.compute,
             "unroll_layers": args.unroll_layers, "qat": args.qat, "qat_impl": args.qat_impl,
+            "moe_gemm": args.moe_gemm,
             "offload_optimizer": args.offload_optimizer, "offload_embedding": args.offload_embedding,
             "compile_first": args.compile_first, "warm_autotune": args.warm_autotune, "warm_compile_s": warm_s}
     if compiled is None:

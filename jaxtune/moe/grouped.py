@@ -3,9 +3,10 @@ times its own expert's weight.
 
 Dropless: every routed row is computed, however uneven the groups (empty ones included), with no capacity
 factor, no Python loop over experts and no dense all-experts product. On the GPU the Pallas kernel
-(pallas_kernels/grouped_matmul.py) runs one expert's GEMM per tile; elsewhere (and under JAXTUNE_KERNELS=xla)
-`jax.lax.ragged_dot`, which XLA's GPU backend computes for every expert on every row (1.2% of a dense GEMM's rate
-at Qwen3-30B-A3B's shapes)."""
+(pallas_kernels/grouped_matmul.py) runs one expert's GEMM per tile (on Hopper, where `dispatch.moe_frozen_impl`
+says so, the frozen experts' products run through JAX's Mosaic GPU ragged dot instead: wgmma); elsewhere (and
+under JAXTUNE_KERNELS=xla) `jax.lax.ragged_dot`, which XLA's GPU backend computes for every expert on every row
+(1.2% of a dense GEMM's rate at Qwen3-30B-A3B's shapes)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxtune.moe.layout import TileLayout
 from jaxtune.ops import dispatch
+from jaxtune.sharding import current_mesh
 
 
 def grouped_matmul(x: jax.Array, weight: jax.Array, layout: TileLayout, *, trainable: bool = False,
@@ -23,6 +25,11 @@ def grouped_matmul(x: jax.Array, weight: jax.Array, layout: TileLayout, *, train
     `trainable`: the weight's gradient is computed (LoRA's factors); otherwise it is frozen (zero cotangent on the
     kernel path)."""
     weight = weight.astype(x.dtype)
+    if not trainable and dispatch.moe_frozen_impl() == "wgmma" and current_mesh() is None:
+        from pallas_kernels.grouped_matmul_wgmma import fits, frozen_ragged_matmul
+
+        if fits(weight.shape[2], weight.shape[1]):
+            return frozen_ragged_matmul(x, weight, layout.group_sizes).astype(out_dtype or x.dtype)
     if dispatch.moe_impl() == "pallas":
         from pallas_kernels.grouped_matmul import GroupedTiles, grouped_matmul as frozen, grouped_matmul_trainable
 

@@ -86,6 +86,24 @@ def moe_impl() -> str:
     return _forced("pallas") or "pallas"
 
 
+# The frozen experts' GEMMs (forward, input gradient) through JAX's Mosaic GPU ragged dot (wgmma) on Hopper in
+# `auto` mode; the Triton kernel elsewhere and under `pallas`. Off until measured on the device.
+MOE_WGMMA_ON_HOPPER = False
+
+
+def _hopper() -> bool:
+    return str(getattr(jax.local_devices()[0], "compute_capability", "")).startswith("9")
+
+
+def moe_frozen_impl() -> str:
+    """`wgmma` (Mosaic GPU, pallas_kernels/grouped_matmul_wgmma.py), `pallas` (the Triton grouped kernel) or `xla`
+    for the frozen expert weights' grouped GEMMs; LoRA's rank-r factors stay on `moe_impl`."""
+    forced = _forced("pallas")
+    if forced:
+        return forced
+    return "wgmma" if MOE_WGMMA_ON_HOPPER and _hopper() else "pallas"
+
+
 # QAT's q4_0 weights of NF4 projections on a GPU by the one-pass kernel: the 8B step 1.04x plain QLoRA's through it,
 # 1.29x through XLA's passes (H200, benchmarks/results/2026-11-28-qat-q4-0-kernel-h200.md)
 QAT_KERNEL_ON_GPU = True
