@@ -160,7 +160,8 @@ def main() -> None:
             if kind == "attention":
                 record.update(attention_check(name, dtype, t, rows, packed))
             else:
-                record.update(layer_check(name, dtype, t, rows, ("xla", "pallas-interpret") if INTERPRET else ("xla", "auto", "pallas")))
+                modes = ("xla", "pallas-interpret") if INTERPRET else ("xla", "auto", "pallas")
+                record.update(layer_check(name, dtype, t, rows, modes))
         except Exception as err:  # noqa: BLE001
             record["error"] = traceback.format_exception_only(err)[-1].strip()[:300]
         print(json.dumps(record), flush=True)
