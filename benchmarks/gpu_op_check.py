@@ -3,7 +3,9 @@ arithmetic, in bfloat16 and float32, at the shapes and row layout of benchmarks/
 heads, 64-token rows packed with several samples and padding) and at Llama-3-8B's. Prints one JSON line per check
 (the largest error relative to the reference's largest value, per output); it asserts nothing.
 
-    PYTHONPATH=. python3 benchmarks/gpu_op_check.py
+    PYTHONPATH=. python3 benchmarks/gpu_op_check.py [--model] [--quick]
+--model: a four-layer model at the 1B shapes instead (the training loss, each op swapped for XLA's in turn);
+--quick: bfloat16 and the 1B shapes only, two rows (a dry run on a CPU, kernels interpreted).
 """
 
 from __future__ import annotations
@@ -79,7 +81,11 @@ def attention_check(name: str, dtype, t: int, rows: int, packed: bool) -> dict:
     return out
 
 
-def layer_check(name: str, dtype: str, t: int, rows: int, modes: tuple[str, ...]) -> dict:
+def layer_check(name: str, dtype: str, t: int, rows: int, modes: tuple[str, ...], layers: int = 1) -> dict:
+    """One decoder layer (`layers` > 1: a model of that many, scanned as training scans them, its loss the
+    next-token cross-entropy) under each mode against XLA in float32 products; a mode "a/b" runs mode a with
+    dispatch's b replaced by XLA (`attention`, `nf4`, `dequant`); "perturbed" is XLA with the adapters moved by
+    half a bf16 step: how far rounding alone moves the gradients at this random point."""
     from flax import nnx
 
     import jaxtune
@@ -89,7 +95,7 @@ def layer_check(name: str, dtype: str, t: int, rows: int, modes: tuple[str, ...]
     from jaxtune.training.step import split_model
 
     hidden, mlp, heads, kv_heads, d = SHAPES[name]
-    cfg = ModelConfig(model_type="llama", vocab_size=512, hidden_size=hidden, intermediate_size=mlp, num_layers=1,
+    cfg = ModelConfig(model_type="llama", vocab_size=512, hidden_size=hidden, intermediate_size=mlp, num_layers=layers,
                       num_heads=heads, num_kv_heads=kv_heads, head_dim=d, eos_token_id=1)
     model = quantize_layers(init_model(cfg, dtype=dtype, seed=0))
     jaxtune.get_peft_model(model, r=8, lora_alpha=16)
@@ -108,16 +114,34 @@ def layer_check(name: str, dtype: str, t: int, rows: int, modes: tuple[str, ...]
     readout = jax.random.normal(jax.random.key(7), (hidden,), jnp.float32)
     keep = jnp.asarray(seg_np > 0, jnp.float32)
 
-    def loss(lora):
-        h = nnx.merge(graphdef, lora, frozen).hidden_states(ids, pos, seg)
-        return jnp.sum(jnp.tanh(h.astype(jnp.float32) @ readout) * keep) / jnp.sum(keep)
+    labels = jnp.asarray(rng.integers(0, 512, (rows, t)), jnp.int32)
 
-    def run(kernels: str):
-        jaxtune.set_kernels(kernels)
+    def loss(lora):
+        model = nnx.merge(graphdef, lora, frozen)
+        if layers == 1:
+            h = model.hidden_states(ids, pos, seg)
+            return jnp.sum(jnp.tanh(h.astype(jnp.float32) @ readout) * keep) / jnp.sum(keep)
+        logp = jax.nn.log_softmax(model(ids, pos, seg).astype(jnp.float32))
+        return -jnp.sum(jnp.take_along_axis(logp, labels[..., None], -1)[..., 0] * keep) / jnp.sum(keep)
+
+    def run(kernels: str, adapters=None):
+        from jaxtune.ops import dispatch
+
+        mode, _, replaced = kernels.partition("/")
+        saved = {f: getattr(dispatch, f) for f in ("attention_impl", "nf4_impl", "nf4_dequant_impl")}
+        if replaced == "attention":
+            dispatch.attention_impl = lambda plain_causal: "xla"
+        elif replaced == "nf4":
+            dispatch.nf4_impl = lambda m: "xla"
+        elif replaced == "dequant":
+            dispatch.nf4_dequant_impl = lambda: "xla"
+        jaxtune.set_kernels(mode)
         try:
-            value, grads = jax.jit(jax.value_and_grad(loss))(lora)
+            value, grads = jax.jit(jax.value_and_grad(loss))(lora if adapters is None else adapters)
         finally:
             jaxtune.set_kernels(None)
+            for f, fn in saved.items():
+                setattr(dispatch, f, fn)
         return float(value), {".".join(map(str, p)): np.asarray(g.get_value(), np.float32)
                               for p, g in nnx.to_flat_state(grads)}
 
@@ -129,7 +153,12 @@ def layer_check(name: str, dtype: str, t: int, rows: int, modes: tuple[str, ...]
     out = {"xla_loss": want_loss}
     for mode in modes:
         try:
-            got_loss, got = run(mode)
+            if mode == "perturbed":
+                moved = jax.tree.map(lambda a: a * (1 + 2.0**-9 * jax.random.normal(jax.random.key(5), a.shape,
+                                                                                    a.dtype)), lora)
+                got_loss, got = run("xla", moved)
+            else:
+                got_loss, got = run(mode)
         except Exception as err:  # noqa: BLE001 - a diagnostic: record and go on
             out[mode] = {"error": str(err).splitlines()[0][:300]}
             continue
@@ -153,15 +182,22 @@ def main() -> None:
     for name in names:
         for dtype in dtypes:
             checks.append(("layer", name, jnp.dtype(dtype).name, 64, 2 if quick else 16, None))
+    if "--model" in sys.argv:  # four layers at the 1B shapes, the training loss: which op parts the modes' runs
+        checks = [("model", "llama3.2-1b", jnp.dtype(dtype).name, 64, 2 if quick else 16, None) for dtype in dtypes]
     for kind, name, dtype, t, rows, packed in checks:
         record = {"check": kind, "shapes": name, "dtype": jnp.dtype(dtype).name, "t": t, "rows": rows,
                   "packed": packed, "device": device}
         try:
             if kind == "attention":
                 record.update(attention_check(name, dtype, t, rows, packed))
-            else:
+            elif kind == "layer":
                 modes = ("xla", "pallas-interpret") if INTERPRET else ("xla", "auto", "pallas")
                 record.update(layer_check(name, dtype, t, rows, modes))
+            else:
+                modes = ("xla", "perturbed", "pallas-interpret") if INTERPRET else (
+                    "xla", "perturbed", "auto", "auto/attention", "auto/dequant", "pallas", "pallas/attention",
+                    "pallas/nf4")
+                record.update(layer_check(name, dtype, t, rows, modes, layers=4))
         except Exception as err:  # noqa: BLE001
             record["error"] = traceback.format_exception_only(err)[-1].strip()[:300]
         print(json.dumps(record), flush=True)

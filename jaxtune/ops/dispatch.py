@@ -87,7 +87,9 @@ def moe_impl() -> str:
 
 
 # The frozen experts' GEMMs (forward, input gradient) through JAX's Mosaic GPU ragged dot (wgmma) on Hopper in
-# `auto` mode; the Triton kernel elsewhere and under `pallas`. Off until measured on the device.
+# `auto` mode; the Triton kernel elsewhere and under `pallas`. Off: measured 0.50-0.73x the Triton kernel at
+# Qwen3-30B-A3B's expert shapes, the step 22,077 against 27,629 tokens/s (H200,
+# benchmarks/results/2026-11-28-moe-vs-unsloth-h200.md).
 MOE_WGMMA_ON_HOPPER = False
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from jaxtune.ops.context import barrier
 from jaxtune.ops.dense import input_gradient, linear, rows, zero_cotangent
@@ -20,10 +21,15 @@ GEMV_TILES = {
 }
 
 
-def kernel_tiles(m: int, direction: str, shape: tuple[int, int] | None = None):
+def kernel_tiles(m: int, direction: str, shape: tuple[int, int] | None = None, itemsize: int = 2):
     """The fused kernels' tiles for M rows of a weight [N, K]: up to 4 rows forward (decoding) on the CUDA cores
-    (1.1-1.7x the tensor-core tile there), by N; tensor-core tiles otherwise."""
+    (1.1-1.7x the tensor-core tile there), by N; tensor-core tiles otherwise. float32 rows (`itemsize` 4) take the
+    64-row tile past 64 rows: the 256- and 128-row tiles' three stages of 4-byte rows ask more shared memory than
+    an H100 has (313 KB, measured on an H200)."""
     from pallas_kernels.nf4_matmul import MatmulTiles
+
+    if itemsize >= 4 and m > 64:
+        return MatmulTiles(64, 64, 64, 2, 4, 3)
 
     if m <= 4 and direction == "fwd":
         n, tile_rows = (shape or (0, 0))[0], 1 if m == 1 else 4
@@ -64,7 +70,7 @@ def _kernel_nf4_matmul(x, weight, impl: str, interpret: bool, at_use: bool):
 
     x, weight = barrier(at_use, x, weight)
     if impl == "fused":
-        tiles = kernel_tiles(rows(x), "fwd", weight.shape)
+        tiles = kernel_tiles(rows(x), "fwd", weight.shape, jnp.dtype(x.dtype).itemsize)
         return with_codes(weight, functools.partial(kernels.nf4_matmul_forward, tiles=tiles, interpret=interpret), x)
     return linear(x, dequantized(weight, x.dtype, interpret))
 
@@ -78,7 +84,7 @@ def _kernel_nf4_matmul_bwd(impl, interpret, at_use, weight, dy):
 
     weight, dy = barrier(at_use, weight, dy)
     if impl == "fused":
-        tiles = kernel_tiles(rows(dy), "dx")
+        tiles = kernel_tiles(rows(dy), "dx", itemsize=jnp.dtype(dy.dtype).itemsize)
         dx = with_codes(weight, functools.partial(kernels.nf4_matmul_dx, tiles=tiles, interpret=interpret), dy)
     else:
         dx = input_gradient(dy, dequantized(weight, dy.dtype, interpret))

@@ -50,10 +50,10 @@ def encode_prompts(rows: Sequence[Row], tokenizer: Any, max_prompt_tokens: int) 
 
 
 # None: decode from weights dequantized once per rollout wherever they fit beside the cache (one device, per-layer
-# caches); False / True: never / always. False until a GRPO step with it is measured on the device (the per-token
-# dequantization is 5.4 of a decode step's 15.2 ms at 8B shapes on an H200, benchmarks/results/
-# 2026-11-28-grpo-per-layer-cache-h200.md; `benchmarks/grpo_qlora.py --dense-rollout auto` runs it)
-DENSE_ROLLOUT: bool | None = False
+# caches); False / True: never / always. Measured on an H200 (benchmarks/results/2026-11-28-grpo-dense-rollout-h200.md):
+# the 8B GRPO step 7.98 s where decoding from the codes per token takes 10.88 s (27.6 GiB against 25.0 GiB); under a
+# 24 GB card's cap the planner keeps the codes (11.68 s at 14.9 GiB)
+DENSE_ROLLOUT: bool | None = None
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len", "temperature", "top_p",
