@@ -26,8 +26,10 @@ ENV_VAR = "JAXTUNE_KERNELS"
 
 # NF4 projection, measured on H100 (jax 0.11.2) over the Llama-3-8B shapes, forward and dx alike:
 # (largest M, implementation). The fused kernel wins while the weight read dominates; past that,
-# dequantizing to bf16 with the Pallas kernel and calling cuBLAS wins (XLA's own dequant is slower).
-NF4_TABLE: tuple[tuple[float, str], ...] = ((16, "fused"), (float("inf"), "dequant+dot"))
+# dequantizing to bf16 with the Pallas kernel and calling cuBLAS wins (XLA's own dequant is slower). Up to 64 rows
+# since the byte-permute tiles (`nf4_linear.kernel_tiles`): the 8B GRPO step decoding 64 rows from the codes 10.22
+# against 10.88 s on an H200 (benchmarks/results/2026-11-28-grpo-dense-rollout-h200.md).
+NF4_TABLE: tuple[tuple[float, str], ...] = ((64, "fused"), (float("inf"), "dequant+dot"))
 
 _mode: str | None = None
 

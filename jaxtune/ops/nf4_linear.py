@@ -21,20 +21,30 @@ GEMV_TILES = {
 }
 
 
-def kernel_tiles(m: int, direction: str, shape: tuple[int, int] | None = None, itemsize: int = 2):
+def kernel_tiles(m: int, direction: str, shape: tuple[int, int] | None = None, dtype=jnp.bfloat16):
     """The fused kernels' tiles for M rows of a weight [N, K]: up to 4 rows forward (decoding) on the CUDA cores
-    (1.1-1.7x the tensor-core tile there), by N; tensor-core tiles otherwise. float32 rows (`itemsize` 4) take the
-    64-row tile past 64 rows: the 256- and 128-row tiles' three stages of 4-byte rows ask more shared memory than
+    (1.1-1.7x the tensor-core tile there), by N; tensor-core tiles otherwise, for rows of `dtype`. float32 rows take
+    the 64-row tile past 64 rows: the 256- and 128-row tiles' three stages of 4-byte rows ask more shared memory than
     an H100 has (313 KB, measured on an H200)."""
     from pallas_kernels.nf4_matmul import MatmulTiles
 
-    if itemsize >= 4 and m > 64:
+    if jnp.dtype(dtype).itemsize >= 4 and m > 64:
         return MatmulTiles(64, 64, 64, 2, 4, 3)
-
     if m <= 4 and direction == "fwd":
         n, tile_rows = (shape or (0, 0))[0], 1 if m == 1 else 4
         block_n, block_bytes, split, warps = next(t for at_least, t in GEMV_TILES[tile_rows] if n >= at_least)
         return MatmulTiles(tile_rows, block_n, block_bytes, split, warps, 3, lut="gather", gemv=True)
+    n, k = shape or (0, 0)
+    permute = jnp.dtype(dtype) == jnp.bfloat16 and direction == "fwd"  # bf16 tables: bf16 rows only
+    if m <= 16 and permute:
+        # decoding: the weight as the dot's left operand, decoded through bf16 tables by byte permutes; 1.16-1.57x
+        # the select-tree tile at Llama-3-8B's four shapes on an H200
+        # (benchmarks/results/2026-11-28-grpo-dense-rollout-h200.md)
+        return MatmulTiles(16, 64, 64 if 0 < n <= 4096 and k <= 4096 else 32, 4, 4, 3, lut="permute",
+                           weight_first=True)
+    if m <= 64 and permute:
+        # 17-64 rows (dispatch.NF4_TABLE): 1.35-1.56x dequantize + cuBLAS at 8B's N >= 4096 (0.84x at N = 1024)
+        return MatmulTiles(64, 64, 32, 4, 4, 3, lut="permute", weight_first=0 < n < 4096)
     if m <= 16:
         return MatmulTiles(16, 64, 32, 8, 4, 3)
     if m <= 256:
@@ -70,7 +80,7 @@ def _kernel_nf4_matmul(x, weight, impl: str, interpret: bool, at_use: bool):
 
     x, weight = barrier(at_use, x, weight)
     if impl == "fused":
-        tiles = kernel_tiles(rows(x), "fwd", weight.shape, jnp.dtype(x.dtype).itemsize)
+        tiles = kernel_tiles(rows(x), "fwd", weight.shape, x.dtype)
         return with_codes(weight, functools.partial(kernels.nf4_matmul_forward, tiles=tiles, interpret=interpret), x)
     return linear(x, dequantized(weight, x.dtype, interpret))
 
@@ -84,7 +94,7 @@ def _kernel_nf4_matmul_bwd(impl, interpret, at_use, weight, dy):
 
     weight, dy = barrier(at_use, weight, dy)
     if impl == "fused":
-        tiles = kernel_tiles(rows(dy), "dx", itemsize=jnp.dtype(dy.dtype).itemsize)
+        tiles = kernel_tiles(rows(dy), "dx", dtype=dy.dtype)
         dx = with_codes(weight, functools.partial(kernels.nf4_matmul_dx, tiles=tiles, interpret=interpret), dy)
     else:
         dx = input_gradient(dy, dequantized(weight, dy.dtype, interpret))
