@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Hold of 2026-11-28 (nvidia-h200-x4, one call kept warm by polling). Carry .site, .bench and .gguf_site.
-# Lease 49's plan (not run: that session's device time was spent) on GPUs 0-2, and the MoE grouped GEMM by JAX's
-# Mosaic GPU ragged dot (wgmma) on GPU 3:
+# The plan written for the hold before (not run: that session's device time was spent) on GPUs 0-2, and the MoE
+# grouped GEMM by JAX's Mosaic GPU ragged dot (wgmma) on GPU 3:
 # GPU 0: compiled checks (NF4 byte-permute and weight-first tiles; one layer's loss and LoRA gradients per kernel mode
 #   at the 1B and 8B shapes in float32); the GRPO step 8x8 with the rollout reading the base dequantized once
 #   (--dense-rollout auto), from the codes per token (off, the default), and auto capped at a 24 GB card.
