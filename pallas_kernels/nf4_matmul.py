@@ -118,6 +118,15 @@ def _pad_rows(x: jax.Array, block: int) -> jax.Array:
     return x if mp == m else jnp.pad(x, ((0, mp - m), (0, 0)))
 
 
+def split_sum(parts: jax.Array) -> jax.Array:
+    """The K-split partial products [split, ...] summed in one fixed order: a reduce leaves its order to the
+    compiler, which may pick another in another fusion, and one float32 rounding apart becomes a bf16 step apart."""
+    total = parts[0]
+    for i in range(1, parts.shape[0]):
+        total = total + parts[i]
+    return total
+
+
 def nf4_matmul_forward(x: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: MatmulTiles = MatmulTiles(),
                        layer: jax.Array | None = None, interpret: bool = False) -> jax.Array:
     """y [..., N] = x [..., K] @ dequant(W)ᵀ, fused (no gradient rule: see `nf4_matmul`). With `layer`, codes
@@ -160,7 +169,7 @@ def nf4_matmul_forward(x: jax.Array, codes: jax.Array, absmax: jax.Array, *, til
         interpret=interpret,
         name="nf4_matmul",
     )(xp, codes, scales, *layer_args, *lut_args)
-    y = y[0] if split == 1 else y.sum(axis=0).astype(x.dtype)
+    y = y[0] if split == 1 else split_sum(y).astype(x.dtype)
     return y[:m].reshape(*lead, n)
 
 
@@ -204,7 +213,7 @@ def nf4_matmul_dx(dy: jax.Array, codes: jax.Array, absmax: jax.Array, *, tiles: 
         name="nf4_matmul_dx",
     )(dyp, codes, scales, *layer_args, *lut_args)
     if split > 1:
-        dx_even, dx_odd = dx_even.sum(axis=0), dx_odd.sum(axis=0)
+        dx_even, dx_odd = split_sum(dx_even), split_sum(dx_odd)
     else:
         dx_even, dx_odd = dx_even[0], dx_odd[0]
     dx = jnp.stack([dx_even[:m], dx_odd[:m]], axis=-1).reshape(m, k).astype(dy.dtype)
