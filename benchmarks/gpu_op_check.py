@@ -177,7 +177,8 @@ def main() -> None:
     checks = []
     for name in names:
         for dtype in dtypes:
-            for t, rows, packed in ((64, 2 if quick else 16, True), (64, 16, False), (256, 2, True))[:1 if quick else 3]:
+            layouts = ((64, 2 if quick else 16, True), (64, 16, False), (256, 2, True))
+            for t, rows, packed in layouts[:1 if quick else 3]:
                 checks.append(("attention", name, dtype, t, rows, packed))
     for name in names:
         for dtype in dtypes:

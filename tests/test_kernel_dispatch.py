@@ -45,7 +45,7 @@ def test_mode_from_env_and_setter(monkeypatch):
 def test_auto_uses_xla_on_cpu_and_the_measured_table_on_gpu(monkeypatch):
     assert dispatch.nf4_impl(1) == "xla" and dispatch.attention_impl(True) == "xla"
     monkeypatch.setattr(dispatch, "_on_gpu", lambda: True)
-    assert [dispatch.nf4_impl(m) for m in (1, 16, 64, 65, 2048)] == ["fused", "fused", "fused", "dequant+dot", "dequant+dot"]
+    assert [dispatch.nf4_impl(m) for m in (1, 16, 64, 65, 2048)] == ["fused"] * 3 + ["dequant+dot"] * 2
     assert dispatch.attention_impl(plain_causal=True) == "cudnn"  # one sequence per row: cuDNN
     assert dispatch.attention_impl(plain_causal=False) == "pallas"  # packed segments, windows: Pallas
     jaxtune.set_kernels("cudnn")
