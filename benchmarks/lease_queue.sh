@@ -1,6 +1,6 @@
 # Sourced by the GPU-lease drivers (benchmarks/results/raw/*-lease-*.sh from 2026-11-26's fourth hold on), run from
 # the checkout: one named run per call, its stage and exit status in /tmp/jt/stages, its JSON lines tagged
-# {"run": NAME} in $out; `two_queues` runs the driver's gpu0 and gpu1 functions at once.
+# {"run": NAME} in $out; `queues` runs the driver's gpu0, gpu1, ... functions at once, one per GPU.
 . benchmarks/run_log.sh
 here=${here:-$PWD}
 out=${out:-/tmp/jt/results.jsonl}
@@ -46,17 +46,7 @@ multihost_checks() {  # two processes, one GPU each: resume, auto batch, SIGTERM
   OUT=/tmp/jt/multihost bash benchmarks/multihost.sh checks > /tmp/jt/multihost.log 2>&1
   status multihost-checks $?
 }
-two_queues() {  # two_queues SECONDS: the driver's gpu0 and gpu1 at once; gpu1 is stopped SECONDS after t_start
-  stage A
-  gpu0 > /tmp/jt/gpu0.log 2>&1 &
-  local pid0=$! pid1
-  setsid bash -c "here=$here out=$out; . benchmarks/lease_queue.sh; $(declare -f gpu1); gpu1" > /tmp/jt/gpu1.log 2>&1 &
-  pid1=$!
-  wait $pid0
-  while kill -0 $pid1 2>/dev/null && [ "$(date +%s)" -lt $((t_start + $1)) ]; do sleep 5; done
-  kill -- -$pid1 2>/dev/null && stage "gpu1 stopped at deadline"
-  sleep 3
-}
+two_queues() { queues "$@"; }  # the drivers of two-GPU holds: gpu0 and gpu1 at once
 queues() {  # queues SECONDS: the driver's gpu0 .. gpuN-1 functions at once (as many as it defines, GPUs the machine
   # has); gpu0 in this shell, the others each in a new shell (define their variables inside them); those still
   # running SECONDS after t_start are stopped

@@ -93,12 +93,6 @@ def main() -> None:
                 fwd = jax.jit(lambda x, w, t=tiles: frozen_ragged_matmul(x, w, layout.group_sizes, t))
                 dx = jax.jit(lambda x, w, dy, t=tiles: jax.vjp(
                     lambda x: frozen_ragged_matmul(x, w, layout.group_sizes, t), x)[1](dy)[0])
-                try:
-                    g, gdx = timed(fwd, xp, w), timed(dx, xp, w, dyp)
-                except Exception as err:  # a tiling past shared memory: recorded, not fatal
-                    print(json.dumps({**record, "impl": impl, "tiles": list(tiles.__dict__.values()),
-                                      "error": str(err).splitlines()[0][:200]}), flush=True)
-                    continue
             elif tiles is None:
                 fwd = jax.jit(lambda x, w: grouped_matmul(x, w, layout))
                 dx = jax.jit(lambda x, w, dy: jax.vjp(lambda x: grouped_matmul(x, w, layout), x)[1](dy)[0])
@@ -106,10 +100,13 @@ def main() -> None:
                 fwd = jax.jit(lambda x, w, t=tiles: kernel(x, w, layout.tile_group, t, INTERPRET))
                 dx = jax.jit(lambda x, w, dy, t=tiles: jax.vjp(lambda x: kernel(x, w, layout.tile_group, t, INTERPRET),
                                                                 x)[1](dy)[0])
-            if impl != "wgmma":
+            named = {**record, "impl": impl, "tiles": None if tiles is None else list(tiles.__dict__.values())}
+            try:
                 g, gdx = timed(fwd, xp, w), timed(dx, xp, w, dyp)
-            print(json.dumps({**record, "impl": impl, "tiles": None if tiles is None else list(tiles.__dict__.values()),
-                              "padded_rows": layout.rows, "grouped_ms": round(g, 3),
+            except Exception as err:  # a tiling past shared memory: recorded, not fatal
+                print(json.dumps({**named, "error": str(err).splitlines()[0][:200]}), flush=True)
+                continue
+            print(json.dumps({**named, "padded_rows": layout.rows, "grouped_ms": round(g, 3),
                               "grouped_tflops": round(flops / g / 1e9, 1), "grouped_vs_dense": round(d / g, 3),
                               "grouped_dx_ms": round(gdx, 3), "dx_grouped_vs_dense": round(ddx / gdx, 3)}),
                   flush=True)

@@ -30,6 +30,7 @@ import jaxtune
 from jaxtune.data.formats import Example
 from jaxtune.data.packing import pack_examples
 from jaxtune.distributed import peak_memory_gib
+from jaxtune.ops import dispatch
 from jaxtune.training.autobatch import choose_micro_batch
 from jaxtune.training.loop import PEAK_BF16_FLOPS, flops_per_token
 from jaxtune.training.embedding_offload import embedding_to_host
@@ -140,12 +141,8 @@ def main() -> None:
     if (args.compile_first or args.warm_autotune) and (args.offload_optimizer or args.offload_embedding):
         ap.error("--compile-first and --warm-autotune plan every array on the device: not with --offload-*")
     if args.qat_impl != "auto":
-        from jaxtune.ops import dispatch
-
         dispatch.QAT_KERNEL_ON_GPU = args.qat_impl == "kernel"
     if args.moe_gemm != "auto":
-        from jaxtune.ops import dispatch
-
         dispatch.MOE_WGMMA_ON_HOPPER = args.moe_gemm == "wgmma"
     cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch if args.batch == "auto" else int(args.batch),
                               max_steps=1000, learning_rate=1e-4, remat=args.remat, compute=args.compute,

@@ -56,10 +56,10 @@ class NF4Linear(nnx.Module):
         """Dequantizes the weight once, a separate array per layer, for a sampler that reads it token after token:
         one traced layer per decoder layer then reads its own array (a layer sliced from a stack would be copied
         before every product). Call it on a copy of the model made inside the traced function."""
-        q = self._arrays()  # the decoder layers' stacks [layers, ...]
-        layer = lambda i: nf4.NF4Weight(*(a[i] for a in (q.codes, q.absmax_codes, q.nested_absmax, q.offset,  # noqa: E731
-                                                         q.nested_map)))
-        self.dense = DenseWeights(tuple(ops.dense_nf4_weight(layer(i), dtype) for i in range(q.codes.shape[0])))
+        stacks = (self.codes[...], self.absmax_codes[...], self.nested_absmax[...], self.offset[...],
+                  self.nested_map[...])  # the decoder layers' [layers, ...]
+        self.dense = DenseWeights(tuple(ops.dense_nf4_weight(nf4.NF4Weight(*(a[i] for a in stacks)), dtype)
+                                        for i in range(stacks[0].shape[0])))
 
     def prepare_kernel_scales(self, fp8: bool) -> None:
         """Computes the kernels' scales of every layer at once (`ops.prepare_kernel_scales`); call it on a copy

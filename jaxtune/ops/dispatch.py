@@ -95,8 +95,14 @@ def moe_impl() -> str:
 MOE_WGMMA_ON_HOPPER = False
 
 
+def _compute_capability() -> tuple[int, int] | None:
+    """(major, minor) of the first local GPU; None off a GPU or where the device does not say."""
+    capability = getattr(jax.local_devices()[0], "compute_capability", None) if _on_gpu() else None
+    return None if capability is None else tuple(int(p) for p in str(capability).split(".")[:2])
+
+
 def _hopper() -> bool:
-    return str(getattr(jax.local_devices()[0], "compute_capability", "")).startswith("9")
+    return (_compute_capability() or (0, 0))[0] == 9
 
 
 def moe_frozen_impl() -> str:
@@ -128,13 +134,11 @@ def fp8_impl() -> str:
 
 def check_fp8_device() -> None:
     """FP8 GEMMs need compute capability 8.9+ (Ada, Hopper); on a CPU the jnp reference emulates them."""
-    if not _on_gpu():
-        return
-    device = jax.local_devices()[0]
-    capability = getattr(device, "compute_capability", None)
-    if capability is not None and tuple(int(p) for p in str(capability).split(".")[:2]) < (8, 9):
+    capability = _compute_capability()
+    if capability is not None and capability < (8, 9):
         raise JaxtuneError(f"compute='fp8' needs an FP8 GPU (compute capability 8.9+: Ada, Hopper); "
-                           f"{device.device_kind} has {capability}: train with compute='bf16'")
+                           f"{jax.local_devices()[0].device_kind} has {'.'.join(map(str, capability))}: train with "
+                           "compute='bf16'")
 
 
 def attention_impl(plain_causal: bool) -> str:

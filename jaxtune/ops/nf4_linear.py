@@ -30,11 +30,11 @@ def kernel_tiles(m: int, direction: str, shape: tuple[int, int] | None = None, d
 
     if jnp.dtype(dtype).itemsize >= 4 and m > 64:
         return MatmulTiles(64, 64, 64, 2, 4, 3)
+    n, k = shape or (0, 0)
     if m <= 4 and direction == "fwd":
-        n, tile_rows = (shape or (0, 0))[0], 1 if m == 1 else 4
+        tile_rows = 1 if m == 1 else 4
         block_n, block_bytes, split, warps = next(t for at_least, t in GEMV_TILES[tile_rows] if n >= at_least)
         return MatmulTiles(tile_rows, block_n, block_bytes, split, warps, 3, lut="gather", gemv=True)
-    n, k = shape or (0, 0)
     permute = jnp.dtype(dtype) == jnp.bfloat16 and direction == "fwd"  # bf16 tables: bf16 rows only
     if m <= 16 and permute:
         # decoding: the weight as the dot's left operand, decoded through bf16 tables by byte permutes; 1.16-1.57x
