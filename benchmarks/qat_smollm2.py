@@ -72,7 +72,8 @@ def compare(load, train_data: Path, evals: list[dict], train_config: dict, forma
         t0 = time.perf_counter()
         result = jaxtune.train(model, tokenizer, train_data, cfg, progress=False)
         print(json.dumps({"run": qat, "train_s": round(time.perf_counter() - t0, 1),
-                          "final_loss": round(result.losses[-1], 4)}), flush=True)
+                          "final_loss": round(result.losses[-1], 4),
+                          "loss_every_10": [round(v, 3) for v in result.losses[::10]]}), flush=True)
         if qat == "none":
             score(qat, "in memory", model, tokenizer)
         exports = [EXPORT.get(qat, qat)] if qat != "none" else [*(EXPORT.get(f, f) for f in formats), *ptq_formats]
