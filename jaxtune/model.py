@@ -458,13 +458,14 @@ class CausalLM(nnx.Module):
             module.prepare_kernel_scales(ops.frozen_compute_mode() == "fp8")
         return layers
 
-    def prepare_dense_weights(self) -> None:
-        """Dequantizes every NF4 projection once, an array per layer, for decoding with per-layer caches (many tokens
-        read the same weights: a bf16 copy read by the GEMMs instead of the 4-bit codes dequantized per token). Only
-        on a model local to a traced function, after `prepare_for_kernels`."""
+    def prepare_dense_weights(self, layers: int | None = None) -> None:
+        """Dequantizes every NF4 projection of the first `layers` decoder layers (None: all) once, an array per
+        layer, for decoding with per-layer caches (many tokens read the same weights: a bf16 copy read by the GEMMs
+        instead of the 4-bit codes dequantized per token; the other layers keep decoding the codes). Only on a model
+        local to a traced function, after `prepare_for_kernels`."""
         for _, module in nnx.iter_modules(self.layers):
             if hasattr(module, "prepare_dense"):
-                module.prepare_dense(self.dtype)
+                module.prepare_dense(self.dtype, layers)
 
     def prepare_for_kernels(self) -> None:
         """Prepares the kernel scales once for many calls (token by token decoding). Only on a model local to a

@@ -52,14 +52,16 @@ class NF4Linear(nnx.Module):
         self.fp8_block_scale: KernelScales | None = nnx.data(None)
         self.dense: DenseWeights | None = nnx.data(None)
 
-    def prepare_dense(self, dtype) -> None:
-        """Dequantizes the weight once, a separate array per layer, for a sampler that reads it token after token:
-        one traced layer per decoder layer then reads its own array (a layer sliced from a stack would be copied
-        before every product). Call it on a copy of the model made inside the traced function."""
+    def prepare_dense(self, dtype, layers: int | None = None) -> None:
+        """Dequantizes the weight of the first `layers` layers (None: all) once, a separate array per layer, for a
+        sampler that reads it token after token: one traced layer per decoder layer then reads its own array (a
+        layer sliced from a stack would be copied before every product); later layers keep the codes. Call it on a
+        copy of the model made inside the traced function."""
         stacks = (self.codes[...], self.absmax_codes[...], self.nested_absmax[...], self.offset[...],
                   self.nested_map[...])  # the decoder layers' [layers, ...]
+        count = stacks[0].shape[0] if layers is None else min(layers, stacks[0].shape[0])
         self.dense = DenseWeights(tuple(ops.dense_nf4_weight(nf4.NF4Weight(*(a[i] for a in stacks)), dtype)
-                                        for i in range(stacks[0].shape[0])))
+                                        for i in range(count)))
 
     def prepare_kernel_scales(self, fp8: bool) -> None:
         """Computes the kernels' scales of every layer at once (`ops.prepare_kernel_scales`); call it on a copy
@@ -88,8 +90,8 @@ class NF4Linear(nnx.Module):
     def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
         bias = None if self.bias is None else self.bias[...]
         layer = ops.static_layer_index()
-        if self.dense is not None and layer is not None:  # prepared for a sampler: this layer's own array
-            return ops.linear(x, self.dense.get_value()[layer], bias)
+        if self.dense is not None and layer is not None and layer < len(self.dense.get_value()):
+            return ops.linear(x, self.dense.get_value()[layer], bias)  # prepared for a sampler: this layer's own
         return ops.nf4_linear(x, self.weight_nf4, bias)
 
 

@@ -303,9 +303,9 @@ def test_the_rollout_is_split_to_fit_the_device_or_refused_in_one_line(tiny_toke
 
 def test_the_rollout_reads_the_base_dequantized_once_where_it_fits(tiny_tokenizer, tmp_path, monkeypatch):
     """With per-layer caches the planner samples from the base dequantized once (XLA's plan of that sampler, the
-    copies included) when a step's completions fit that way at once, else from the codes as before (here the
-    copies' plan made 1 GB larger: a tiny model's copies are smaller than the per-token dequantization's
-    temporaries)."""
+    copies included): every layer's when a step's completions fit that way at once, else the leading layers' that
+    fit beside the codes' sampler, else from the codes as before (here each layer's copies made 0.5 GiB larger in
+    the plans: a tiny model's copies are smaller than the per-token dequantization's temporaries)."""
     import importlib
 
     from flax import nnx
@@ -320,30 +320,38 @@ def test_the_rollout_reads_the_base_dequantized_once_where_it_fits(tiny_tokenize
     monkeypatch.setattr(importlib.import_module("jaxtune.rl.rollout"), "DENSE_ROLLOUT", None)  # where it fits
     cfg = _grpo_config(max_steps=1)
     model = get_peft_model(_tiny_model(tiny_tokenizer), r=cfg.lora_r)
+    assert model.config.num_layers == 2
     graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
     longest = max(len(tiny_tokenizer(r["prompt"])["input_ids"]) for r in ADDITIONS)
+
+    def copies(dense):
+        return 2**29 * (2 if dense < 0 else dense)
+
     need = {dense: sampling_bytes(graphdef, lora, frozen, 8, longest, max_new_tokens=cfg.max_completion_length,
                                   temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
-                                  eos_ids=(tiny_tokenizer.eos_token_id,), dense=dense) for dense in (False, True)}
-    monkeypatch.setattr(source, "sampling_bytes", lambda *a, dense=False, **kw: sampling_bytes(*a, dense=dense, **kw)
-                        + (2**30 if dense else 0))
+                                  eos_ids=(tiny_tokenizer.eos_token_id,), dense=dense) + copies(dense)
+            for dense in (0, 1, -1)}
+    monkeypatch.setattr(source, "sampling_bytes", lambda *a, dense=0, **kw: sampling_bytes(*a, dense=dense, **kw)
+                        + copies(dense))
     calls = []
     sample = source.sample_completions
     monkeypatch.setattr(source, "sample_completions",
                         lambda *a, **kw: calls.append((kw["dense"], kw["rows_per_call"])) or sample(*a, **kw))
 
-    def run(limit):
+    def run(free):
         calls.clear()
-        monkeypatch.setattr(source, "memory_stats", lambda: {"bytes_limit": limit, "bytes_in_use": 0})
+        monkeypatch.setattr(source, "memory_stats", lambda: {"bytes_limit": int(free / MARGIN) + 1,
+                                                             "bytes_in_use": 0})
         jaxtune.train(_tiny_model(tiny_tokenizer), tiny_tokenizer, ADDITIONS, cfg,
                       out_dir=tmp_path / str(len(list(tmp_path.iterdir()))), reward_funcs=["last_number"],
                       progress=False)
         return calls[0]
 
-    assert run(int((need[True] + 2**30) / MARGIN) + 1) == (True, None)
-    assert run(int((need[False] + 2**29) / MARGIN)) == (False, None)
+    assert run(need[-1]) == (-1, None)  # every layer's copy
+    assert run(need[1] + 2**20) == (1, None)  # the first layer's copy, the second layer from the codes
+    assert run(need[0] + 2**28) == (0, None)  # the codes only
     monkeypatch.setattr(importlib.import_module("jaxtune.rl.rollout"), "DENSE_ROLLOUT", False)
-    assert run(int((need[True] + 2**30) / MARGIN) + 1) == (False, None)
+    assert run(need[-1]) == (0, None)
 
 
 def test_rollout_rows_put_each_completion_token_where_it_is_predicted():
@@ -511,12 +519,12 @@ def test_a_rollout_from_the_base_dequantized_once_samples_the_nf4_rollouts_token
     jaxtune.set_kernels(kernels)
     try:
         runs = {}
-        for dense in (False, True):
+        for dense in (False, True, 1):  # the codes, every layer's copy, the first layer's copy
             traced.clear()
             runs[dense] = [sample_completions(graphdef, lora, frozen, prompts, jax.random.key(0), max_new_tokens=8,
                                               eos_ids=eos, pad_id=0, temperature=t, top_p=1.0, top_k=k, dense=dense)
                            for t, k in ((1.0, 1), (1.0, 0))]
-            assert bool(traced) != dense  # the dense rollout's GEMMs read the copies only
+            assert bool(traced) != (dense is True)  # the dense rollout's GEMMs read the copies only
         # the copies are the per-token path's weights, bit for bit, one array per layer
         copy = nnx.merge(graphdef, lora, frozen)
         copy.prepare_for_kernels()
@@ -532,5 +540,6 @@ def test_a_rollout_from_the_base_dequantized_once_samples_the_nf4_rollouts_token
                 np.testing.assert_array_equal(np.asarray(w), np.asarray(nf4.dequantize(layer, model.dtype)))
     finally:
         jaxtune.set_kernels(None)
-    for got, want in zip(runs[True], runs[False]):
+    for partial, got, want in zip(runs[1], runs[True], runs[False]):
         np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(partial, want)

@@ -50,9 +50,10 @@ def encode_prompts(rows: Sequence[Row], tokenizer: Any, max_prompt_tokens: int) 
 
 
 # None: decode from weights dequantized once per rollout wherever they fit beside the cache (one device, per-layer
-# caches); False / True: never / always. Measured on an H200 (benchmarks/results/2026-11-28-grpo-dense-rollout-h200.md):
-# the 8B GRPO step 7.98 s where decoding from the codes per token takes 10.88 s (27.6 GiB against 25.0 GiB); under a
-# 24 GB card's cap the planner keeps the codes (11.68 s at 14.9 GiB)
+# caches): every layer's where all fit, else as many leading layers' as fit, the rest from the codes; False / True:
+# never / always. Measured on an H200 (benchmarks/results/2026-11-28-grpo-dense-rollout-h200.md): the 8B GRPO step
+# 7.98 s where decoding from the codes per token takes 10.88 s (27.6 GiB against 25.0 GiB); under a 24 GB card's cap
+# the planner kept the codes (11.68 s at 14.9 GiB) before it could copy part of the layers
 DENSE_ROLLOUT: bool | None = None
 
 
@@ -60,36 +61,43 @@ DENSE_ROLLOUT: bool | None = None
                                              "top_k", "eos_ids", "ignore_eos", "per_layer", "dense"))
 def sample(graphdef, lora, frozen, ids, pad, key, *, max_new_tokens: int, cache_len: int, temperature: float,
            top_p: float, top_k: int, eos_ids: tuple[int, ...], ignore_eos: bool = False,
-           per_layer: bool = False, dense: bool = False) -> jax.Array:
+           per_layer: bool = False, dense: int = 0) -> jax.Array:
     """Completions [N, max_new_tokens] (-1 after EOS) of left-padded prompts under the adapters `lora`. `dense`
-    (with `per_layer`): the NF4 base dequantized once for the whole rollout, each token's GEMMs reading that copy
-    (the same bits as the per-token dequantization, at the memory of a 16-bit base)."""
+    (with `per_layer`): the NF4 base of the first `dense` decoder layers (-1: every layer) dequantized once for the
+    whole rollout, each token's GEMMs reading that copy (the same bits as the per-token dequantization, at the
+    memory of a 16-bit base for those layers); the other layers decode from the codes."""
     model = nnx.merge(graphdef, lora, frozen)
     model.prepare_for_kernels()  # the kernels' scales once per rollout, not once per token
     if dense and per_layer:
-        model.prepare_dense_weights()
+        model.prepare_dense_weights(None if dense < 0 else dense)
     return decode(model, ids, pad, key, max_new_tokens=max_new_tokens, cache_len=cache_len,
                   temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=eos_ids, ignore_eos=ignore_eos,
                   per_layer=per_layer)
 
 
 def _options(max_new_tokens: int, prompt_len: int, temperature: float, top_p: float, top_k: int,
-             eos_ids: Sequence[int], ignore_eos: bool, dense: bool = False) -> dict[str, Any]:
+             eos_ids: Sequence[int], ignore_eos: bool, dense: bool | int = 0) -> dict[str, Any]:
     per_layer = per_layer_cache(jax.default_backend() == "gpu")
     return dict(max_new_tokens=max_new_tokens, cache_len=cache_length(prompt_len, max_new_tokens),
                 temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
                 eos_ids=tuple(int(e) for e in eos_ids), ignore_eos=ignore_eos, per_layer=per_layer,
-                dense=bool(dense and per_layer))
+                dense=dense_layers(dense) if per_layer else 0)
+
+
+def dense_layers(dense: bool | int) -> int:
+    """The sampler's static `dense`: -1 every layer (True), 0 none (False), else that many leading layers (an int
+    apart from the bools: a jit cache would take True for 1)."""
+    return -1 if dense is True else int(dense)
 
 
 def sample_completions(graphdef, lora, frozen, prompt_ids: list[list[int]], key: jax.Array, *, max_new_tokens: int,
                        temperature: float, top_p: float, top_k: int, eos_ids: tuple[int, ...], pad_id: int,
                        ignore_eos: bool = False, rows_per_call: int | None = None, mesh=None,
-                       dense: bool = False) -> np.ndarray:
+                       dense: bool | int = 0) -> np.ndarray:
     """Completions [N, max_new_tokens] of the prompts, `rows_per_call` rows at a time (None: all in one call; in
     several calls each takes its own key, folded from `key` by the call's index). On a mesh each device samples
     its share of the rows (split as the training step splits a micro-batch); every process gets all of them.
-    `dense`: from the base dequantized once per call (`sample`)."""
+    `dense`: from the base dequantized once per call (`sample`; True: every layer, n: the first n)."""
     ids, pad = left_padded(prompt_ids, pad_id)  # one prompt length for every call: one compilation
     options = _options(max_new_tokens, ids.shape[1], temperature, top_p, top_k, eos_ids, ignore_eos, dense)
     step = rows_per_call or len(ids)
@@ -111,7 +119,7 @@ def sample_completions(graphdef, lora, frozen, prompt_ids: list[list[int]], key:
 
 def sampling_bytes(graphdef, lora, frozen, rows: int, prompt_len: int, *, max_new_tokens: int, temperature: float,
                    top_p: float, top_k: int, eos_ids: Sequence[int], ignore_eos: bool = False, mesh=None,
-                   dense: bool = False) -> int:
+                   dense: bool | int = 0) -> int:
     """Device bytes one sampling call of `rows` prompts of `prompt_len` tokens needs beside the weights it reads (the
     KV cache, the prefill's activations, the outputs): XLA's plan of the compiled sampler, nothing run (on a mesh,
     one device's share)."""

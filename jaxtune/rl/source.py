@@ -51,6 +51,7 @@ class Rollouts:
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.sampler_graphdef = nnx.split(model, nnx.LoRAParam, ...)[0]  # the inference flags, no remat
+        self.num_layers = model.config.num_layers
         self.samples_path = os.path.join(run_dir, "completions.jsonl") if run_dir is not None and lead else None
         self.batch_extra = {"advantages": ((1,), np.dtype(np.float32))}
         if cfg.num_iterations > 1:
@@ -61,7 +62,8 @@ class Rollouts:
         self.lead = lead
         self.rows_per_call: int | None = None  # sampling calls' rows (None: a step's completions in one call)
         self._planned = False
-        self.dense = False  # sampling from the base dequantized once per rollout (`_plan_sampling`)
+        self._needs: dict[tuple[int, int, int], int] = {}  # sampling plans' bytes by (rows, prompt length, dense)
+        self.dense = 0  # decoder layers sampled from the base dequantized once per rollout, -1 all (`_plan_sampling`)
         self._cached: dict[str, np.ndarray] | None = None
         self._logps_fns: dict = {}  # jitted per QAT format (qat_start_step switches it)
         self.mesh = None  # set by place_on: sampling and the ratio's log-probabilities split over its devices
@@ -154,28 +156,27 @@ class Rollouts:
     def _plan_sampling(self, lora, frozen, total: int) -> int | None:
         """Rows per sampling call: a step's completions at once when their KV cache and prefill fit the device beside
         what it holds (the training step's temporaries are freed by then), else the largest even split that fits.
-        None on CPU (host memory: one call). First choice on one device with per-layer caches, where it fits at
-        once: all of them from the base dequantized once per rollout (`self.dense`; `rollout.DENSE_ROLLOUT` forces it
-        on or off)."""
+        None on CPU (host memory: one call). First choice on one device with per-layer caches: the base dequantized
+        once per rollout (`self.dense`), every layer's where that fits at once, else the most leading layers' that
+        fit beside the codes' sampler; `rollout.DENSE_ROLLOUT` forces it on or off."""
         choice = rollout_module.DENSE_ROLLOUT
         # one device: on a mesh the codes' shards would each be dequantized whole (not measured there yet)
         wanted = choice is not False and self.mesh is None and per_layer_cache(jax.default_backend() == "gpu")
         stats = memory_stats()
         if stats.get("bytes_limit") is None:
-            self.dense = wanted and choice is True
+            self.dense = -1 if wanted and choice is True else 0
             return None
         held = stats.get("bytes_in_use", 0)
         free = MARGIN * stats["bytes_limit"] - held
         prompt_len = max(len(p) for p in self.prompt_ids)
-        self.dense = wanted and (choice is True or sampling_bytes(
-            self.sampler_graphdef, lora, frozen, total, prompt_len, dense=True, **self._sampling_options()) <= free)
-        if self.dense:
-            return None
+        if wanted:
+            self.dense = self._dense_layers(lora, frozen, total, prompt_len, free, forced=choice is True)
+            if self.dense:
+                return None
         needs: dict[int, int] = {}
 
         def fits(rows: int) -> bool:
-            needs[rows] = sampling_bytes(self.sampler_graphdef, lora, frozen, rows, prompt_len, mesh=self.mesh,
-                                         **self._sampling_options())
+            needs[rows] = self._sampling_need(lora, frozen, rows, prompt_len)
             return needs[rows] <= free
 
         # every process samples in the same calls (on a mesh spanning processes each call is collective)
@@ -192,6 +193,35 @@ class Rollouts:
             print(f"sampling: {rows} completions per call, {total // rows} calls per rollout (all {total} at once "
                   f"need {needs[total] / GIB:,.1f} GiB; the device has {free / GIB:,.1f} GiB free)")
         return None if rows == total else rows
+
+    def _sampling_need(self, lora, frozen, rows: int, prompt_len: int, dense: int = 0) -> int:
+        """`rollout.sampling_bytes` of one sampling call, each plan compiled once per planning."""
+        key = (rows, prompt_len, dense)
+        if key not in self._needs:
+            self._needs[key] = sampling_bytes(self.sampler_graphdef, lora, frozen, rows, prompt_len, mesh=self.mesh,
+                                              dense=dense, **self._sampling_options())
+        return self._needs[key]
+
+    def _dense_layers(self, lora, frozen, rows: int, prompt_len: int, free: float, forced: bool) -> int:
+        """How many leading decoder layers a rollout of `rows` completions reads from a dequantized copy: -1 (all)
+        where XLA's plan of that sampler fits in `free` bytes (or `forced`), else the most whose plan fits beside
+        the codes' (each layer's copy costs the same; the estimate is checked against the plan), else 0."""
+        def need(dense: int) -> int:
+            return self._sampling_need(lora, frozen, rows, prompt_len, dense)
+
+        whole = need(-1)
+        if forced or whole <= free:
+            return -1
+        layers = self.num_layers
+        codes = need(0)
+        per_layer = max(1, (whole - codes) // layers)
+        count = min(layers - 1, int((free - codes) // per_layer)) if free > codes else 0
+        while count > 0 and need(count) > free:
+            count -= max(1, count // 4)
+        if count > 0 and self.lead:
+            print(f"sampling: {count} of {layers} decoder layers from a dequantized copy, the rest from the 4-bit "
+                  f"codes (all of them need {whole / GIB:,.1f} GiB; the device has {free / GIB:,.1f} GiB free)")
+        return max(count, 0)
 
     def _old_logps(self, lora, frozen, batch: dict[str, np.ndarray], step: int) -> np.ndarray:
         """The batch's log-probabilities under the adapters that sampled it, by the step's own forward (its FP8
