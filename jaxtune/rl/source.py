@@ -209,8 +209,10 @@ class Rollouts:
         def need(dense: int) -> int:
             return self._sampling_need(lora, frozen, rows, prompt_len, dense)
 
+        if forced:
+            return -1
         whole = need(-1)
-        if forced or whole <= free:
+        if whole <= free:
             return -1
         layers = self.num_layers
         codes = need(0)
