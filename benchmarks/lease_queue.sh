@@ -48,8 +48,8 @@ multihost_checks() {  # two processes, one GPU each: resume, auto batch, SIGTERM
 }
 two_queues() { queues "$@"; }  # the drivers of two-GPU holds: gpu0 and gpu1 at once
 queues() {  # queues SECONDS: the driver's gpu0 .. gpuN-1 functions at once (as many as it defines, GPUs the machine
-  # has); gpu0 in this shell, the others each in a new shell (define their variables inside them); those still
-  # running SECONDS after t_start are stopped
+  # has); gpu0 in this shell, the others each in a new shell with the driver's functions (define their variables
+  # inside them); those still running SECONDS after t_start are stopped
   stage A
   local i pids=() n
   n=$(nvidia-smi -L | grep -c '^GPU ')
@@ -57,7 +57,7 @@ queues() {  # queues SECONDS: the driver's gpu0 .. gpuN-1 functions at once (as 
   local pid0=$!
   for ((i = 1; i < n; i++)); do
     declare -F "gpu$i" > /dev/null || continue
-    setsid bash -c "here=$here out=$out; . benchmarks/lease_queue.sh; $(declare -f "gpu$i"); gpu$i" > "/tmp/jt/gpu$i.log" 2>&1 &
+    setsid bash -c "here=$here out=$out; . benchmarks/lease_queue.sh; $(declare -f); gpu$i" > "/tmp/jt/gpu$i.log" 2>&1 &
     pids+=($!)
   done
   wait $pid0

@@ -2,7 +2,7 @@
 bundled SmolLM2's is `qat_smollm2.py`): a random model of those shapes (no hub) learns a table by LoRA, and each
 export is scored on it.
 
-    PYTHONPATH=.:examples:benchmarks python benchmarks/qat_random_llama.py [--model llama3.2-1b] [--steps 200]
+    PYTHONPATH=.:examples:benchmarks python benchmarks/qat_random_llama.py [--model llama3.2-1b] [--steps 300]
         [--out /tmp/qat1b] [--formats q4_0] [--base nf4|bf16]
 The task: a prompt of one word of `--words`, the answer the next 8 words of a fixed random cycle through them (a table
 the base model cannot know). The scored rows are drawn apart from the training rows, but their words' successors
@@ -75,9 +75,11 @@ def save_bpe_tokenizer(checkpoint: Path, words: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama3.2-1b")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--words", type=int, default=2048, help="words in the table's cycle (its size)")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--lr", type=float, default=5e-4,
+                    help="peak rate; at 2e-3 the loss sits on a plateau near 4.6 and leaves it or not by chance "
+                         "(benchmarks/results/2026-11-28-qat-llama1b-h200.md)")
+    ap.add_argument("--words", type=int, default=512, help="words in the table's cycle (its size)")
     ap.add_argument("--out", default="/tmp/qat_random_llama")
     ap.add_argument("--formats", default="q4_0")
     ap.add_argument("--base", default="nf4", choices=["nf4", "bf16"])

@@ -23,6 +23,11 @@ LAYERS = {  # hidden, MLP, heads, KV heads, head dim
 }
 
 
+def _config(hidden: int, mlp: int, heads: int, kv_heads: int, head_dim: int, layers: int) -> ModelConfig:
+    return ModelConfig(model_type="llama", vocab_size=512, hidden_size=hidden, intermediate_size=mlp,
+                       num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, eos_token_id=1)
+
+
 def _loss_and_grads(split, hidden: int, kernels: str, packed: bool):
     graphdef, lora, frozen = split
     rng = np.random.default_rng(0)
@@ -55,8 +60,7 @@ def test_each_kernel_mode_gives_xlas_loss_and_gradients_on_the_gpu(shapes, packe
 
 def check_kernel_modes(hidden: int, mlp: int, heads: int, kv_heads: int, head_dim: int, packed: bool,
                        modes: tuple[str, ...]) -> None:
-    cfg = ModelConfig(model_type="llama", vocab_size=512, hidden_size=hidden, intermediate_size=mlp, num_layers=1,
-                      num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, eos_token_id=1)
+    cfg = _config(hidden, mlp, heads, kv_heads, head_dim, layers=1)
     model = quantize_layers(init_model(cfg, dtype="float32", seed=0))
     jaxtune.get_peft_model(model, r=8, lora_alpha=16)
     lora = nnx.state(model, nnx.LoRAParam)  # B away from zero, so every factor has a gradient
@@ -129,9 +133,7 @@ def test_a_four_layer_model_trains_alike_under_each_kernel_mode_on_the_gpu(dtype
     that is not the forward's) shows as a loss that stops falling."""
     import optax
 
-    hidden, mlp, heads, kv_heads, head_dim = LAYERS["llama3.2-1b"]
-    cfg = ModelConfig(model_type="llama", vocab_size=512, hidden_size=hidden, intermediate_size=mlp, num_layers=4,
-                      num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, eos_token_id=1)
+    cfg = _config(*LAYERS["llama3.2-1b"], layers=4)
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, 64, (16, 64)), jnp.int32)
     seg = jnp.asarray(np.repeat(np.arange(1, 5), 16)[None].repeat(16, 0), jnp.int32)

@@ -6,18 +6,14 @@
 # bash benchmarks/results/raw/poll.sh THIS 53 300
 set -u
 . benchmarks/lease_queue.sh
-# (the queues' shells get only their gpuN function: each runs the whole command)
-gpu0() { export CUDA_VISIBLE_DEVICES=0 PYTHONPATH=.:examples:benchmarks:$here/.gguf_site
-  run q4_0-lr5e-4 python3 benchmarks/qat_random_llama.py --steps 300 --words 512 --dtype float32 --lr 5e-4 \
-    --base nf4 --formats q4_0 --qat-start-step 200 --out /tmp/q53a; }
-gpu1() { export CUDA_VISIBLE_DEVICES=1 PYTHONPATH=.:examples:benchmarks:$here/.gguf_site
-  run nf4-lr5e-4 python3 benchmarks/qat_random_llama.py --steps 300 --words 512 --dtype float32 --lr 5e-4 \
-    --base bf16 --formats nf4 --qat-start-step 200 --out /tmp/q53b; }
-gpu2() { export CUDA_VISIBLE_DEVICES=2 PYTHONPATH=.:examples:benchmarks:$here/.gguf_site
-  run q4_0-lr1e-3 python3 benchmarks/qat_random_llama.py --steps 300 --words 512 --dtype float32 --lr 1e-3 \
-    --base nf4 --formats q4_0 --qat-start-step 200 --out /tmp/q53c; }
-gpu3() { export CUDA_VISIBLE_DEVICES=3 PYTHONPATH=.:examples:benchmarks:$here/.gguf_site
-  run nf4-lr1e-3 python3 benchmarks/qat_random_llama.py --steps 300 --words 512 --dtype float32 --lr 1e-3 \
-    --base bf16 --formats nf4 --qat-start-step 200 --out /tmp/q53d; }
+qat() {  # qat GPU NAME LR BASE FORMAT: plain and QAT (last 100 of 300 steps), each exported and scored
+  export CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=.:examples:benchmarks:$here/.gguf_site
+  run "$2" python3 benchmarks/qat_random_llama.py --steps 300 --words 512 --dtype float32 --lr "$3" --base "$4" \
+    --formats "$5" --qat-start-step 200 --out "/tmp/q53$1"
+}
+gpu0() { qat 0 q4_0-lr5e-4 5e-4 nf4 q4_0; }
+gpu1() { qat 1 nf4-lr5e-4 5e-4 bf16 nf4; }
+gpu2() { qat 2 q4_0-lr1e-3 1e-3 nf4 q4_0; }
+gpu3() { qat 3 nf4-lr1e-3 1e-3 bf16 nf4; }
 queues 600
 stage all-done
