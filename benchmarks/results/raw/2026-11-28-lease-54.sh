@@ -20,3 +20,10 @@ run jt-mixtral-b1 env PYTHONPATH=. $M --batch 1
 run jt-mixtral-b4 env PYTHONPATH=. $M --batch 4
 run unsloth-mixtral env PYTHONPATH=$here/.site timeout 500 python3 benchmarks/unsloth_moe.py /tmp/mixtral 1 4
 stage all-done
+# Then, the machine still warm and /tmp/mixtral still on its disk, two more calls (their lines appended to the raw
+# file as the runs named below; the second call's runs all ran out of memory, see the results page):
+#   M="python3 benchmarks/train_qlora.py /tmp/mixtral --remat selective --steps 3 --warmup 1"
+#   run jt-mixtral-b8 env PYTHONPATH=. $M --batch 8;  run jt-mixtral-b16 ... --batch 16;  run jt-mixtral-b32 ... --batch 32
+#   run unsloth-mixtral-8-16 env PYTHONPATH=$here/.site python3 benchmarks/unsloth_moe.py /tmp/mixtral 8 16
+#   run unsloth-mixtral-nockpt env PYTHONPATH=$here/.site python3 benchmarks/unsloth_moe.py /tmp/mixtral 1 4 8 --ckpt false
+#   (second call) train_qlora.py /tmp/mixtral --remat none --batch 4 | 8 | 16: out of memory (543.8 GiB asked at 16)
