@@ -106,6 +106,27 @@ def llama3_rope_from_factors(factors: np.ndarray, theta: float, head_dim: int, o
             "original_max_position_embeddings": original_context}
 
 
+def _plain_array_reader(gguf) -> type:
+    """gguf's reader, reading its fields through a plain ndarray view of the file's memory map: numpy's memmap
+    subclass costs ~25 us per slice, and a tokenizer's vocabulary and merges are ~250,000 slices (the bundled
+    SmolLM2: 6.3 s to open, 1.6 s this way; same fields, same zero-copy tensors). The library's own reader where
+    its internals differ from the version this was written against."""
+    base = gguf.GGUFReader
+    if not callable(getattr(base, "_get", None)):
+        return base
+
+    class PlainArrayReader(base):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            dtype, count = np.dtype(dtype), int(count)
+            arr = plain[offset:offset + dtype.itemsize * count].view(dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    return PlainArrayReader
+
+
 class GGUFSource:
     """A GGUF file seen as HF-named tensors plus an HF-style config dict."""
 
@@ -116,7 +137,7 @@ class GGUFSource:
         if not os.path.isfile(self.path):
             raise CheckpointError(f"GGUF file {self.path} does not exist; check the path")
         try:
-            self._reader = gguf.GGUFReader(self.path)
+            self._reader = _plain_array_reader(gguf)(self.path)
         except Exception as e:  # the reader raises ValueError/struct errors/IndexError on bad bytes
             raise CheckpointError(f"{self.path} is not a readable GGUF file ({type(e).__name__}: {e}); re-download it") from None
         arch = self._field("general.architecture")
