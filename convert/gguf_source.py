@@ -8,6 +8,7 @@ they are permuted back to the rotate_half layout HF checkpoints (and jaxtune) us
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from typing import Any
@@ -106,22 +107,30 @@ def llama3_rope_from_factors(factors: np.ndarray, theta: float, head_dim: int, o
             "original_max_position_embeddings": original_context}
 
 
-def _plain_array_reader(gguf) -> type:
+@functools.cache
+def _plain_array_reader() -> type:
     """gguf's reader, reading its fields through a plain ndarray view of the file's memory map: numpy's memmap
     subclass costs ~25 us per slice, and a tokenizer's vocabulary and merges are ~250,000 slices (the bundled
     SmolLM2: 6.3 s to open, 1.6 s this way; same fields, same zero-copy tensors). The library's own reader where
     its internals differ from the version this was written against."""
+    import gguf
+
     base = gguf.GGUFReader
     if not callable(getattr(base, "_get", None)):
         return base
 
     class PlainArrayReader(base):
+        @property
+        def data(self) -> np.memmap:
+            return self._memmap
+
+        @data.setter
+        def data(self, memmap: np.memmap) -> None:  # the reader's first act: the view is taken once, here
+            self._memmap, self._plain = memmap, memmap.view(np.ndarray)
+
         def _get(self, offset, dtype, count=1, override_order=None):
-            plain = self.__dict__.get("_plain")
-            if plain is None:
-                plain = self._plain = self.data.view(np.ndarray)
             dtype, count = np.dtype(dtype), int(count)
-            arr = plain[offset:offset + dtype.itemsize * count].view(dtype)[:count]
+            arr = self._plain[offset:offset + dtype.itemsize * count].view(dtype)[:count]
             return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
     return PlainArrayReader
@@ -131,13 +140,12 @@ class GGUFSource:
     """A GGUF file seen as HF-named tensors plus an HF-style config dict."""
 
     def __init__(self, path: str | os.PathLike):
-        import gguf
-
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise CheckpointError(f"GGUF file {self.path} does not exist; check the path")
+        reader = _plain_array_reader()  # outside the try: a missing package is not a bad file
         try:
-            self._reader = _plain_array_reader(gguf)(self.path)
+            self._reader = reader(self.path)
         except Exception as e:  # the reader raises ValueError/struct errors/IndexError on bad bytes
             raise CheckpointError(f"{self.path} is not a readable GGUF file ({type(e).__name__}: {e}); re-download it") from None
         arch = self._field("general.architecture")
