@@ -10,12 +10,6 @@ import argparse
 import os
 import warnings
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-import jaxtune
-from convert.export import load_run, original_weights
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -24,6 +18,12 @@ def main() -> None:
     ap.add_argument("--prompt", default="Extract the person as JSON with keys name, age, job, city.\n"
                                         "Ines, 28, works as a dentist in Quito.")
     args = ap.parse_args()
+    import torch  # after the arguments: --help answers at once, without loading torch and transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import jaxtune
+    from convert.export import load_run, original_weights
+
     model, tokenizer, base_model = load_run(args.run)
     jaxtune.save_peft(model, os.path.join(args.out, "adapter"), base_model_name_or_path=base_model)
     with warnings.catch_warnings():

@@ -28,6 +28,42 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+
+def _faster_gguf_for_transformers() -> None:
+    """transformers reads a GGUF (the reference models and tokenizers here) through gguf's reader, whose numpy
+    memmap slices make the bundled SmolLM2 take ~25 s to load, and asks gguf for the same tensor-name map once per
+    tensor. Within transformers' GGUF loading only, fields are read through jaxtune's plain-array reader
+    (tests/test_gguf_reader.py: every field and tensor equal to gguf's own reader's) and the map, a pure function,
+    is memoized: ~7 s a load, the same model. The tests' own gguf.GGUFReader reads stay gguf's."""
+    try:
+        import functools
+
+        import gguf
+        import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
+        from convert.gguf_source import _plain_array_reader
+    except ImportError:  # the base install: no gguf or transformers to read a GGUF through
+        return
+    load = hf_gguf.load_gguf_checkpoint
+    if getattr(load, "faster_for_tests", False):
+        return
+    fast_reader, name_map = _plain_array_reader(), functools.cache(gguf.get_tensor_name_map)
+
+    @functools.wraps(load)
+    def load_gguf_checkpoint(*args, **kwargs):
+        saved = gguf.GGUFReader, gguf.get_tensor_name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map = fast_reader, name_map
+        try:
+            return load(*args, **kwargs)
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = saved
+
+    load_gguf_checkpoint.faster_for_tests = True
+    hf_gguf.load_gguf_checkpoint = load_gguf_checkpoint
+
+
+_faster_gguf_for_transformers()
+
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
