@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import os
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,40 +32,54 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _faster_gguf_for_transformers() -> None:
+class _FasterGGUFForTransformers(importlib.abc.MetaPathFinder):
     """transformers reads a GGUF (the reference models and tokenizers here) through gguf's reader, whose numpy
     memmap slices make the bundled SmolLM2 take ~25 s to load, and asks gguf for the same tensor-name map once per
     tensor. Within transformers' GGUF loading only, fields are read through jaxtune's plain-array reader
     (tests/test_gguf_reader.py: every field and tensor equal to gguf's own reader's) and the map, a pure function,
-    is memoized: ~7 s a load, the same model. The tests' own gguf.GGUFReader reads stay gguf's."""
-    try:
+    is memoized: ~7 s a load, the same model. The tests' own gguf.GGUFReader reads stay gguf's. Installed when
+    transformers imports its GGUF module, so a run that never reads a GGUF through it never imports torch for it."""
+
+    MODULE = "transformers.modeling_gguf_pytorch_utils"
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run_module = spec.loader.exec_module
+
+        def exec_module(module):
+            run_module(module)
+            self.wrap(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+    @staticmethod
+    def wrap(hf_gguf) -> None:
         import functools
 
         import gguf
-        import transformers.modeling_gguf_pytorch_utils as hf_gguf
 
         from convert.gguf_source import _plain_array_reader
-    except ImportError:  # the base install: no gguf or transformers to read a GGUF through
-        return
-    load = hf_gguf.load_gguf_checkpoint
-    if getattr(load, "faster_for_tests", False):
-        return
-    fast_reader, name_map = _plain_array_reader(), functools.cache(gguf.get_tensor_name_map)
 
-    @functools.wraps(load)
-    def load_gguf_checkpoint(*args, **kwargs):
-        saved = gguf.GGUFReader, gguf.get_tensor_name_map
-        gguf.GGUFReader, gguf.get_tensor_name_map = fast_reader, name_map
-        try:
-            return load(*args, **kwargs)
-        finally:
-            gguf.GGUFReader, gguf.get_tensor_name_map = saved
+        load = hf_gguf.load_gguf_checkpoint
+        fast_reader, name_map = _plain_array_reader(), functools.cache(gguf.get_tensor_name_map)
 
-    load_gguf_checkpoint.faster_for_tests = True
-    hf_gguf.load_gguf_checkpoint = load_gguf_checkpoint
+        @functools.wraps(load)
+        def load_gguf_checkpoint(*args, **kwargs):
+            saved = gguf.GGUFReader, gguf.get_tensor_name_map
+            gguf.GGUFReader, gguf.get_tensor_name_map = fast_reader, name_map
+            try:
+                return load(*args, **kwargs)
+            finally:
+                gguf.GGUFReader, gguf.get_tensor_name_map = saved
+
+        hf_gguf.load_gguf_checkpoint = load_gguf_checkpoint
 
 
-_faster_gguf_for_transformers()
+sys.meta_path.insert(0, _FasterGGUFForTransformers())
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
