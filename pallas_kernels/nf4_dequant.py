@@ -56,13 +56,12 @@ prmt.b32 $0, lo, hi, s2;
 
 def _prmt(a: jax.Array, b: jax.Array, selector: jax.Array) -> jax.Array:
     """PTX `prmt.b32` (default mode, selector nibbles below 8): byte i of the result is byte (nibble i of the
-    selector) of the 8 bytes of b:a. The interpreter's stand-in for the instruction."""
+    selector) of the 8 bytes of b:a. The interpreter's stand-in for the instruction: per result byte, the word
+    (a or b) and a shift by the byte's position, so an interpreted kernel stays a small program."""
     out = jnp.zeros_like(a)
     for i in range(4):
         index = (selector >> (4 * i)) & 7
-        byte = jnp.zeros_like(a)
-        for j in range(8):
-            byte = jnp.where(index == j, ((a if j < 4 else b) >> (8 * (j % 4))) & 0xFF, byte)
+        byte = (jnp.where(index < 4, a, b) >> ((index & 3) * 8)) & 0xFF
         out = out | (byte << (8 * i))
     return out
 
