@@ -112,9 +112,9 @@ def main() -> None:
     cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch_per_gpu * args.gpus, max_steps=1000,
                               learning_rate=1e-4, remat=args.remat, compute=args.compute)
     graphdef, lora, frozen = split_model(model)
-    optimizer, schedule = make_optimizer(cfg)
+    optimizer = make_optimizer(cfg)[0]
     lora, frozen, opt_state = (shard_state(mesh, tree) for tree in (lora, frozen, optimizer.init(lora)))
-    step_fn = make_train_step(graphdef, optimizer, schedule, cfg, mesh)
+    step_fn = make_train_step(graphdef, cfg, mesh)
 
     rows = args.batch_per_gpu * args.gpus
     host = dense_batches(rows, args.seq, model.config.vocab_size, 1)[0]

@@ -123,13 +123,13 @@ def compile_one(args: argparse.Namespace, remat: str) -> None:
     tcfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch, max_steps=1000, learning_rate=1e-4,
                                remat=remat, compute=args.compute, offload_optimizer=args.offload_optimizer)
     graphdef, lora, frozen = split_model(model)
-    optimizer, schedule = make_optimizer(tcfg)
+    optimizer = make_optimizer(tcfg)[0]
     opt_state = jax.eval_shape(optimizer.init, lora)
     if args.offload_optimizer:  # planned where train() keeps it: the device's pinned host memory
         host = jax.sharding.SingleDeviceSharding(jax.local_devices()[0], memory_kind="pinned_host")
         opt_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host), opt_state)
     lora = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), lora)
-    step_fn = make_train_step(graphdef, optimizer, schedule, tcfg)
+    step_fn = make_train_step(graphdef, tcfg)
     batch = {k: jax.ShapeDtypeStruct((1, args.batch, args.seq), jnp.int32)
              for k in ("input_ids", "labels", "segment_ids", "positions")}
     t0 = time.perf_counter()

@@ -147,10 +147,10 @@ def main() -> None:
     cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch if args.batch == "auto" else int(args.batch),
                               max_steps=1000, learning_rate=1e-4, remat=args.remat, compute=args.compute,
                               offload_optimizer=args.offload_optimizer)
-    optimizer, schedule = make_optimizer(cfg)
+    optimizer = make_optimizer(cfg)[0]
 
     def compile_step(graphdef, lora, opt_state, frozen, micro: int):
-        step_fn = make_train_step(graphdef, optimizer, schedule, cfg)
+        step_fn = make_train_step(graphdef, cfg)
         shape = (1, micro, args.seq)
         batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("input_ids", "labels", "segment_ids", "positions")}
         t0 = time.perf_counter()
@@ -189,7 +189,7 @@ def main() -> None:
         frozen = embedding_to_host(model, frozen)
     t0 = time.perf_counter()
     if args.batch == "auto":
-        micro = choose_micro_batch(cfg, make_train_step(graphdef, optimizer, schedule, cfg), lora, opt_state, frozen)
+        micro = choose_micro_batch(cfg, make_train_step(graphdef, cfg), lora, opt_state, frozen)
     else:
         micro = int(args.batch)
     choose_s = time.perf_counter() - t0

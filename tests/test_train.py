@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -169,12 +170,12 @@ def test_offloaded_optimizer_state_stays_in_host_memory_and_is_copied_in_after_t
 
     cfg = jaxtune.TrainConfig(seq_len=32, micro_batch_size=1, max_steps=2, lora_r=4, offload_optimizer=True)
     graphdef, lora, frozen = split_model(get_peft_model(_model(tiny_tokenizer), r=4))
-    optimizer, schedule = make_optimizer(cfg)
+    optimizer = make_optimizer(cfg)[0]
     opt_state = place_on_host(optimizer.init(lora))
     ids = np.arange(32, dtype=np.int32)[None, None] % 50
     batch = {"input_ids": ids, "labels": ids, "segment_ids": np.ones_like(ids), "positions": ids % 32}
-    step = make_train_step(graphdef, optimizer, schedule, cfg)
-    jaxpr = jax.make_jaxpr(step.fn)(lora, opt_state, frozen, batch, np.int32(0)).jaxpr
+    step = make_train_step(graphdef, cfg)
+    jaxpr = jax.make_jaxpr(step.fn)(lora, opt_state, frozen, batch, np.int32(0), *step.trailing_args).jaxpr
     jaxpr = jaxpr.eqns[0].params["jaxpr"].jaxpr  # inside the step's jit
     n_lora, n_opt = len(jax.tree.leaves(lora)), len(jax.tree.leaves(opt_state))
     host_state = set(jaxpr.invars[n_lora:n_lora + n_opt])  # the step's optimizer-state arguments
@@ -229,12 +230,12 @@ def test_on_a_gpu_host_offloads_train_the_same_and_leave_the_planned_device_byte
 
     model = get_peft_model(_model(tiny_tokenizer), r=4)
     graphdef, lora, frozen = split_model(model)
-    optimizer, schedule = make_optimizer(cfg)
+    optimizer = make_optimizer(cfg)[0]
     opt_state = optimizer.init(lora)
-    plain = step_bytes(make_train_step(graphdef, optimizer, schedule, cfg), lora, opt_state, frozen, 2, cfg)
+    plain = step_bytes(make_train_step(graphdef, cfg), lora, opt_state, frozen, 2, cfg)
     moved = sum(x.nbytes for x in jax.tree.leaves(opt_state)) + model.embed_tokens.weight[...].nbytes
     opt_state, frozen = place_on_host(opt_state), embedding_to_host(model, frozen)
-    planned = step_bytes(make_train_step(graphdef, optimizer, schedule, both), lora, opt_state, frozen, 2, both)
+    planned = step_bytes(make_train_step(graphdef, both), lora, opt_state, frozen, 2, both)
     # most of it: the lookup's copy of the table and the update's copy of the state are temporaries of the step
     # (measured on an H100: 126,216 of 142,344 bytes off; XLA counts host arguments apart from device ones)
     assert planned <= plain - 0.75 * moved, (plain, planned, moved)
@@ -430,9 +431,9 @@ def _auto_batch_step(tokenizer):
 
     cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size="auto")
     graphdef, lora, frozen = split_model(get_peft_model(_model(tokenizer), r=4))
-    optimizer, schedule = make_optimizer(cfg)
+    optimizer = make_optimizer(cfg)[0]
     opt_state = optimizer.init(lora)
-    return cfg, make_train_step(graphdef, optimizer, schedule, cfg), lora, opt_state, frozen
+    return cfg, make_train_step(graphdef, cfg), lora, opt_state, frozen
 
 
 def test_auto_batch_picks_the_largest_micro_batch_that_fits(tiny_tokenizer):
@@ -768,3 +769,42 @@ def test_remat_auto_picks_the_fastest_policy_that_fits_and_trains_as_that_policy
     assert chosen == "per-layer" and len(needs) == 2 and "per-layer fits" in said[0], said
     assert "\n" not in said[0] and f"{selective / 2**30:,.1f} GiB" in said[0]
     assert losses == run("per-layer", remat="per-layer")[0]
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_the_learning_rate_schedule_is_optaxs(schedule):
+    """The schedule the step computes from its hyperparameter arguments, against optax's own warmup schedules."""
+    from jaxtune.training.step import make_schedule
+
+    for warm, total in ((0, 1), (0, 7), (3, 10), (5, 5), (10, 1000)):
+        peak = 3e-4
+        if schedule == "cosine":
+            want = optax.warmup_cosine_decay_schedule(0.0, peak, warm, max(total, warm + 1), end_value=0.0)
+        else:
+            after = (optax.constant_schedule(peak) if schedule == "constant"
+                     else optax.linear_schedule(peak, 0.0, max(total - warm, 1)))
+            want = optax.join_schedules([optax.linear_schedule(0.0, peak, warm), after], [warm]) if warm else after
+        with pytest.warns(UserWarning) if warm >= total else contextlib.nullcontext():
+            cfg = jaxtune.TrainConfig(schedule=schedule, warmup_steps=warm, max_steps=total, learning_rate=peak)
+        got = make_schedule(cfg)
+        for step in range(total + 3):
+            assert float(got(np.int32(step))) == pytest.approx(float(want(step)), rel=0, abs=1e-6 * peak), (warm, step)
+
+
+def test_runs_differing_only_in_optimizer_numbers_compile_one_step(tiny_tokenizer):
+    """The learning rate, warmup, step count, weight decay, betas and clipping norm are arguments of the compiled
+    step: a sweep over them lowers to one program (served by the compilation cache), the schedule's kind does not."""
+    from jaxtune.training.step import make_train_step
+
+    graphdef, lora, frozen = split_model(get_peft_model(_model(tiny_tokenizer), r=4))
+    batch = {k: jnp.zeros((1, 2, 32), jnp.int32) for k in ("input_ids", "labels", "segment_ids", "positions")}
+
+    def program(**settings):
+        cfg = jaxtune.TrainConfig(seq_len=32, micro_batch_size=2, **settings)
+        opt_state = make_optimizer(cfg)[0].init(lora)
+        return make_train_step(graphdef, cfg).lower(lora, opt_state, frozen, batch, np.int32(0)).as_text()
+
+    base = program()
+    assert program(learning_rate=1e-3, warmup_steps=3, max_steps=7, weight_decay=0.1, adam_b1=0.8, adam_b2=0.99,
+                   max_grad_norm=0.5) == base
+    assert program(schedule="linear") != base

@@ -199,7 +199,7 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
     batch_extra = dict(batches.batch_extra)
     if cfg.precompute_reference:
         batch_extra["ref_logps"] = ((2 * batches.train_rows.extra["pair_mask"].shape[1],), np.dtype(np.float32))
-    optimizer, schedule = make_optimizer(cfg)
+    optimizer = make_optimizer(cfg)[0]
     opt_state = optimizer.init(lora)
     if mesh is not None:
         lora, frozen, opt_state = (shard_state(mesh, tree) for tree in (lora, frozen, opt_state))
@@ -208,8 +208,7 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
     if cfg.remat == "auto":
         def build_step(remat: str):
             graphdef = split_with(first_layouts(remat)[1][0])[0]
-            step = make_train_step(graphdef, optimizer, schedule, dataclasses.replace(cfg, remat=remat), mesh,
-                                   batch_extra, aux_coef)
+            step = make_train_step(graphdef, dataclasses.replace(cfg, remat=remat), mesh, batch_extra, aux_coef)
             tried[remat] = graphdef, step
             return step
 
@@ -233,15 +232,15 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
         graphdef, step_fn = tried[cfg.remat]
     else:
         graphdef = split_with(layouts[0])[0]
-        step_fn = make_train_step(graphdef, optimizer, schedule, cfg, mesh, batch_extra, aux_coef)
+        step_fn = make_train_step(graphdef, cfg, mesh, batch_extra, aux_coef)
     layout = layouts[0]
     if len(layouts) > 1 and not _fits_device(step_fn, lora, opt_state, frozen, cfg, unit):
         layout = layouts[1]
-        step_fn = make_train_step(split_with(layout)[0], optimizer, schedule, cfg, mesh, batch_extra, aux_coef)
+        step_fn = make_train_step(split_with(layout)[0], cfg, mesh, batch_extra, aux_coef)
     on_device, group = layout
     # QAT from qat_start_step on: the steps before it are plain LoRA's (planned with the QAT step, the larger)
-    plain_fn = (make_train_step(split_with(layout, qat=False)[0], optimizer, schedule, cfg, mesh, batch_extra,
-                                aux_coef) if cfg.qat_start_step else step_fn)
+    plain_fn = (make_train_step(split_with(layout, qat=False)[0], cfg, mesh, batch_extra, aux_coef)
+                if cfg.qat_start_step else step_fn)
     if on_device and lead:
         print(f"remat offload: the inputs of {on_device} of {model.config.num_layers} layers stay in device memory, "
               f"host memory holds the rest ({host.describe()})", flush=True)

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh
@@ -23,21 +24,43 @@ from jaxtune.training.optimizer_offload import to_device_after, to_host
 REMAT_POLICIES = {"none": "none", "selective": "selective", "per-layer": "full", "offload": "offload"}
 
 
-def make_schedule(cfg: TrainConfig) -> optax.Schedule:
-    peak, warm, total = cfg.learning_rate, cfg.warmup_steps, cfg.max_steps
-    if cfg.schedule == "cosine":
-        return optax.warmup_cosine_decay_schedule(0.0, peak, warm, max(total, warm + 1), end_value=0.0)
-    after = optax.constant_schedule(peak) if cfg.schedule == "constant" else optax.linear_schedule(
-        peak, 0.0, max(total - warm, 1)
-    )
-    return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), after], [warm]) if warm else after
+# the optimizer's and schedule's numbers: arguments of the compiled step, not constants baked into it
+HYPERPARAMETERS = ("learning_rate", "warmup_steps", "max_steps", "weight_decay", "adam_b1", "adam_b2", "max_grad_norm")
 
 
-def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    schedule = make_schedule(cfg)
+def step_hyperparameters(cfg: TrainConfig) -> dict[str, np.float32]:
+    """`HYPERPARAMETERS` of `cfg` as float32 scalars, which the compiled step takes as an argument: runs that differ
+    only in them (a learning-rate sweep, another step count or warmup) share one compiled step, from jax's
+    compilation cache, instead of each compiling its own."""
+    return {name: np.float32(getattr(cfg, name)) for name in HYPERPARAMETERS}
+
+
+def make_schedule(cfg: TrainConfig, hyper: dict | None = None) -> optax.Schedule:
+    """The learning rate at a step: linear warmup from 0 to the peak, then cosine or linear decay to 0 at max_steps
+    (optax's warmup schedules), or constant. `hyper` (`step_hyperparameters`, or traced values of them) gives the
+    numbers; only the schedule's kind is fixed when the step is traced."""
+    h = step_hyperparameters(cfg) if hyper is None else hyper
+    peak, warm, total = h["learning_rate"], h["warmup_steps"], h["max_steps"]
+
+    def schedule(count):
+        count = jnp.asarray(count, jnp.float32)
+        decay_steps = jnp.maximum(total - warm, 1.0)
+        done = jnp.clip(count - warm, 0.0, decay_steps) / decay_steps
+        after = {"cosine": lambda: peak * 0.5 * (1.0 + jnp.cos(jnp.pi * done)),
+                 "linear": lambda: peak * (1.0 - done)}.get(cfg.schedule, lambda: peak * jnp.ones_like(done))()
+        return jnp.where(count < warm, peak * count / jnp.maximum(warm, 1.0), after)
+
+    return schedule
+
+
+def make_optimizer(cfg: TrainConfig, hyper: dict | None = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """Gradient clipping, then AdamW on the schedule, with `hyper`'s numbers (default: `cfg`'s). The state's
+    structure does not depend on them: the state `init` makes outside the step is the one the step updates."""
+    h = step_hyperparameters(cfg) if hyper is None else hyper
+    schedule = make_schedule(cfg, h)
     opt = optax.chain(
-        optax.clip_by_global_norm(cfg.max_grad_norm),
-        optax.adamw(schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, weight_decay=cfg.weight_decay),
+        optax.clip_by_global_norm(h["max_grad_norm"]),
+        optax.adamw(schedule, b1=h["adam_b1"], b2=h["adam_b2"], weight_decay=h["weight_decay"]),
     )
     return opt, schedule
 
@@ -81,28 +104,31 @@ def loss_and_grads(graphdef, lora, frozen, batch: dict[str, jax.Array], key: jax
 class OnMesh:
     """A jitted function traced and run with `mesh` set, so the ops see it (shard_map around the kernels)."""
 
-    def __init__(self, fn: Callable, mesh: Mesh | None, batch_extra: dict[str, tuple[tuple[int, ...], Any]] | None = None):
+    def __init__(self, fn: Callable, mesh: Mesh | None, batch_extra: dict[str, tuple[tuple[int, ...], Any]] | None = None,
+                 trailing_args: tuple = ()):
         # batch_extra: the arrays a batch holds besides the four [accum, B, T] int32 ones, as (trailing shape,
-        # dtype) each (preference pairs: response, pair_mask, ref_logps), so memory planning can build the batch
+        # dtype) each (preference pairs: response, pair_mask, ref_logps), so memory planning can build the batch;
+        # trailing_args: what every call passes after the caller's arguments (the step's hyperparameters)
         self.fn, self.mesh, self.batch_extra = fn, mesh, dict(batch_extra or {})
+        self.trailing_args = trailing_args
 
     def _ctx(self):
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     def __call__(self, *args):
         with self._ctx():
-            return self.fn(*args)
+            return self.fn(*args, *self.trailing_args)
 
     def lower(self, *args):
         with self._ctx():
-            return self.fn.lower(*args)
+            return self.fn.lower(*args, *self.trailing_args)
 
 
-def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                    cfg: TrainConfig, mesh: Mesh | None = None,
+def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig, mesh: Mesh | None = None,
                     batch_extra: dict[str, tuple[tuple[int, ...], Any]] | None = None,
                     router_aux_loss_coef: float = 0.0) -> OnMesh:
-    """step(lora, opt_state, frozen, batch [accum, B, T], step) -> (lora, opt_state, metrics).
+    """step(lora, opt_state, frozen, batch [accum, B, T], step) -> (lora, opt_state, metrics), with the optimizer of
+    `make_optimizer(cfg)` (its state is what that optimizer's `init` makes).
 
     Gradient accumulation runs inside the jit (see `loss_and_grads`). A step whose loss or gradients are not
     finite leaves parameters and optimizer state unchanged (metrics["skipped"] = 1). An optional batch entry
@@ -114,7 +140,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     base_key = jax.random.key(cfg.seed)
     objective = make_objective(cfg, router_aux_loss_coef)
 
-    def step(lora, opt_state, frozen, batch, step_index):
+    def step(lora, opt_state, frozen, batch, step_index, hyper):
+        optimizer, schedule = make_optimizer(cfg, hyper)
         batch = dict(batch)
         stop = batch.pop("stop", None)
         key = jax.random.fold_in(base_key, step_index) if cfg.lora_dropout > 0 else None
@@ -139,7 +166,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         return new_lora, new_opt_state, metrics
 
     options = step_compiler_options(compute=cfg.compute)
-    return OnMesh(jax.jit(step, donate_argnums=(0, 1), compiler_options=options), mesh, batch_extra)
+    return OnMesh(jax.jit(step, donate_argnums=(0, 1), compiler_options=options), mesh, batch_extra,
+                  (step_hyperparameters(cfg),))
 
 
 def make_eval_step(graphdef: nnx.GraphDef, cfg: TrainConfig, mesh: Mesh | None = None) -> OnMesh:
