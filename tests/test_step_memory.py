@@ -22,8 +22,9 @@ def _script():
 def _dump_as_step(tmp_path, code: str) -> str:
     """Runs `code` (which compiles a jitted lambda) with XLA's dump on, its files named as the step's module (the
     readers look for the step by name); returns the dump folder."""
+    # no compilation cache: a program another run cached would load without being compiled, so nothing is dumped
     env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_module_re=.*lambda.*",
-               JAX_PLATFORMS="cpu")
+               JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="false")
     subprocess.run([sys.executable, "-c", "import jax, jax.numpy as jnp\n" + code], check=True, env=env, cwd=ROOT)
     for path in tmp_path.glob("*lambda*"):
         path.rename(path.with_name(path.name.replace("lambda", "step")))
