@@ -71,14 +71,17 @@ def kernel_model(model_type: str = "llama", dtype: str = "float32"):
 
 
 def logits_and_grads(model, ids, seg):
+    """(logits, LoRA gradients, the jaxpr computing both): one trace, compiled and read (tracing a model through the
+    interpreted kernels costs seconds)."""
     graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
 
     def loss(lora):
         logits = nnx.merge(graphdef, lora, rest)(ids, segment_ids=seg)
         return jnp.mean(jax.nn.logsumexp(logits, axis=-1)), logits
 
-    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(lora)
-    return logits, grads, jax.make_jaxpr(loss)(lora)
+    traced = jax.jit(jax.value_and_grad(loss, has_aux=True)).trace(lora)
+    (_, logits), grads = traced.lower().compile()(lora)
+    return logits, grads, traced.jaxpr
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
@@ -101,7 +104,8 @@ def test_model_with_pallas_kernels_matches_xla(model_type):
 
 
 
-def residuals_and_grad_jaxpr(model, ids, seg):
+def residuals_and_grad_jaxpr(model, ids, seg, residuals: bool = True):
+    """(bytes of the residuals saved for the backward pass, or None without `residuals`, the gradient's jaxpr)."""
     from jax._src.ad_checkpoint import saved_residuals
 
     graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
@@ -109,7 +113,7 @@ def residuals_and_grad_jaxpr(model, ids, seg):
     def loss(lora):
         return jnp.mean(nnx.merge(graphdef, lora, rest)(ids, segment_ids=seg))
 
-    nbytes = sum(aval.size * aval.dtype.itemsize for aval, _ in saved_residuals(loss, lora))
+    nbytes = sum(aval.size * aval.dtype.itemsize for aval, _ in saved_residuals(loss, lora)) if residuals else None
     return nbytes, jax.make_jaxpr(jax.grad(loss))(lora).jaxpr
 
 
@@ -194,7 +198,7 @@ def test_layer_scan_reads_nf4_codes_in_place(monkeypatch, compute, impl):
         # check (FP8 takes the same scales: its numbers are checked once, its kernels' operands under every policy)
         if policy == "none" or (policy == "full" and compute == "bf16"):
             assert_matches_reference(logits_and_grads(model, ids, seg)[:2], (ref_logits, ref_grads), compute)
-        _, jaxpr = residuals_and_grad_jaxpr(model, ids, seg)
+        _, jaxpr = residuals_and_grad_jaxpr(model, ids, seg, residuals=False)
         nf4_kernels = [e for e in all_eqns(jaxpr)
                        if kernel_name(e) in ("nf4_dequantize", "nf4_dequantize_e4m3", "nf4_matmul", "nf4_matmul_dx")]
         assert nf4_kernels and all(any(v.aval.shape in stack_shapes | view_shapes for v in e.invars)
@@ -292,7 +296,7 @@ def test_single_sequence_rows_run_cudnn_attention_with_pallas_gradients():
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
         assert np.abs(got - want).max() <= 0.05 * np.abs(want).max() + 1e-6
-    _, grad_jaxpr = residuals_and_grad_jaxpr(model, ids, seg)
+    _, grad_jaxpr = residuals_and_grad_jaxpr(model, ids, seg, residuals=False)
     assert live_primitives(grad_jaxpr, CUDNN_ATTENTION_FORWARD) == 1
 
 
