@@ -112,7 +112,7 @@ def main() -> None:
     cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch_per_gpu * args.gpus, max_steps=1000,
                               learning_rate=1e-4, remat=args.remat, compute=args.compute)
     graphdef, lora, frozen = split_model(model)
-    optimizer = make_optimizer(cfg)[0]
+    optimizer = make_optimizer(cfg)
     lora, frozen, opt_state = (shard_state(mesh, tree) for tree in (lora, frozen, optimizer.init(lora)))
     step_fn = make_train_step(graphdef, cfg, mesh)
 

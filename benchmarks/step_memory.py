@@ -123,7 +123,7 @@ def compile_one(args: argparse.Namespace, remat: str) -> None:
     tcfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch, max_steps=1000, learning_rate=1e-4,
                                remat=remat, compute=args.compute, offload_optimizer=args.offload_optimizer)
     graphdef, lora, frozen = split_model(model)
-    optimizer = make_optimizer(tcfg)[0]
+    optimizer = make_optimizer(tcfg)
     opt_state = jax.eval_shape(optimizer.init, lora)
     if args.offload_optimizer:  # planned where train() keeps it: the device's pinned host memory
         host = jax.sharding.SingleDeviceSharding(jax.local_devices()[0], memory_kind="pinned_host")

@@ -147,7 +147,7 @@ def main() -> None:
     cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch if args.batch == "auto" else int(args.batch),
                               max_steps=1000, learning_rate=1e-4, remat=args.remat, compute=args.compute,
                               offload_optimizer=args.offload_optimizer)
-    optimizer = make_optimizer(cfg)[0]
+    optimizer = make_optimizer(cfg)
 
     def compile_step(graphdef, lora, opt_state, frozen, micro: int):
         step_fn = make_train_step(graphdef, cfg)

@@ -61,7 +61,7 @@ def load_run(run_dir: str | os.PathLike, *, dtype: str = "float32") -> tuple[Cau
         from flax import nnx
 
         _, lora, _ = split_model(model)
-        opt_state = make_optimizer(cfg)[0].init(lora)
+        opt_state = make_optimizer(cfg).init(lora)
         lora, _, _ = ckpts.restore(lora, opt_state)
         nnx.update(model, lora)
     finally:

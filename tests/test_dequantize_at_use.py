@@ -36,7 +36,7 @@ def _step(model, remat: str, seq: int, compute: str = "bf16"):
     cfg = jaxtune.TrainConfig(seq_len=seq, micro_batch_size=1, max_steps=10, learning_rate=1e-2, remat=remat,
                               compute=compute, warmup_steps=0)
     graphdef, lora, frozen = split_model(model)
-    optimizer = make_optimizer(cfg)[0]
+    optimizer = make_optimizer(cfg)
     return make_train_step(graphdef, cfg), lora, optimizer.init(lora), frozen
 
 

@@ -170,7 +170,7 @@ def test_offloaded_optimizer_state_stays_in_host_memory_and_is_copied_in_after_t
 
     cfg = jaxtune.TrainConfig(seq_len=32, micro_batch_size=1, max_steps=2, lora_r=4, offload_optimizer=True)
     graphdef, lora, frozen = split_model(get_peft_model(_model(tiny_tokenizer), r=4))
-    optimizer = make_optimizer(cfg)[0]
+    optimizer = make_optimizer(cfg)
     opt_state = place_on_host(optimizer.init(lora))
     ids = np.arange(32, dtype=np.int32)[None, None] % 50
     batch = {"input_ids": ids, "labels": ids, "segment_ids": np.ones_like(ids), "positions": ids % 32}
@@ -230,7 +230,7 @@ def test_on_a_gpu_host_offloads_train_the_same_and_leave_the_planned_device_byte
 
     model = get_peft_model(_model(tiny_tokenizer), r=4)
     graphdef, lora, frozen = split_model(model)
-    optimizer = make_optimizer(cfg)[0]
+    optimizer = make_optimizer(cfg)
     opt_state = optimizer.init(lora)
     plain = step_bytes(make_train_step(graphdef, cfg), lora, opt_state, frozen, 2, cfg)
     moved = sum(x.nbytes for x in jax.tree.leaves(opt_state)) + model.embed_tokens.weight[...].nbytes
@@ -419,7 +419,7 @@ def test_kill_9_during_checkpointing_leaves_a_loadable_checkpoint(tiny_tokenizer
     assert latest is not None and latest >= 3
     model = get_peft_model(_model(tiny_tokenizer), r=4)
     graphdef, lora, frozen = split_model(model)
-    opt_state = make_optimizer(jaxtune.TrainConfig(lora_r=4))[0].init(lora)
+    opt_state = make_optimizer(jaxtune.TrainConfig(lora_r=4)).init(lora)
     restored, _, meta = ckpts.restore(lora, opt_state)
     assert meta["step"] == latest and all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored))
     ckpts.close()
@@ -431,7 +431,7 @@ def _auto_batch_step(tokenizer):
 
     cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size="auto")
     graphdef, lora, frozen = split_model(get_peft_model(_model(tokenizer), r=4))
-    optimizer = make_optimizer(cfg)[0]
+    optimizer = make_optimizer(cfg)
     opt_state = optimizer.init(lora)
     return cfg, make_train_step(graphdef, cfg), lora, opt_state, frozen
 
@@ -801,7 +801,7 @@ def test_runs_differing_only_in_optimizer_numbers_compile_one_step(tiny_tokenize
 
     def program(**settings):
         cfg = jaxtune.TrainConfig(seq_len=32, micro_batch_size=2, **settings)
-        opt_state = make_optimizer(cfg)[0].init(lora)
+        opt_state = make_optimizer(cfg).init(lora)
         return make_train_step(graphdef, cfg).lower(lora, opt_state, frozen, batch, np.int32(0)).as_text()
 
     base = program()

@@ -199,7 +199,7 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
     batch_extra = dict(batches.batch_extra)
     if cfg.precompute_reference:
         batch_extra["ref_logps"] = ((2 * batches.train_rows.extra["pair_mask"].shape[1],), np.dtype(np.float32))
-    optimizer = make_optimizer(cfg)[0]
+    optimizer = make_optimizer(cfg)
     opt_state = optimizer.init(lora)
     if mesh is not None:
         lora, frozen, opt_state = (shard_state(mesh, tree) for tree in (lora, frozen, opt_state))

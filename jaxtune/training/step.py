@@ -46,23 +46,25 @@ def make_schedule(cfg: TrainConfig, hyper: dict | None = None) -> optax.Schedule
         count = jnp.asarray(count, jnp.float32)
         decay_steps = jnp.maximum(total - warm, 1.0)
         done = jnp.clip(count - warm, 0.0, decay_steps) / decay_steps
-        after = {"cosine": lambda: peak * 0.5 * (1.0 + jnp.cos(jnp.pi * done)),
-                 "linear": lambda: peak * (1.0 - done)}.get(cfg.schedule, lambda: peak * jnp.ones_like(done))()
+        if cfg.schedule == "cosine":
+            after = peak * 0.5 * (1.0 + jnp.cos(jnp.pi * done))
+        elif cfg.schedule == "linear":
+            after = peak * (1.0 - done)
+        else:
+            after = peak
         return jnp.where(count < warm, peak * count / jnp.maximum(warm, 1.0), after)
 
     return schedule
 
 
-def make_optimizer(cfg: TrainConfig, hyper: dict | None = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """Gradient clipping, then AdamW on the schedule, with `hyper`'s numbers (default: `cfg`'s). The state's
+def make_optimizer(cfg: TrainConfig, hyper: dict | None = None) -> optax.GradientTransformation:
+    """Gradient clipping, then AdamW on `make_schedule`, with `hyper`'s numbers (default: `cfg`'s). The state's
     structure does not depend on them: the state `init` makes outside the step is the one the step updates."""
     h = step_hyperparameters(cfg) if hyper is None else hyper
-    schedule = make_schedule(cfg, h)
-    opt = optax.chain(
+    return optax.chain(
         optax.clip_by_global_norm(h["max_grad_norm"]),
-        optax.adamw(schedule, b1=h["adam_b1"], b2=h["adam_b2"], weight_decay=h["weight_decay"]),
+        optax.adamw(make_schedule(cfg, h), b1=h["adam_b1"], b2=h["adam_b2"], weight_decay=h["weight_decay"]),
     )
-    return opt, schedule
 
 
 def split_model(model: CausalLM) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
@@ -141,7 +143,7 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig, mesh: Mesh | None 
     objective = make_objective(cfg, router_aux_loss_coef)
 
     def step(lora, opt_state, frozen, batch, step_index, hyper):
-        optimizer, schedule = make_optimizer(cfg, hyper)
+        optimizer = make_optimizer(cfg, hyper)
         batch = dict(batch)
         stop = batch.pop("stop", None)
         key = jax.random.fold_in(base_key, step_index) if cfg.lora_dropout > 0 else None
@@ -154,7 +156,7 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig, mesh: Mesh | None 
         updates, new_opt_state = optimizer.update(grads, opt_state, lora)
         new_lora = optax.apply_updates(lora, updates)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(step_index),
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": make_schedule(cfg, hyper)(step_index),
                    "tokens": jnp.sum(batch["labels"] != IGNORE), "skipped": (~finite).astype(jnp.int32),
                    "stop": jnp.int32(0) if stop is None else jnp.max(stop), **objective_metrics}
         new_lora, new_opt_state = keep(new_lora, lora), keep(new_opt_state, opt_state)
