@@ -104,7 +104,8 @@ def check_grads() -> None:
              "positions": jaxtune.model.segment_positions(jnp.asarray(seg.reshape(-1, 48))).reshape(shape)}
     batch["positions"] = np.asarray(batch["positions"])
     ref_loss, ref_grads, _, _ = grads_on(None, graphdef, lora, frozen, batch)
-    runs = [("data=8", "xla"), ("fsdp=8", "xla"), ("data=2,fsdp=4", "xla"), ("data=2,fsdp=2", "pallas-interpret")]
+    # pure data parallel (nothing gathered), FSDP within a 2-D mesh over all 8 devices, and the Pallas kernels per shard
+    runs = [("data=8", "xla"), ("data=2,fsdp=4", "xla"), ("data=2,fsdp=2", "pallas-interpret")]
     for spec, kernels in runs:
         jaxtune.set_kernels(kernels)
         devices = jax.devices()[:4] if spec == "data=2,fsdp=2" else None
