@@ -344,55 +344,46 @@ def test_the_shared_prompt_trains_like_two_sequences(tiny_tokenizer, tiny_qlora_
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4)  # Adam after 4 steps of 5e-3
 
 
-def test_dpo_trains_and_precomputed_reference_gives_the_same_losses(tiny_tokenizer, tiny_qlora_model, tmp_path):
-    """The loop end to end: rewards logged under TRL's names, loss falls, the stored reference log-probabilities
-    reproduce the per-step reference exactly, and a resumed run reads them back."""
+def test_dpo_trains_and_a_resumed_run_on_the_precomputed_reference_gives_the_same_losses(tiny_tokenizer,
+                                                                                          tiny_qlora_model, tmp_path):
+    """The loop end to end: rewards logged under TRL's names, loss falls, and a run on the stored reference
+    log-probabilities, interrupted and resumed, reproduces the uninterrupted run on the per-step reference (the
+    stored values are read back, not recomputed from the resumed adapters)."""
     import copy
     import json
-
-    rows = [{"prompt": f"Question {i}: yes or no?", "chosen": " yes" * (1 + i % 3), "rejected": " no"} for i in range(24)]
-    runs = {}
-    for precompute in (False, True):
-        model = copy.deepcopy(tiny_qlora_model)
-        cfg = jaxtune.TrainConfig(objective="dpo", seq_len=64, micro_batch_size=2, max_steps=6, learning_rate=5e-3,
-                                  lora_r=4, eval_fraction=0.2, eval_steps=3, precompute_reference=precompute)
-        out = tmp_path / f"run{int(precompute)}"
-        runs[precompute] = jaxtune.train(model, tiny_tokenizer, rows, cfg, out_dir=out, progress=False)
-    np.testing.assert_allclose(runs[True].losses, runs[False].losses, rtol=1e-5)
-    assert runs[False].losses[0] == pytest.approx(np.log(2), abs=1e-4)  # fresh adapters: policy == reference
-    assert min(runs[False].losses[-3:]) < runs[False].losses[0]
-    records = [json.loads(line) for line in (tmp_path / "run0" / "metrics.jsonl").read_text().splitlines()]
-    assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-            "logps/rejected"} <= set(records[-1])
-    assert records[-1]["eval_rewards/accuracies"] >= 0.5 and "eval_loss" in records[-1]
-    assert (tmp_path / "run1" / "reference_logps.safetensors").exists()
-
-
-@pytest.mark.parametrize("precompute", [False, True])
-def test_dpo_resume_continues_exactly(tiny_tokenizer, tiny_qlora_model, tmp_path, precompute):
-    """Interrupted and resumed DPO equals the uninterrupted run (the stored reference log-probabilities are read
-    back, not recomputed from the resumed adapters)."""
-    import copy
     import os
     import signal
 
     rows = [{"prompt": f"Question {i}: yes or no?", "chosen": " yes" * (1 + i % 3), "rejected": " no"} for i in range(24)]
-    cfg = jaxtune.TrainConfig(objective="dpo", seq_len=64, micro_batch_size=2, grad_accum=2, max_steps=8,
-                              learning_rate=5e-3, lora_r=4, save_steps=2, precompute_reference=precompute)
-    full = jaxtune.train(copy.deepcopy(tiny_qlora_model), tiny_tokenizer, rows, cfg, out_dir=tmp_path / "a",
-                         progress=False)
+
+    def config(precompute: bool) -> jaxtune.TrainConfig:
+        return jaxtune.TrainConfig(objective="dpo", seq_len=64, micro_batch_size=2, grad_accum=2, max_steps=6,
+                                   learning_rate=5e-3, lora_r=4, eval_fraction=0.2, eval_steps=3, save_steps=2,
+                                   precompute_reference=precompute)
 
     def interrupt_at_4(record):
         if record["step"] == 4:
             os.kill(os.getpid(), signal.SIGINT)
 
-    first = jaxtune.train(copy.deepcopy(tiny_qlora_model), tiny_tokenizer, rows, cfg, out_dir=tmp_path / "b",
+    full = jaxtune.train(copy.deepcopy(tiny_qlora_model), tiny_tokenizer, rows, config(False), out_dir=tmp_path / "a",
+                         progress=False)
+    first = jaxtune.train(copy.deepcopy(tiny_qlora_model), tiny_tokenizer, rows, config(True), out_dir=tmp_path / "b",
                           progress=False, callback=interrupt_at_4)
     assert first.interrupted and first.steps == 4
-    rest = jaxtune.train(copy.deepcopy(tiny_qlora_model), tiny_tokenizer, rows, cfg, out_dir=tmp_path / "b",
+    assert (tmp_path / "b" / "reference_logps.safetensors").exists()
+    rest = jaxtune.train(copy.deepcopy(tiny_qlora_model), tiny_tokenizer, rows, config(True), out_dir=tmp_path / "b",
                          resume=True, progress=False)
-    assert rest.steps == 8
-    np.testing.assert_allclose(rest.losses, full.losses, rtol=1e-6)
+    assert rest.steps == 6
+    np.testing.assert_allclose(rest.losses, full.losses, rtol=1e-5)
+    assert full.losses[0] == pytest.approx(np.log(2), abs=1e-4)  # fresh adapters: policy == reference
+    assert min(full.losses[-3:]) < full.losses[0]
+    records = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+               for name in ("a", "b")}
+    assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+            "logps/rejected"} <= set(records["a"][-1])
+    assert records["a"][-1]["eval_rewards/accuracies"] >= 0.5 and "eval_loss" in records["a"][-1]
+    assert [r["step"] for r in records["b"]] == [1, 2, 3, 4, 5, 6]
+    assert records["b"][-1]["eval_loss"] == pytest.approx(records["a"][-1]["eval_loss"], rel=1e-5)
 
 
 def test_a_prompt_merging_with_its_response_is_warned_once_naming_the_first_row(tiny_tokenizer):
