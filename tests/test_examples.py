@@ -57,12 +57,27 @@ def test_readme_shell_block_runs_on_the_cli(short_smollm2, tmp_path):
     assert "onto" in proc.stdout and proc.stdout.strip().splitlines()[-1]  # the generation printed something
 
 
-@pytest.mark.parametrize("script", ["train_own_chat.py", "export_and_run_merged.py", "demo.py", "dpo_demo.py",
-                                    "grpo_demo.py"])
-def test_example_scripts_have_help(script):
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--help"], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 0 and "usage" in proc.stdout
+EXAMPLE_SCRIPTS = ["train_own_chat.py", "export_and_run_merged.py", "demo.py", "dpo_demo.py", "grpo_demo.py"]
+
+
+def test_example_scripts_have_help():
+    """Each script's --help prints its usage and exits 0 (run as `__main__` in one process: one import of jax)."""
+    run = ("import runpy, sys\n"
+           "sys.path.insert(0, 'examples')\n"
+           "for script in sys.argv[1:]:\n"
+           "    print(f'== {script}', flush=True)\n"
+           "    sys.argv = [script, '--help']\n"
+           "    try:\n"
+           "        runpy.run_path(f'examples/{script}', run_name='__main__')\n"
+           "    except SystemExit as e:\n"
+           "        print(f'exit {e.code}', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", run, *EXAMPLE_SCRIPTS], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sections = proc.stdout.split("== ")[1:]
+    assert [section.split("\n")[0] for section in sections] == EXAMPLE_SCRIPTS, proc.stdout[-2000:]
+    for section in sections:
+        assert "usage" in section and section.rstrip().endswith("exit 0"), section
 
 
 def test_shipped_demo_data_is_what_the_generator_writes(tmp_path):
