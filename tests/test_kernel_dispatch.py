@@ -70,6 +70,14 @@ def kernel_model(model_type: str = "llama", dtype: str = "float32"):
     return model
 
 
+def packed_rows():
+    """(token ids, segment ids) of two 64-token rows, the first packing two sequences: the inputs of the layer-scan,
+    remat and offload checks, whose cached references were computed on these same rows."""
+    ids = jax.random.randint(jax.random.key(0), (2, 64), 0, 320)
+    seg = jnp.asarray(np.array([[1] * 40 + [2] * 24, [1] * 64]), jnp.int32)
+    return ids, seg
+
+
 def logits_and_grads(model, ids, seg):
     """(logits, LoRA gradients, the jaxpr computing both): one trace, compiled and read (tracing a model through the
     interpreted kernels costs seconds)."""
@@ -181,8 +189,7 @@ def test_layer_scan_reads_nf4_codes_in_place(monkeypatch, compute, impl):
     remat), and under every remat policy the stack is never saved per layer for the backward pass."""
     model = kernel_model()
     model.compute = compute
-    ids = jax.random.randint(jax.random.key(0), (2, 64), 0, 320)
-    seg = jnp.asarray(np.array([[1] * 40 + [2] * 24, [1] * 64]), jnp.int32)
+    ids, seg = packed_rows()
     ref_logits, ref_grads = _xla_reference(compute)
     jaxtune.set_kernels("pallas-interpret")
     monkeypatch.setattr(dispatch, "nf4_impl", lambda m: impl)  # GPU's choices for training / decoding shapes
@@ -241,8 +248,7 @@ def _xla_reference(compute: str):
     """The logits and LoRA gradients of kernel_model() in `compute` mode through XLA alone, once per worker."""
     model = kernel_model()
     model.compute = compute
-    ids = jax.random.randint(jax.random.key(0), (2, 64), 0, 320)
-    seg = jnp.asarray(np.array([[1] * 40 + [2] * 24, [1] * 64]), jnp.int32)
+    ids, seg = packed_rows()
     jaxtune.set_kernels("xla")
     try:
         return logits_and_grads(model, ids, seg)[:2]
@@ -255,8 +261,7 @@ def _no_remat_reference():
     """The logits, gradients, residual bytes and gradient jaxpr of kernel_model() without remat (Pallas,
     interpreted): what every remat policy is compared with, computed once per worker."""
     model = kernel_model()
-    ids = jax.random.randint(jax.random.key(0), (2, 64), 0, 320)
-    seg = jnp.asarray(np.array([[1] * 40 + [2] * 24, [1] * 64]), jnp.int32)
+    ids, seg = packed_rows()
     jaxtune.set_kernels("pallas-interpret")
     return (*logits_and_grads(model, ids, seg)[:2], *residuals_and_grad_jaxpr(model, ids, seg))
 
@@ -268,8 +273,7 @@ def test_remat_policies_keep_gradients_and_selective_redoes_no_kernel(policy, un
     and the attention residuals, so its backward pass re-runs no attention forward and no matmul. The same
     with the layers unrolled (one traced layer each, no stacks)."""
     model = kernel_model()
-    ids = jax.random.randint(jax.random.key(0), (2, 64), 0, 320)
-    seg = jnp.asarray(np.array([[1] * 40 + [2] * 24, [1] * 64]), jnp.int32)
+    ids, seg = packed_rows()
     jaxtune.set_kernels("pallas-interpret")
     _, ref_grads, none_bytes, none_jaxpr = _no_remat_reference()
     model.remat_policy, model.unroll_layers = policy, unrolled
@@ -330,8 +334,7 @@ def test_offload_policy_moves_layer_inputs_to_host_and_tiles_the_mlp(monkeypatch
     # at most 48 tokens of the 192-wide MLP: 2 x 64 tokens -> 3 tiles of 48, the last padded
     monkeypatch.setattr(jaxtune.model, "offload_mlp_token_tile", lambda cfg: 48)
     model = kernel_model()
-    ids = jax.random.randint(jax.random.key(0), (2, 64), 0, 320)
-    seg = jnp.asarray(np.array([[1] * 40 + [2] * 24, [1] * 64]), jnp.int32)
+    ids, seg = packed_rows()
     jaxtune.set_kernels("pallas-interpret")
     ref_logits, ref_grads, _, _ = _no_remat_reference()
     model.remat_policy, model.offload_group, model.offload_device_layers = "offload", group, on_device
