@@ -93,12 +93,12 @@ def test_shipped_demo_data_is_what_the_generator_writes(tmp_path):
 def test_demo_runs_end_to_end(short_smollm2, tmp_path, request):
     """`make demo` runs examples/demo.py. CI runs it in full just before the suite and names its output directory
     in JAXTUNE_TEST_DEMO_RUN: then this checks that run's outputs instead of running it a second time; otherwise
-    it runs here with 2 steps scored on 2 prompts (the README's numbers come from the full 12 steps, 24 prompts)."""
+    it runs here with 2 steps scored on 2 prompts (the README's numbers come from the full 16 steps, 24 prompts)."""
     import json
 
     done = os.environ.get("JAXTUNE_TEST_DEMO_RUN")
     if done:
-        out, steps = Path(done), 12
+        out, steps = Path(done), 16
     else:
         out, steps = tmp_path / "demo", 2
         out.mkdir()

@@ -38,10 +38,16 @@ def test_fsdp_rule_picks_the_largest_divisible_dim_and_never_the_layer_axis():
     assert array_spec((32, 4096), 1, stacked=True) == P()
 
 
+# the suite's JAX settings the worker processes keep: its compilation cache (a process loads what another compiled:
+# the resumed run its first run's step, process 1 what process 0 wrote, the only one that writes) and debug info
+KEPT_JAX_SETTINGS = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                     "JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS")
+
+
 def _env(**extra):
-    """The suite's environment without its JAX settings (no shared compilation cache: a cached executable broke
-    the SIGTERM agreement), but with XLA's fast CPU compile flags (conftest's), plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    """The suite's environment with XLA's fast CPU compile flags (conftest's) and the suite's compilation cache, but
+    none of its other JAX settings, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_")) or k in KEPT_JAX_SETTINGS}
     flags = f"{extra.pop('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, XLA_FLAGS=flags, **extra)
     return env
