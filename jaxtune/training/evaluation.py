@@ -15,13 +15,15 @@ from jaxtune.training.step import to_device_batch
 
 
 def held_out_means(eval_fn, lora, frozen, rows: PackedRows, micro: int, mesh=None) -> tuple[float, dict[str, float]]:
-    """(mean loss, mean metrics) over the held-out rows: token-weighted (SFT) or pair-weighted (DPO/ORPO)."""
+    """(mean loss, mean metrics) over the held-out rows: token-weighted (SFT) or pair-weighted (DPO/ORPO). Every
+    batch has `micro` rows (the last one padded with rows that carry no loss), so one compiled evaluation serves the
+    run: a shorter last batch would compile a second one."""
     total, count, metric_totals = 0.0, 0.0, {}
     arrays = rows.arrays()
     for start in range(0, len(rows), micro):
         idx = np.arange(start, min(start + micro, len(rows)))
         batch = {k: v[idx][None] for k, v in arrays.items()}
-        if mesh is not None and len(idx) < micro:  # the last batch, padded with rows that carry no loss
+        if len(idx) < micro:  # the last batch, padded with rows that carry no loss
             fill = {"labels": IGNORE, "segment_ids": 0}
             batch = {k: np.pad(v, ((0, 0), (0, micro - len(idx))) + ((0, 0),) * (v.ndim - 2),
                                constant_values=fill.get(k, 0)) for k, v in batch.items()}
