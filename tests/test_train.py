@@ -792,3 +792,26 @@ def test_runs_differing_only_in_optimizer_numbers_compile_one_step(tiny_tokenize
     assert program(learning_rate=1e-3, warmup_steps=3, max_steps=7, weight_decay=0.1, adam_b1=0.8, adam_b2=0.99,
                    max_grad_norm=0.5) == base
     assert program(schedule="linear") != base
+
+
+def test_a_held_out_split_of_any_size_is_evaluated_by_one_compiled_program(tiny_tokenizer):
+    """5 held-out rows in batches of 2: the last batch is padded with rows that carry no loss, so the evaluation
+    compiles once, and the token-weighted mean is that of the 5 rows evaluated together in one batch."""
+    from jaxtune.data import PackedRows
+    from jaxtune.training.evaluation import held_out_means
+    from jaxtune.training.step import make_eval_step
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 200, (5, 32)).astype(np.int32)
+    segments = np.ones_like(ids)
+    segments[:, 20:] = 0  # padding at the end of every row
+    labels = np.where(segments > 0, np.roll(ids, -1, axis=1), IGNORE).astype(np.int32)
+    positions = np.tile(np.arange(32, dtype=np.int32), (5, 1))
+    rows = PackedRows(ids, labels, segments, positions, truncated=0)
+    cfg = jaxtune.TrainConfig(seq_len=32, micro_batch_size=2, lora_r=4)
+    graphdef, lora, frozen = split_model(get_peft_model(_model(tiny_tokenizer), r=4, seed=1))
+    eval_fn = make_eval_step(graphdef, cfg)
+    loss, _ = held_out_means(eval_fn, lora, frozen, rows, micro=2)
+    assert eval_fn.fn._cache_size() == 1  # batches of 2, 2 and 1 + 1 padding row: one program
+    together, _ = held_out_means(make_eval_step(graphdef, cfg), lora, frozen, rows, micro=5)
+    assert np.isfinite(loss) and loss == pytest.approx(together, rel=1e-6)
