@@ -57,7 +57,7 @@ def model(vocab: int = 320, cfg: ModelConfig = CFG):
 def grads_on(mesh, graphdef, lora, frozen, batch):
     if mesh is None:
         fn = jax.jit(lambda l, f, b: loss_and_grads(graphdef, l, f, b, None, 64)[:2])
-        return (*fn(lora, frozen, {k: jnp.asarray(v) for k, v in batch.items()}), 0, [])
+        return (*fn(lora, frozen, {k: jnp.asarray(v) for k, v in batch.items()}), [], [])
     lora, frozen = sharding.shard_state(mesh, lora), sharding.shard_state(mesh, frozen)
     spread = [str(a.sharding.spec) for a in jax.tree.leaves(frozen) if "fsdp" in str(a.sharding.spec)]
     assert mesh.shape["fsdp"] == 1 or spread, "no frozen array was sharded over fsdp"
@@ -65,13 +65,33 @@ def grads_on(mesh, graphdef, lora, frozen, batch):
         fn = jax.jit(lambda l, f, b: loss_and_grads(graphdef, l, f, b, None, 64)[:2])
         gbatch = sharding.global_batch(mesh, batch)
         traced = fn.trace(lora, frozen, gbatch)  # traced once: lowered from the same trace
-        kernels_per_shard = str(traced.jaxpr).count("shard_map[")
+        kernels_per_shard = sorted(kernels_in_shard_maps(traced.jaxpr.jaxpr))
         compiled = traced.lower().compile()
         hlo = compiled.as_text()
         if mesh.shape["fsdp"] == 1:  # pure data parallel: nothing may be gathered (each device its own rows)
             assert "all-gather(" not in hlo, "a data-parallel step gathers activations across devices"
         moved = moved_activations(hlo, batch["input_ids"].shape[-1])
         return (*compiled(lora, frozen, gbatch), kernels_per_shard, moved)
+
+
+def _sub_jaxprs(eqn):
+    for v in eqn.params.values():
+        for x in v if isinstance(v, (tuple, list)) else (v,):
+            if isinstance(x, jax.extend.core.ClosedJaxpr):
+                yield x.jaxpr
+            elif isinstance(x, jax.extend.core.Jaxpr):
+                yield x
+
+
+def kernels_in_shard_maps(jaxpr, inside: bool = False) -> set[str]:
+    """The Pallas kernels the step calls inside a shard_map (per shard), by name."""
+    names = set()
+    for e in jaxpr.eqns:
+        if inside and e.primitive.name == "pallas_call":
+            names.add(str(e.params.get("name_and_src_info", e.params.get("name", ""))).split(" ")[0])
+        for sub in _sub_jaxprs(e):
+            names |= kernels_in_shard_maps(sub, inside or e.primitive.name == "shard_map")
+    return names
 
 
 def moved_activations(hlo: str, seq_len: int) -> list[list[int]]:
@@ -104,14 +124,13 @@ def check_grads() -> None:
              "positions": jaxtune.model.segment_positions(jnp.asarray(seg.reshape(-1, 48))).reshape(shape)}
     batch["positions"] = np.asarray(batch["positions"])
     ref_loss, ref_grads, _, _ = grads_on(None, graphdef, lora, frozen, batch)
-    # pure data parallel (nothing gathered), FSDP within a 2-D mesh over all 8 devices, and the Pallas kernels per shard
-    runs = [("data=8", "xla"), ("data=2,fsdp=4", "xla"), ("data=2,fsdp=2", "pallas-interpret")]
-    for spec, kernels in runs:
-        jaxtune.set_kernels(kernels)
-        devices = jax.devices()[:4] if spec == "data=2,fsdp=2" else None
-        mesh = sharding.make_mesh(spec, devices)
-        loss, grads, shard_maps, moved = grads_on(mesh, graphdef, lora, frozen, batch)
-        report(grads, ref_grads, mesh=spec, kernels=kernels, loss=float(loss), ref_loss=float(ref_loss),
+    # pure data parallel (nothing gathered) and FSDP within a 2-D mesh over all 8 devices; the Pallas kernels per
+    # shard run below, in the FP8 and mixture-of-experts steps (the latter's attention and NF4 projections are the
+    # dense model's kernels: a dense Pallas run compiled the same kernels per shard a third time)
+    jaxtune.set_kernels("xla")
+    for spec in ("data=8", "data=2,fsdp=4"):
+        loss, grads, shard_maps, moved = grads_on(sharding.make_mesh(spec), graphdef, lora, frozen, batch)
+        report(grads, ref_grads, mesh=spec, kernels="xla", loss=float(loss), ref_loss=float(ref_loss),
                shard_maps=shard_maps, moved_activations=moved)
     # FP8 on a mesh: the row quantizer and the FP8 GEMM (Pallas, interpreted) run per shard and reproduce the
     # single-device FP8 step of the XLA reference (the same e4m3 operands), whose loss is not the float32 one
@@ -125,19 +144,17 @@ def check_grads() -> None:
     loss, grads, shard_maps, moved = grads_on(mesh, graphdef, lora, frozen, batch)
     report(grads, fp8_grads, mesh="data=2,fsdp=2", kernels="pallas-interpret", compute="fp8", loss=float(loss),
            ref_loss=float(fp8_loss), float32_loss=float(ref_loss), shard_maps=shard_maps, moved_activations=moved)
-    # a mixture of experts: its expert stacks sharded over fsdp too, the Pallas grouped kernels (interpreted) per
-    # shard, as on a GPU
+    # a mixture of experts: its expert stacks sharded over fsdp too, the Pallas kernels (interpreted) as on a GPU
     jaxtune.set_kernels("xla")
     graphdef, lora, frozen = split_model(model(cfg=MOE_CFG))
     moe_loss, moe_grads, _, _ = grads_on(None, graphdef, lora, frozen, batch)
-    for spec, kernels in (("data=2,fsdp=2", "pallas-interpret"),):
-        jaxtune.set_kernels(kernels)
-        mesh = sharding.make_mesh(spec, jax.devices()[:4] if spec == "data=2,fsdp=2" else None)
-        experts = [str(a.sharding.spec) for a in jax.tree.leaves(sharding.shard_state(mesh, frozen))
-                   if a.ndim == 4 and "fsdp" in str(a.sharding.spec)]  # [layers, experts, out, in / 2] codes
-        loss, grads, shard_maps, moved = grads_on(mesh, graphdef, lora, frozen, batch)
-        report(grads, moe_grads, mesh=spec, kernels=kernels, model="qwen3_moe", loss=float(loss),
-               ref_loss=float(moe_loss), shard_maps=shard_maps, moved_activations=moved, sharded_experts=experts)
+    jaxtune.set_kernels("pallas-interpret")
+    mesh = sharding.make_mesh("data=2,fsdp=2", jax.devices()[:4])
+    experts = [str(a.sharding.spec) for a in jax.tree.leaves(sharding.shard_state(mesh, frozen))
+               if a.ndim == 4 and "fsdp" in str(a.sharding.spec)]  # [layers, experts, out, in / 2] codes
+    loss, grads, shard_maps, moved = grads_on(mesh, graphdef, lora, frozen, batch)
+    report(grads, moe_grads, mesh="data=2,fsdp=2", kernels="pallas-interpret", model="qwen3_moe", loss=float(loss),
+           ref_loss=float(moe_loss), shard_maps=shard_maps, moved_activations=moved, sharded_experts=experts)
 
 
 def train(tokenizer_dir: str, out_dir: str, mesh: str | None = None, options: str = "{}") -> None:

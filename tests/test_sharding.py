@@ -65,14 +65,17 @@ def test_sharded_step_matches_single_device_on_8_devices():
     fp8 = [r for r in runs if r.get("compute") == "fp8"]
     moe = [r for r in runs if r.get("model") == "qwen3_moe"]
     runs = [r for r in runs if r.get("compute") != "fp8" and r not in moe]
-    assert {r["mesh"] for r in runs} == {"data=8", "data=2,fsdp=4", "data=2,fsdp=2"}
+    assert [r["mesh"] for r in runs] == ["data=8", "data=2,fsdp=4"]
     assert [r["mesh"] for r in moe] == ["data=2,fsdp=2"]
-    for r in moe:  # a mixture of experts: the expert stacks sharded, the grouped kernels per shard with no activation
-        # moved, the single-device loss and gradients
-        assert r["sharded_experts"] and r["shard_maps"] >= 2 and r["moved_activations"] == [], r
+    flash = {"flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"}
+    for r in moe:  # a mixture of experts: the expert stacks sharded, the attention and NF4 projection kernels (the
+        # dense model's) per shard (`shard_maps`: the kernels inside a shard_map) with no activation moved, the
+        # single-device loss and gradients
+        assert r["sharded_experts"] and r["moved_activations"] == [], r
+        assert set(r["shard_maps"]) >= flash | {"nf4_matmul", "nf4_matmul_dx"}, r
         assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), r
         assert r["grad_max_abs_diff"] <= 1e-5 * r["grad_scale"] + 1e-7, r
-    assert len(fp8) == 1 and fp8[0]["shard_maps"] >= 2, fp8
+    assert len(fp8) == 1 and set(fp8[0]["shard_maps"]) >= flash | {"fp8_quantize_rows", "fp8_blockscaled_matmul"}, fp8
     r = fp8[0]  # the same e4m3 operands per shard: the loss to float32 rounding, gradients to FP8 rounding flips
     assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), r
     assert r["grad_max_abs_diff"] <= 1e-2 * r["grad_scale"], r  # measured 2.8e-3
@@ -82,14 +85,13 @@ def test_sharded_step_matches_single_device_on_8_devices():
     for r in runs:
         assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), r
         assert r["grad_max_abs_diff"] <= 1e-5 * r["grad_scale"] + 1e-7, r
-        if r["kernels"] == "pallas-interpret":  # the Pallas kernels ran per shard
-            assert r["shard_maps"] >= 2, r
 
 
 def test_grpo_samples_and_trains_on_a_mesh_as_on_one_device(tok_dir, tmp_path):
-    """GRPO on two devices, data-parallel or FSDP, and on two processes (hosts) of one device each: each device
-    samples its share of a rollout (each host scores its share), and the run samples the completions and reaches
-    the losses of one device (KL term and the kept sampling log-probabilities included)."""
+    """GRPO on two devices of one process (FSDP) and on two processes (hosts) of one device each, data-parallel:
+    each device samples its share of a rollout (each host scores its share), and the run samples the completions
+    and reaches the losses of one device (KL term and the kept sampling log-probabilities included). (Data-parallel
+    on two devices of one process is the two hosts' program on one host: the hosts' run covers it.)"""
     def runs(devices: int, meshes: str) -> list[dict]:
         proc = subprocess.run([sys.executable, WORKER, "grpo", str(tok_dir), str(tmp_path / str(devices)), meshes],
                               capture_output=True, text=True, timeout=600,
@@ -98,8 +100,8 @@ def test_grpo_samples_and_trains_on_a_mesh_as_on_one_device(tok_dir, tmp_path):
         return _json_lines(proc.stdout)
 
     (want,) = runs(1, "")
-    got = runs(2, "data=2;fsdp=2")
-    assert want["devices"] == 1 and [g["mesh"] for g in got] == ["data=2", "fsdp=2"] and got[0]["devices"] == 2
+    got = runs(2, "fsdp=2")
+    assert want["devices"] == 1 and [g["mesh"] for g in got] == ["fsdp=2"] and got[0]["devices"] == 2
     assert len(want["completions"]) == 2 and len(set(map(str, want["completions"][0]))) > 1  # 2 rollouts, varied
     # two processes of one device each (two hosts): each samples and scores its half of every rollout, and both
     # train on the whole
@@ -247,7 +249,9 @@ def test_two_processes_train_as_one_and_a_sigterm_to_one_stops_both_then_resume_
 
 def test_an_error_in_one_process_ends_the_whole_job(tok_dir, tmp_path):
     """Process 1 raises at step 2: it exits non-zero at once with its error; process 0 does not hang."""
-    outs = _two_processes(tok_dir, tmp_path / "two", {"steps": 50, "save_steps": 0, "raise_at": {"process": 1, "step": 2}},
+    # 8 rows a step: the two-process step of the SIGTERM test, which the suite's compilation cache may hold
+    outs = _two_processes(tok_dir, tmp_path / "two", {"batch": 8, "steps": 50, "save_steps": 0,
+                                                      "raise_at": {"process": 1, "step": 2}},
                           JAXTUNE_HEARTBEAT_TIMEOUT="10")
     (code0, _, err0, _), (code1, _, err1, _) = outs
     assert code1 != 0 and "error in process 1 of 2: injected failure at step 2" in err1
