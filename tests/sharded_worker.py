@@ -74,22 +74,15 @@ def grads_on(mesh, graphdef, lora, frozen, batch):
         return (*compiled(lora, frozen, gbatch), kernels_per_shard, moved)
 
 
-def _sub_jaxprs(eqn):
-    for v in eqn.params.values():
-        for x in v if isinstance(v, (tuple, list)) else (v,):
-            if isinstance(x, jax.extend.core.ClosedJaxpr):
-                yield x.jaxpr
-            elif isinstance(x, jax.extend.core.Jaxpr):
-                yield x
-
-
 def kernels_in_shard_maps(jaxpr, inside: bool = False) -> set[str]:
     """The Pallas kernels the step calls inside a shard_map (per shard), by name."""
+    from test_kernel_dispatch import kernel_name, sub_jaxprs  # the suite's jaxpr walk (imported here: pytest's module)
+
     names = set()
     for e in jaxpr.eqns:
-        if inside and e.primitive.name == "pallas_call":
-            names.add(str(e.params.get("name_and_src_info", e.params.get("name", ""))).split(" ")[0])
-        for sub in _sub_jaxprs(e):
+        if inside and kernel_name(e):
+            names.add(kernel_name(e))
+        for sub in sub_jaxprs(e):
             names |= kernels_in_shard_maps(sub, inside or e.primitive.name == "shard_map")
     return names
 
@@ -134,7 +127,6 @@ def check_grads() -> None:
                shard_maps=shard_maps, moved_activations=moved)
     # FP8 on a mesh: the row quantizer and the FP8 GEMM (Pallas, interpreted) run per shard and reproduce the
     # single-device FP8 step of the XLA reference (the same e4m3 operands), whose loss is not the float32 one
-    jaxtune.set_kernels("xla")
     fp8 = model()
     fp8.compute = "fp8"
     graphdef, lora, frozen = split_model(fp8)
