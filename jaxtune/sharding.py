@@ -107,10 +107,10 @@ def shard_state(mesh: Mesh, tree: Any) -> Any:
 
 
 def current_mesh():
-    """The mesh in context (`jax.set_mesh`, as the training step is traced), or None when there is none or
-    it has one device."""
+    """The mesh in context (`jax.set_mesh`, as the training step is traced), or None when there is none, it has
+    one device, or the code runs per device inside a `shard_map` over all its axes (as on one device)."""
     mesh = jax.sharding.get_abstract_mesh()
-    return None if mesh.empty or mesh.size == 1 else mesh
+    return None if mesh.empty or mesh.size == 1 or mesh.are_all_axes_manual else mesh
 
 
 def whole_on_every_device(*arrays: jax.Array) -> tuple[jax.Array, ...]:

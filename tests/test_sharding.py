@@ -69,10 +69,11 @@ def test_sharded_step_matches_single_device_on_8_devices():
     assert [r["mesh"] for r in moe] == ["data=2,fsdp=2"]
     flash = {"flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"}
     for r in moe:  # a mixture of experts: the expert stacks sharded, the attention and NF4 projection kernels (the
-        # dense model's) per shard (`shard_maps`: the kernels inside a shard_map) with no activation moved, the
-        # single-device loss and gradients
+        # dense model's) and the experts' dequant and grouped GEMMs per shard (`shard_maps`: the kernels inside a
+        # shard_map; the grouped kernel on the global rows ran every device's rows on every device) with no
+        # activation moved, the single-device loss and gradients
         assert r["sharded_experts"] and r["moved_activations"] == [], r
-        assert set(r["shard_maps"]) >= flash | {"nf4_matmul", "nf4_matmul_dx"}, r
+        assert set(r["shard_maps"]) >= flash | {"nf4_matmul", "nf4_matmul_dx", "nf4_dequantize", "grouped_matmul"}, r
         assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), r
         assert r["grad_max_abs_diff"] <= 1e-5 * r["grad_scale"] + 1e-7, r
     assert len(fp8) == 1 and set(fp8[0]["shard_maps"]) >= flash | {"fp8_quantize_rows", "fp8_blockscaled_matmul"}, fp8

@@ -4,7 +4,7 @@ excluded), E * sum_e f_e * P_e, with f_e the share of top-k assignments that wen
 mean router probability of e. Only P_e carries a gradient (through the router's inputs: the adapters below it).
 
 Each sparse layer adds its counts and probability sums to a collector the layer loop carries from layer to layer
-(`collecting` around a layer's call, `record` inside the MoE block), so the loss needs no second pass.
+(`collecting` around a layer's call; the MoE block adds its `statistics`), so the loss needs no second pass.
 """
 
 from __future__ import annotations
@@ -39,16 +39,23 @@ def collecting(token_mask: jax.Array) -> Iterator[list[jax.Array]]:
         _collector.reset(reset)
 
 
-def record(routing: Routing, num_experts: int) -> None:
-    """Adds this block's statistics to the collector in force (none: nothing to do)."""
+def collecting_mask() -> jax.Array | None:
+    """The token mask [N] of the collector in force (None: no statistics are collected)."""
     collector = _collector.get()
-    if collector is None:
-        return
-    mask, got = collector
+    return None if collector is None else collector[0]
+
+
+def statistics(routing: Routing, num_experts: int, mask: jax.Array) -> jax.Array:
+    """One block's statistics [stats_size] over the tokens `mask` [N] marks."""
     probs = jax.nn.softmax(routing.logits.astype(jnp.float32), axis=-1)  # [N, E]
     picked = jax.nn.one_hot(routing.experts, num_experts, dtype=jnp.float32)  # [N, k, E]
     counts = jnp.einsum("nke,n->e", picked, mask)
-    got.append(jnp.concatenate([counts, jnp.einsum("ne,n->e", probs, mask), jnp.sum(mask)[None]]))
+    return jnp.concatenate([counts, jnp.einsum("ne,n->e", probs, mask), jnp.sum(mask)[None]])
+
+
+def add(stats: jax.Array) -> None:
+    """Adds one block's statistics to the collector in force."""
+    _collector.get()[1].append(stats)
 
 
 def load_balancing_loss(stats: jax.Array, num_experts: int) -> jax.Array:

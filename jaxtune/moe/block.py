@@ -8,9 +8,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtune.moe import balancing
-from jaxtune.moe.experts import ExpertLinear
+from jaxtune.moe.experts import ExpertLinear, NF4Experts
 from jaxtune.moe.layout import tile_layout
 from jaxtune.moe.routing import route
+from jaxtune.ops.sharded import per_batch_shard_with
+from jaxtune.sharding import batch_shards, current_mesh, whole_on_every_device
 
 
 class Router(nnx.Module):
@@ -32,10 +34,23 @@ class SparseMoE(nnx.Module):
         self.down_proj = ExpertLinear(e, i, h, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, rng: jax.Array | None = None, token_tile: int | None = None) -> jax.Array:
+        b, t, _ = x.shape
+        mask = balancing.collecting_mask()  # the load-balancing loss's tokens, when its statistics are collected
+        mask = None if mask is None else mask.reshape(b, t)
+        if current_mesh() is None:
+            out, stats = self.routed(x, mask, rng)
+        else:
+            out, stats = _per_batch_shard(self, x, mask, rng)
+        if stats is not None:
+            balancing.add(stats)
+        return out
+
+    def routed(self, x: jax.Array, mask: jax.Array | None, rng: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+        """(the block's output, its load-balancing statistics over `mask`'s tokens or None) on one device."""
         b, t, hidden = x.shape
         flat = x.reshape(b * t, hidden)
         routing = route(flat, self.router.weight[...], self.top_k, self.normalize)
-        balancing.record(routing, self.num_experts)  # the load-balancing loss's statistics, when collected
+        stats = None if mask is None else balancing.statistics(routing, self.num_experts, mask.reshape(-1))
         layout = tile_layout(routing.experts, self.num_experts)
         # each token's k copies are a broadcast (its gradient a sum, not a scatter-add); every routed row has a
         # padded row of its own (unique indices: no atomic updates either way)
@@ -47,4 +62,34 @@ class SparseMoE(nnx.Module):
         out = self.down_proj(h, layout, key(6)).at[layout.position].get(unique_indices=True)
         out = out.reshape(b * t, self.top_k, hidden)
         weights = routing.weights.astype(x.dtype)[..., None]
-        return jnp.sum((out * weights).astype(jnp.float32), axis=1).astype(x.dtype).reshape(b, t, hidden)
+        out = jnp.sum((out * weights).astype(jnp.float32), axis=1).astype(x.dtype).reshape(b, t, hidden)
+        return out, stats
+
+
+def _per_batch_shard(block: SparseMoE, x: jax.Array, mask: jax.Array | None,
+                     rng: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+    """`block.routed` on each device's own rows of a mesh, the layer's weights gathered whole on every device (as
+    FSDP gathers a dense layer's, the NF4 codes 1 byte each). Routed on the global rows instead, the grouped
+    kernel (a custom call, which XLA cannot partition) ran every expert's GEMM over every device's rows on every
+    device. The statistics come out per device and are summed."""
+    from jaxtune.qlora import QuantizedWeight
+
+    local = nnx.clone(block)
+    for _, module in nnx.iter_modules(local):
+        if isinstance(module, NF4Experts):  # this layer's codes, not the whole stack the layer loop passes
+            module.codes = QuantizedWeight(module.weight_nf4.own_codes())
+    graphdef, weights = nnx.split(local)
+    weights = jax.tree.map(lambda a: whole_on_every_device(a)[0], weights)
+    # per row of the batch split: the token mask, and a dropout key per device (the first one on every device
+    # when the rows do not split and each device computes them all)
+    mesh = current_mesh()
+    keys = None if rng is None else jax.random.split(rng, batch_shards(mesh))
+    rows = {"mask": mask, "keys": keys}
+
+    def on_device(x, rows, weights):
+        rng = None if rows["keys"] is None else rows["keys"][0]
+        out, stats = nnx.merge(graphdef, weights).routed(x, rows["mask"], rng)
+        return out, (None if stats is None else stats[None])
+
+    out, stats = per_batch_shard_with(on_device, (x, rows), (weights,))
+    return out, (None if stats is None else jnp.sum(stats, axis=0))

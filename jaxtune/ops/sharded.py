@@ -1,8 +1,10 @@
-"""Pallas kernels on a device mesh: XLA cannot partition a custom call, so each runs per shard in `shard_map`."""
+"""Pallas kernels (and the blocks around them) on a device mesh: XLA cannot partition a custom call, so each runs
+per shard in `shard_map`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -15,10 +17,11 @@ def per_batch_shard(fn: Callable[..., jax.Array], *args: jax.Array) -> jax.Array
     return per_batch_shard_with(fn, args, ())
 
 
-def per_batch_shard_with(fn: Callable[..., jax.Array], sharded: tuple[jax.Array, ...],
-                         replicated: tuple[jax.Array, ...]) -> jax.Array:
+def per_batch_shard_with(fn: Callable[..., Any], sharded: tuple[jax.Array, ...], replicated: tuple[Any, ...]) -> Any:
     """fn(*sharded, *replicated) per device on a mesh: `sharded` split on dim 0 over the batch axes (when it
-    divides), `replicated` whole on every device (FSDP-sharded weights are all-gathered going in)."""
+    divides), `replicated` (arrays or pytrees of them) whole on every device (FSDP-sharded weights are
+    all-gathered going in; a trainable one's gradient is summed over the devices). Every output of fn (an array
+    or a pytree of them) is its device's rows on dim 0."""
     mesh = current_mesh()
     if mesh is None:
         return fn(*sharded, *replicated)
