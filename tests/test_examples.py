@@ -26,7 +26,8 @@ def test_quickstart_notebook_executes(short_smollm2):
 
     nb = nbformat.read(ROOT / "examples" / "quickstart.ipynb", as_version=4)
     shortened = {"max_steps=50": "max_steps=2", "[:4]": "[:2]", "max_steps=3": "max_steps=1",
-                 "max_new_tokens=48": "max_new_tokens=16", "seq_len=256, micro_batch_size=2": "seq_len=256, micro_batch_size=1"}
+                 "max_new_tokens=48": "max_new_tokens=16",
+                 "seq_len=256, micro_batch_size=2": "seq_len=256, micro_batch_size=1"}
     for cell in nb.cells:
         for old, new in shortened.items():
             cell.source = cell.source.replace(old, new)

@@ -503,6 +503,7 @@ def test_a_rollout_from_the_base_dequantized_once_samples_the_nf4_rollouts_token
     import jaxtune
     from conftest import set_random_lora
     from jaxtune.qlora import NF4Linear, get_peft_model
+    from jaxtune.rl import rollout
     from jaxtune.rl.rollout import sample_completions
 
     decoding = importlib.import_module("jaxtune.generate")
@@ -513,7 +514,7 @@ def test_a_rollout_from_the_base_dequantized_once_samples_the_nf4_rollouts_token
     eos = (tiny_tokenizer.eos_token_id,)
     from jaxtune import ops
 
-    jax.clear_caches()  # the kernel mode is read when the sampler is traced
+    rollout.sample.clear_cache()  # the kernel mode is read when the sampler is traced (an earlier trace: another mode)
     traced = []  # NF4 projections traced through the per-token path
     per_token = ops.nf4_linear
     monkeypatch.setattr(ops, "nf4_linear", lambda *a, **kw: traced.append(1) or per_token(*a, **kw))
@@ -541,6 +542,7 @@ def test_a_rollout_from_the_base_dequantized_once_samples_the_nf4_rollouts_token
                 np.testing.assert_array_equal(np.asarray(w), np.asarray(nf4.dequantize(layer, model.dtype)))
     finally:
         jaxtune.set_kernels(None)
+        rollout.sample.clear_cache()  # later tests' samplers traced in their own mode
     for partial, got, want in zip(runs[1], runs[True], runs[False]):
         np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(partial, want)

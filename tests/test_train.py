@@ -84,15 +84,15 @@ def test_loss_decreases(tiny_tokenizer):
     assert not any("collapsed" in r for r in records)  # a healthy run is never flagged
 
 
-def test_unrolled_layers_train_as_the_layer_loop_does(tiny_tokenizer, tmp_path, remat="selective"):
+def test_unrolled_layers_train_as_the_layer_loop_does(tiny_tokenizer, tmp_path):
     """unroll_layers changes how the step is compiled, not what it computes: the same losses as the loop, and the
     run's config records it. Under remat, where the unrolled layers must keep the compiler from merging the
     recomputation into the forward pass; without remat the unrolled layers' gradients are the loop's in
     tests/test_layer_loop.py."""
     def run(unroll: bool):
         cfg = jaxtune.TrainConfig(seq_len=64, micro_batch_size=2, max_steps=4, learning_rate=3e-3, lora_r=8,
-                                  lora_dropout=0.1, remat=remat, unroll_layers=unroll)
-        out = tmp_path / f"{remat}-{unroll}"
+                                  lora_dropout=0.1, remat="selective", unroll_layers=unroll)
+        out = tmp_path / f"unrolled-{unroll}"
         losses = jaxtune.train(_model(tiny_tokenizer), tiny_tokenizer, ROWS, cfg, out_dir=out, progress=False).losses
         return losses, json.loads((out / "config.json").read_text())["train"]["unroll_layers"]
 

@@ -82,14 +82,13 @@ def _per_batch_shard(block: SparseMoE, x: jax.Array, mask: jax.Array | None,
     weights = jax.tree.map(lambda a: whole_on_every_device(a)[0], weights)
     # per row of the batch split: the token mask, and a dropout key per device (the first one on every device
     # when the rows do not split and each device computes them all)
-    mesh = current_mesh()
-    keys = None if rng is None else jax.random.split(rng, batch_shards(mesh))
-    rows = {"mask": mask, "keys": keys}
+    keys = None if rng is None else jax.random.split(rng, batch_shards(current_mesh()))
+    per_row = {"mask": mask, "keys": keys}
 
-    def on_device(x, rows, weights):
-        rng = None if rows["keys"] is None else rows["keys"][0]
-        out, stats = nnx.merge(graphdef, weights).routed(x, rows["mask"], rng)
+    def on_device(x, per_row, weights):
+        rng = None if per_row["keys"] is None else per_row["keys"][0]
+        out, stats = nnx.merge(graphdef, weights).routed(x, per_row["mask"], rng)
         return out, (None if stats is None else stats[None])
 
-    out, stats = per_batch_shard_with(on_device, (x, rows), (weights,))
+    out, stats = per_batch_shard_with(on_device, (x, per_row), (weights,))
     return out, (None if stats is None else jnp.sum(stats, axis=0))
