@@ -504,7 +504,6 @@ def test_a_rollout_from_the_base_dequantized_once_samples_the_nf4_rollouts_token
     from conftest import set_random_lora
     from jaxtune.qlora import NF4Linear, get_peft_model
     from jaxtune.rl import rollout
-    from jaxtune.rl.rollout import sample_completions
 
     decoding = importlib.import_module("jaxtune.generate")
     monkeypatch.setattr(decoding, "PER_LAYER_CACHE", True)
@@ -523,8 +522,9 @@ def test_a_rollout_from_the_base_dequantized_once_samples_the_nf4_rollouts_token
         runs = {}
         for dense in (False, True, 1):  # the codes, every layer's copy, the first layer's copy
             traced.clear()
-            runs[dense] = [sample_completions(graphdef, lora, frozen, prompts, jax.random.key(0), max_new_tokens=8,
-                                              eos_ids=eos, pad_id=0, temperature=t, top_p=1.0, top_k=k, dense=dense)
+            runs[dense] = [rollout.sample_completions(graphdef, lora, frozen, prompts, jax.random.key(0),
+                                                      max_new_tokens=8, eos_ids=eos, pad_id=0, temperature=t,
+                                                      top_p=1.0, top_k=k, dense=dense)
                            for t, k in ((1.0, 1), (1.0, 0))[:1 if kernels else 2]]
             assert bool(traced) != (dense is True)  # the dense rollout's GEMMs read the copies only
         # the copies are the per-token path's weights, bit for bit, one array per layer
