@@ -103,7 +103,7 @@ def _has_gpu() -> bool:
 # one of them running a long test alone at the end of the run
 LONGEST_FIRST = ("test_sharding.py::test_sharded_step", "test_kernel_dispatch.py::test_layer_scan_reads_nf4_codes",
                  "test_sharding.py::test_grpo_samples", "test_sharding.py::test_two_processes",
-                 "test_sharding.py::test_sigterm", "test_examples.py::test_readme_shell_block",
+                 "test_examples.py::test_readme_shell_block",
                  "test_examples.py::test_quickstart_notebook", "test_examples.py::test_dpo_demo")
 
 

@@ -183,45 +183,17 @@ def tok_dir(tiny_tokenizer, tmp_path):
     return tmp_path / "tok"
 
 
-@pytest.fixture(scope="session")
-def one_process(tiny_tokenizer, tmp_path_factory) -> dict:
-    """6 steps of 8 rows in one process, one device: what the two-process runs must reproduce. Run once for all
-    test workers (the first writes it, under a lock, where the others read it)."""
-    from filelock import FileLock
-
-    shared = tmp_path_factory.getbasetemp().parent  # pytest-xdist's workers share this directory
-    done = shared / "one_process.json"
-    with FileLock(str(done) + ".lock"):
-        if not done.exists():
-            tmp = tmp_path_factory.mktemp("one_process")
-            tiny_tokenizer.save_pretrained(tmp / "tok")
-            done.write_text(json.dumps(_single(tmp / "tok", tmp / "run", {"batch": 8, "steps": 6, "save_steps": 0})))
-    want = json.loads(done.read_text())
-    assert want["devices"] == 1 and len(want["losses"]) == 6
-    return want
-
-
-def test_two_processes_train_a_mixture_of_experts_to_the_losses_of_one(tok_dir, tmp_path):
-    """A Qwen3-MoE (8 experts, top 2) as two processes of one device each, data-parallel: one process's losses."""
-    options = {"moe": True, "batch": 8, "steps": 4, "save_steps": 0}
-    want = _single(tok_dir, tmp_path / "one", options)
-    outs = _two_processes(tok_dir, tmp_path / "two", options)
-    for code, _, err, _ in outs:
-        assert code == 0, err[-3000:]
-    assert want["losses"][-1] < want["losses"][0]
-    for got in (_json_lines(out)[0] for _, out, _, _ in outs):
-        assert got["processes"] == 2 and got["losses"] == pytest.approx(want["losses"], rel=1e-5)
-
-
-def test_two_processes_train_as_one_and_a_sigterm_to_one_stops_both_then_resume_continues(tok_dir, tmp_path,
-                                                                                        one_process):
-    """Two processes of one device each (--mesh data=2) train to the losses of one process. A preempted host:
+def test_two_processes_train_a_mixture_of_experts_as_one_and_a_sigterm_to_one_stops_both_then_resume_continues(
+        tok_dir, tmp_path):
+    """Two processes of one device each (--mesh data=2) train a Qwen3-MoE (8 experts, top 2: routing, grouped
+    expert GEMMs and the load-balancing statistics per device) to the losses of one process. A preempted host:
     SIGTERM to process 1 after step 2; both stop after one agreed step, save it once, exit 0; the same command with
     resume reaches the losses of the uninterrupted one-process run."""
-    want = one_process
+    want = _single(tok_dir, tmp_path / "one", {"moe": True, "batch": 8, "steps": 6, "save_steps": 0})
+    assert want["devices"] == 1 and len(want["losses"]) == 6 and want["losses"][-1] < want["losses"][0]
     run = tmp_path / "two"
     # "auto": each process reads only its own device's memory (another's is not addressable), and all agree
-    options = {"batch": "auto", "steps": 6, "save_steps": 6}
+    options = {"moe": True, "batch": "auto", "steps": 6, "save_steps": 6}
     outs = _two_processes(tok_dir, run, {**options, "sigterm_at": {"process": 1, "step": 2}})
     for code, _, err, _ in outs:
         assert code == 0, err[-3000:]
@@ -250,8 +222,8 @@ def test_two_processes_train_as_one_and_a_sigterm_to_one_stops_both_then_resume_
 
 def test_an_error_in_one_process_ends_the_whole_job(tok_dir, tmp_path):
     """Process 1 raises at step 2: it exits non-zero at once with its error; process 0 does not hang."""
-    # 8 rows a step: the two-process step of the SIGTERM test, which the suite's compilation cache may hold
-    outs = _two_processes(tok_dir, tmp_path / "two", {"batch": 8, "steps": 50, "save_steps": 0,
+    # the two-process step of the SIGTERM test (8 rows of the mixture of experts), which the compilation cache may hold
+    outs = _two_processes(tok_dir, tmp_path / "two", {"moe": True, "batch": 8, "steps": 50, "save_steps": 0,
                                                       "raise_at": {"process": 1, "step": 2}},
                           JAXTUNE_HEARTBEAT_TIMEOUT="10")
     (code0, _, err0, _), (code1, _, err1, _) = outs

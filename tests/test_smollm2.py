@@ -56,11 +56,11 @@ def test_logits_match_transformers_gguf(smol, hf_smol):
 
 def test_greedy_generation_equals_transformers(smol, hf_smol):
     model, tokenizer = smol
-    ours = jaxtune.generate(model, tokenizer, PROMPTS, max_new_tokens=32)  # batched, different lengths
+    ours = jaxtune.generate(model, tokenizer, PROMPTS, max_new_tokens=16)  # batched, different lengths
     for prompt, text in zip(PROMPTS, ours):
         ids = torch.as_tensor([encode_prompt(tokenizer, prompt)])
         with torch.no_grad():
-            out = hf_smol.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
+            out = hf_smol.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
         ref = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
         assert text == ref
     assert "Paris" in ours[0]
