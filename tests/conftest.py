@@ -280,31 +280,15 @@ def tuned_smollm2(short_smollm2_path):
     return model, tokenizer
 
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory):
     """A small byte-level BPE tokenizer with ChatML special tokens and chat template, trained offline."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = ["The quick brown fox jumps over the lazy dog. " * 3, "Paris is the capital of France.",
-              '{"name": "Ana", "age": 31, "city": "Lisbon"}', "user assistant system hello world 0123456789"]
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>")
-    fast.chat_template = CHATML
+    from tiny_tokenizer import save_tiny_tokenizer
+
     path = tmp_path_factory.mktemp("tok")
-    fast.save_pretrained(path)
+    save_tiny_tokenizer(path)
     return PreTrainedTokenizerFast.from_pretrained(path)
 
 

@@ -5,22 +5,8 @@
 set -uo pipefail
 export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 mkdir -p /tmp/moe2p
-python3 - <<'PY'
-import ast
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
-tree = ast.parse(open("tests/conftest.py").read())  # the suite's chat template, without importing pytest
-CHATML = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "CHATML")
-tok = Tokenizer(models.BPE()); tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-tok.decoder = decoders.ByteLevel()
-corpus = ["The quick brown fox jumps over the lazy dog. " * 3, "Paris is the capital of France.",
-          '{"name": "Ana", "age": 31, "city": "Lisbon"}', "user assistant system hello world 0123456789"]
-tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>")
-fast.chat_template = CHATML
-fast.save_pretrained("/tmp/moe2p/tok")
-PY
+python3 -c "import sys; sys.path.insert(0, 'tests'); from tiny_tokenizer import save_tiny_tokenizer
+save_tiny_tokenizer('/tmp/moe2p/tok')"  # the suite's tokenizer (tests/tiny_tokenizer.py)
 opts='{"moe": true, "batch": 8, "steps": 4, "save_steps": 0}'
 CUDA_VISIBLE_DEVICES=0 python3 tests/sharded_worker.py train /tmp/moe2p/tok /tmp/moe2p/one "" "$opts" 2>/tmp/moe2p/one.err | grep '^{'
 port=$((20000 + RANDOM % 20000))
