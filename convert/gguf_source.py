@@ -220,6 +220,11 @@ class GGUFSource:
         cfg["tie_word_embeddings"] = not any(t.name == "output.weight" for t in self._reader.tensors)
         return cfg
 
+    def end_of_generation_ids(self) -> tuple[int, ...]:
+        """llama.cpp's end-of-turn and end-of-message ids beside its eos (the ids its sampler also stops at)."""
+        ids = [self._field(f"tokenizer.ggml.{kind}_token_id") for kind in ("eot", "eom")]
+        return tuple(int(i) for i in ids if i is not None)
+
     def names(self) -> list[str]:
         return list(self._tensors)
 

@@ -25,7 +25,7 @@ from convert.atomic import atomic_directory
 from convert.safetensors_source import SafetensorsSource
 from convert.safetensors_writer import write_shards
 from convert.state_tree import expected_arrays, merge_filled
-from jaxtune.config import ModelConfig, load_hf_config
+from jaxtune.config import ModelConfig, generation_config_json, load_hf_config
 from jaxtune.errors import CheckpointError
 from jaxtune.jsonfile import read_json_file
 from jaxtune.model import CausalLM
@@ -90,6 +90,7 @@ def write_description(directory: str, cfg: ModelConfig, tokenizer: Any, *, quant
     marks the directory complete."""
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(cfg.to_hf(), f, indent=2)
+    write_generation_config(directory, cfg)
     meta = {"format_version": FORMAT_VERSION, "quantization": quantization, "dtype": str(jnp.dtype(dtype))}
     if source is not None:
         meta["source"] = source
@@ -133,3 +134,11 @@ def read_checkpoint(path: str, *, dtype: str | None = None) -> CausalLM:
             values = dict(tqdm(pool.map(put, expected.items()), total=len(expected), desc=desc, unit="tensor", leave=False))
         jax.block_until_ready(list(values.values()))
     return merge_filled(graphdef, state, pure, values)
+
+
+def write_generation_config(directory: str, cfg: ModelConfig) -> None:
+    """generation_config.json beside config.json where the model has generation eos ids, as transformers saves it."""
+    generation = generation_config_json(cfg)
+    if generation is not None:
+        with open(os.path.join(directory, "generation_config.json"), "w") as f:
+            json.dump(generation, f, indent=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -246,7 +247,8 @@ def open_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, Any, str | No
         if not path.endswith(".gguf"):
             raise CheckpointError(f"{path} is a file but not a .gguf; pass an HF model directory or a .gguf file")
         source = GGUFSource(path)
-        return ModelConfig.from_hf(source.hf_config), source, path
+        cfg = ModelConfig.from_hf(source.hf_config)
+        return dataclasses.replace(cfg, generation_eos_token_ids=source.end_of_generation_ids()), source, path
     cfg = load_hf_config(path)
     return cfg, SafetensorsSource(path), None
 

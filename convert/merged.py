@@ -15,6 +15,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from convert.atomic import atomic_directory
+from convert.jaxtune_format import write_generation_config
 from convert.moe_names import expert_layout
 from convert.safetensors_writer import ShardedSafetensorsWriter
 from convert.peft_io import expert_lora_modules, lora_modules
@@ -227,6 +228,7 @@ def save_merged(
                 config["quantization_config"] = dict(BNB_CONFIG)
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump(config, f, indent=2)
+            write_generation_config(tmp, model.config)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
     finally:

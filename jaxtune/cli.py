@@ -100,6 +100,7 @@ _TRAIN_OVERRIDES = {  # CLI flag -> TrainConfig field
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "epsilon": "epsilon",
     "epsilon_high": "epsilon_high", "delta": "delta", "loss_type": "loss_type", "scale_rewards": "scale_rewards",
     "num_iterations": "num_iterations", "importance_sampling_level": "importance_sampling_level",
+    "multi_objective_aggregation": "multi_objective_aggregation",
 }
 _FLAG_OF = {field: flag for flag, field in _TRAIN_OVERRIDES.items()}
 
@@ -244,6 +245,8 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jaxtune.training.config import AGGREGATIONS, GRPO_LOSSES
+
     parser = _Parser(prog="jaxtune", description="QLoRA fine-tuning of Llama-family models in JAX")
     parser.add_argument("--version", action="version", version=f"jaxtune {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -302,8 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
     grpo.add_argument("--epsilon", type=float, help="ratio clip range (default 0.2)")
     grpo.add_argument("--epsilon-high", type=float, help="upper clip (DAPO: 0.28; default --epsilon)")
     grpo.add_argument("--delta", type=float, help="two-sided GRPO: the ratio's cap (> 1)")
-    grpo.add_argument("--loss-type", choices=["dapo", "grpo", "dr_grpo", "bnpo"], help="(default dapo)")
+    grpo.add_argument("--loss-type", choices=list(GRPO_LOSSES), help="(default dapo)")
     grpo.add_argument("--scale-rewards", choices=["group", "batch", "none"], help="(default group)")
+    grpo.add_argument("--multi-objective-aggregation", choices=list(AGGREGATIONS),
+                      help="several rewards: normalize their weighted sum (default), or each one first (GDPO)")
     grpo.add_argument("--num-iterations", type=int, help="optimizer steps per batch of completions (default 1)")
     grpo.add_argument("--importance-sampling-level", choices=["token", "sequence"], help="sequence: GSPO")
     grpo.add_argument("--mask-truncated-completions", action="store_true",

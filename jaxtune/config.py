@@ -41,6 +41,9 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    # generation_config.json's end-of-sequence ids (chat models list the turn end beside config.json's eos), which
+    # transformers' generate and TRL stop at too
+    generation_eos_token_ids: tuple[int, ...] = ()
     # mixture of experts (Qwen3-MoE, Mixtral): every layer's MLP is `num_experts` SwiGLU experts of width
     # `moe_intermediate_size`, each token routed to its top `num_experts_per_tok` (0 experts: a dense MLP)
     num_experts: int = 0
@@ -227,4 +230,33 @@ def load_hf_config(model_dir: str | os.PathLike) -> ModelConfig:
         os.path.join(model_dir, "config.json"),
         missing=f"{model_dir} has no config.json; point to a Hugging Face model directory or a .gguf file",
     )
-    return ModelConfig.from_hf(hf)
+    cfg = ModelConfig.from_hf(hf)
+    eos = generation_eos_ids(model_dir)
+    return dataclasses.replace(cfg, generation_eos_token_ids=eos) if eos else cfg
+
+
+def generation_eos_ids(model_dir: str | os.PathLike) -> tuple[int, ...]:
+    """The eos_token_id of `model_dir/generation_config.json` as a tuple (none: no file, or no ids in it); a file
+    that is not JSON is named in one line."""
+    from jaxtune.jsonfile import read_json_file
+
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return ()
+    data = read_json_file(path, missing="")
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object; restore or re-create the file")
+    eos = data.get("eos_token_id")
+    if eos is None:
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise CheckpointError(f"{path} has eos_token_id {eos!r}; it must be a token id or a list of them")
+    return tuple(ids)
+
+
+def generation_config_json(cfg: ModelConfig) -> dict[str, Any] | None:
+    """generation_config.json's contents for a saved checkpoint (its eos ids), None where the model has none."""
+    if not cfg.generation_eos_token_ids:
+        return None
+    return {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.generation_eos_token_ids)}

@@ -44,9 +44,11 @@ def _round_up(n: int, m: int) -> int:
 
 
 def eos_token_ids(model: CausalLM, tokenizer: Any) -> tuple[int, ...]:
-    """End-of-sequence ids from the tokenizer and the model config (chat models often declare several)."""
+    """End-of-sequence ids from the tokenizer, config.json and generation_config.json (chat models often declare
+    several: Qwen2.5-Instruct's turn end and its text end), every id transformers' generate and TRL stop at."""
     ids: set[int] = set()
-    for source in (getattr(tokenizer, "eos_token_id", None), model.config.eos_token_id):
+    for source in (getattr(tokenizer, "eos_token_id", None), model.config.eos_token_id,
+                   model.config.generation_eos_token_ids):
         if isinstance(source, int):
             ids.add(source)
         elif source is not None:

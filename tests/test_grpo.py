@@ -22,17 +22,30 @@ from jaxtune.rl.loss import GRPO
 trl = pytest.importorskip("trl")
 
 
-def _trl_self(loss_type, beta, level, max_completion_length, epsilon_high=0.28, delta=None):
-    """The attributes GRPOTrainer._compute_loss reads, for one process and one micro-batch per step."""
+# the options of TRL's newer loss types, away from their defaults so that each one is exercised
+SAPO_VESPO = dict(sapo_temperature_pos=0.9, sapo_temperature_neg=1.3, vespo_k_pos=1.5, vespo_lambda_pos=2.5,
+                  vespo_k_neg=2.5, vespo_lambda_neg=1.5)
+
+
+def _epsilon_high(loss_type: str) -> float:
+    """DAPO's clip-higher, or for CISPO its cap on the ratio (some ratios of `_terms` above it, some below)."""
+    return 1.1 if loss_type == "cispo" else 0.28
+
+
+def _trl_self(loss_type, beta, level, max_completion_length, epsilon_high=0.28, delta=None, accum=1):
+    """The attributes GRPOTrainer._compute_loss reads, for one process and `accum` micro-batches per step."""
+    from trl import GRPOTrainer
+
     acc = SimpleNamespace(num_processes=1, reduce=lambda t, reduction: t, gather=lambda t: t,
                           gather_for_metrics=lambda t: t)
     return SimpleNamespace(
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=level, beta=beta,
-        args=SimpleNamespace(use_bias_correction_kl=True, delta=delta, steps_per_generation=1), loss_type=loss_type,
-        epsilon_low=0.2, epsilon_high=epsilon_high, use_vllm=False, vllm_importance_sampling_correction=False,
-        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
-        max_completion_length=max_completion_length, accelerator=acc, _entropy_bonus_enabled=False,
-        aux_loss_enabled=False, _metrics={"train": defaultdict(list)})
+        args=SimpleNamespace(use_bias_correction_kl=True, delta=delta, steps_per_generation=accum, **SAPO_VESPO),
+        loss_type=loss_type, epsilon_low=0.2, epsilon_high=epsilon_high, use_vllm=False,
+        vllm_importance_sampling_correction=False, model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=accum, max_completion_length=max_completion_length, accelerator=acc,
+        _entropy_bonus_enabled=False, aux_loss_enabled=False, _metrics={"train": defaultdict(list)},
+        get_gamma_weights=GRPOTrainer.get_gamma_weights)
 
 
 def _terms(seed: int, b: int = 6, t: int = 9):
@@ -51,8 +64,8 @@ def _terms(seed: int, b: int = 6, t: int = 9):
     return logps, old, ref, entropy, mask, rewards
 
 
-@pytest.mark.parametrize("loss_type, level", itertools.product(["dapo", "grpo", "dr_grpo", "bnpo"],
-                                                                 ["token", "sequence"]))
+@pytest.mark.parametrize("loss_type, level", itertools.product(
+    ["dapo", "grpo", "dr_grpo", "bnpo", "luspo", "cispo", "sapo", "vespo"], ["token", "sequence"]))
 def test_loss_and_its_gradient_equal_trl(loss_type, level):
     """TRL's own _compute_loss on the same log-probabilities: loss, d loss / d log-probabilities and the logged
     KL, entropy and clip ratios, to 1e-5 in float32, for every scale_rewards and beta; with the sampling policy's
@@ -68,7 +81,7 @@ def _compare_with_trl(loss_type, level, scale_rewards, beta, with_old):
     logps, old, ref, entropy, mask, rewards = _terms(seed=5)
     advantages, _ = group_advantages(rewards, np.array([1.0, 0.5], np.float32), 3, scale_rewards)
     b, t = logps.shape
-    fake = _trl_self(loss_type, beta, level, t)
+    fake = _trl_self(loss_type, beta, level, t, epsilon_high=_epsilon_high(loss_type))
     logps_t = torch.tensor(logps, requires_grad=True)
     fake._get_per_token_logps_and_entropies = lambda *a, **k: (logps_t, torch.tensor(entropy), None)
     inputs = {"prompt_ids": torch.zeros((b, 1), dtype=torch.long), "prompt_mask": torch.ones((b, 1)),
@@ -82,8 +95,8 @@ def _compare_with_trl(loss_type, level, scale_rewards, beta, with_old):
     want.backward()
     logged = {k: v[-1] for k, v in fake._metrics["train"].items()}
 
-    objective = GRPO(loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28, beta=beta,
-                     importance_sampling_level=level, max_completion_length=t)
+    objective = GRPO(loss_type=loss_type, epsilon_low=0.2, epsilon_high=_epsilon_high(loss_type), beta=beta,
+                     importance_sampling_level=level, max_completion_length=t, **SAPO_VESPO)
     labels = np.where(mask > 0, 1, IGNORE)[None]
     weights = objective.weights({"labels": jnp.asarray(labels)})
 
@@ -96,10 +109,13 @@ def _compare_with_trl(loss_type, level, scale_rewards, beta, with_old):
     np.testing.assert_allclose(float(ours), want.item(), rtol=1e-5, atol=1e-6, err_msg=case)
     np.testing.assert_allclose(np.asarray(grad), logps_t.grad.numpy(), rtol=1e-5, atol=1e-6, err_msg=case)
     assert np.abs(logps_t.grad.numpy()).max() > 1e-3, case  # the loss depends on the log-probabilities
+    assert set(objective.metric_names) == set(logged), case  # every metric TRL logs, and no other
     for name in objective.metric_names:
         np.testing.assert_allclose(float(metrics[name]), logged[name], rtol=1e-5, atol=1e-6, err_msg=f"{case} {name}")
-    if with_old:  # some ratios were clipped: the clipping was compared too
+    if with_old and loss_type in ("dapo", "grpo", "dr_grpo", "bnpo", "luspo"):  # the clipping was compared too
         assert logged["clip_ratio/region_mean"] > 0, case
+    if with_old and loss_type == "cispo":
+        assert 0 < logged["cispo_clip_ratio"] < 1, case
 
 
 def _advantages_float64(rewards: np.ndarray, weights: np.ndarray, g: int, scale: str) -> np.ndarray:
@@ -546,3 +562,100 @@ def test_a_rollout_from_the_base_dequantized_once_samples_the_nf4_rollouts_token
     for partial, got, want in zip(runs[1], runs[True], runs[False]):
         np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(partial, want)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "luspo", "cispo", "sapo", "vespo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_a_step_of_two_micro_batches_logs_trls_metrics(loss_type, level):
+    """Gradient accumulation over two micro-batches of different token counts: the step's loss is the sum of TRL's
+    per-micro-batch losses, and each metric TRL's log of them (the micro-batches' own means, averaged unweighted,
+    min / max clip ratios included), to 1e-5; the token-weighted mean over the step differs here."""
+    from trl import GRPOTrainer
+
+    logps, old, ref, entropy, mask, rewards = _terms(seed=11, b=8, t=9)
+    mask[4:] = (np.arange(9)[None] < np.array([[9], [8], [9], [7]])).astype(np.float32)  # more tokens in the 2nd
+    advantages, _ = group_advantages(rewards, np.array([1.0, 0.5], np.float32), 4, "group")
+    t = logps.shape[1]
+    fake = _trl_self(loss_type, 0.04, level, t, epsilon_high=_epsilon_high(loss_type), accum=2)
+    want_loss = 0.0
+    for half in (slice(0, 4), slice(4, 8)):
+        fake._get_per_token_logps_and_entropies = lambda *a, h=half, **k: (torch.tensor(logps[h]),
+                                                                           torch.tensor(entropy[h]), None)
+        inputs = {"prompt_ids": torch.zeros((4, 1), dtype=torch.long), "prompt_mask": torch.ones((4, 1)),
+                  "completion_ids": torch.zeros((4, t), dtype=torch.long), "completion_mask": torch.tensor(mask[half]),
+                  "advantages": torch.tensor(advantages[half]), "num_items_in_batch": torch.tensor(mask.sum()),
+                  "old_per_token_logps": torch.tensor(old[half]), "ref_per_token_logps": torch.tensor(ref[half])}
+        want_loss += GRPOTrainer._compute_loss(fake, None, inputs).item()
+    logged = {k: float(np.mean(v)) for k, v in fake._metrics["train"].items()}
+
+    objective = GRPO(loss_type=loss_type, epsilon_low=0.2, epsilon_high=_epsilon_high(loss_type), beta=0.04,
+                     importance_sampling_level=level, max_completion_length=t, **SAPO_VESPO)
+    labels = np.where(mask > 0, 1, IGNORE).reshape(2, 4, t)
+    weights = objective.weights({"labels": jnp.asarray(labels)})
+    ours, metrics = 0.0, defaultdict(float)
+    for half in (slice(0, 4), slice(4, 8)):
+        lp, ent, o, r, adv, m_ = (jnp.asarray(x[half]) for x in (logps, entropy, old, ref, advantages, mask))
+        loss, m = objective.loss_from_logps(lp, ent, o, r, adv, m_, weights)
+        ours += float(loss)
+        for k, v in m.items():
+            metrics[k] += float(v)
+    case = f"{loss_type} {level}"
+    np.testing.assert_allclose(ours, want_loss, rtol=1e-5, atol=1e-6, err_msg=case)
+    assert set(metrics) == set(logged), case
+    for name, value in logged.items():
+        np.testing.assert_allclose(metrics[name], value, rtol=1e-5, atol=1e-6, err_msg=f"{case} {name}")
+    token_weighted = float(np.sum(entropy * mask) / mask.sum())
+    assert abs(token_weighted - logged["entropy"]) > 1e-4  # the case tells the two means apart
+
+
+def _trl_advantages(rewards: np.ndarray, weights: np.ndarray, g: int, scale: str, aggregation: str):
+    """GRPOTrainer's advantage and reward-metric arithmetic, in torch with TRL's own nanstd, line for line."""
+    from trl.trainer.utils import nanstd
+
+    r, w = torch.tensor(rewards), torch.tensor(weights)
+    unscorable = torch.isnan(r).all(dim=1)
+    if aggregation == "sum_then_normalize":
+        total = (r * w.unsqueeze(0)).nansum(dim=1)
+        total[unscorable] = torch.nan
+        mean = torch.nanmean(total.view(-1, g), dim=1).repeat_interleave(g)
+        std = (nanstd(total).expand_as(total) if scale == "batch"
+               else nanstd(total.view(-1, g), dim=1).repeat_interleave(g))
+        adv = total - mean
+        if scale != "none":
+            adv = adv / (std + 1e-4)
+    else:
+        grouped = r.view(-1, g, r.shape[1])
+        per_func = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True)
+                                                                              + 1e-4)
+        total = (per_func.view(-1, r.shape[1]) * w.unsqueeze(0)).nansum(dim=1)
+        total[unscorable] = torch.nan
+        std = nanstd(total).expand_as(total)
+        adv = (total - torch.nanmean(total)) / (std + 1e-4)
+    logged = (r * w.unsqueeze(0)).nansum(dim=1)
+    logged[unscorable] = torch.nan
+    metrics = {"reward": torch.nanmean(logged).item(), "reward_std": nanstd(logged).item(),
+               "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean().item()}
+    return torch.nan_to_num(adv, nan=0.0).numpy(), metrics, std.numpy()
+
+
+@pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_and_reward_metrics_equal_trls_with_an_unscored_group(scale, aggregation):
+    """A group whose every reward is None has no spread (NaN std, not -0.0): it is not counted in
+    frac_reward_zero_std, as in TRL; a group that scored alike is; GDPO's normalize_then_sum equals TRL's too."""
+    rng = np.random.default_rng(3)
+    rewards = rng.normal(size=(12, 2)).astype(np.float32)
+    rewards[0:4] = np.nan  # nothing scored the first group
+    rewards[5, 1] = np.nan
+    rewards[8:12] = [1.0, 0.25]  # every completion of the last group scored alike
+    weights = np.array([1.0, 0.5], np.float32)
+    got, metrics = group_advantages(rewards, weights, 4, scale, aggregation)
+    want, want_metrics, trl_std = _trl_advantages(rewards, weights, 4, scale, aggregation)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for name, value in want_metrics.items():
+        np.testing.assert_allclose(metrics[name], value, rtol=1e-6, err_msg=name)
+    if scale == "group" and aggregation == "sum_then_normalize":
+        assert np.isnan(trl_std[:4]).all() and metrics["frac_reward_zero_std"] == 4 / 12
+    from jaxtune.rl.advantages import _nanstd
+
+    assert np.isnan(_nanstd(np.full(4, np.nan, np.float32))) and np.isnan(_nanstd(np.ones(1, np.float32)))

@@ -4,16 +4,24 @@ A function gets one list entry per completion (each prompt repeated for its grou
 as keyword lists, and returns one float (or None: "does not apply") per completion. Given as callables, as
 "FILE.py:FUNC", or by a built-in name: "last_number" (1.0 when the completion's last number equals the row's
 `answer` column) or "regex:PATTERN" (1.0 when the completion matches PATTERN from its start).
+
+A function that takes them (by name, or through **kwargs) also gets what TRL's GRPOTrainer passes: `trainer_state`
+(the step, max_steps, epoch, tokens seen), `log_extra(column, values)` (a column beside each completion in
+completions.jsonl) and `log_metric(name, value)` (a scalar in metrics.jsonl, averaged over the rollout's calls).
+`async def` functions run concurrently with each other, on their own event loop (so also from a notebook).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib.util
+import inspect
 import math
 import os
 import re
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -29,6 +37,38 @@ class RewardError(JaxtuneError, RuntimeError):
 class RewardFunction:
     name: str
     fn: Callable[..., Sequence[float | None]]
+
+
+@dataclasses.dataclass
+class TrainerState:
+    """The fields of transformers' TrainerState that TRL hands reward functions as `trainer_state` (for shaping a
+    reward by training progress): optimizer steps taken before this rollout, the run's length, epochs of the
+    prompts done, and prompt + completion tokens sampled so far."""
+
+    global_step: int
+    max_steps: int
+    epoch: float
+    num_input_tokens_seen: int
+    logging_steps: int = 1
+    save_steps: int = 0
+    is_world_process_zero: bool = True
+
+
+class RewardLogs:
+    """What reward functions logged through `log_extra` and `log_metric` during one rollout's scoring."""
+
+    def __init__(self):
+        self.extra: dict[str, list] = {}
+        self.metrics: dict[str, list[float]] = {}
+
+    def log_extra(self, column: str, values: list) -> None:
+        self.extra.setdefault(column, []).extend(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics.setdefault(name, []).append(float(value))
+
+    def metric_means(self) -> dict[str, float]:
+        return {name: sum(v) / len(v) for name, v in self.metrics.items() if v}
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -128,16 +168,61 @@ def check_weights(weights: Sequence[float] | None, funcs: Sequence[RewardFunctio
     return np.asarray(weights, np.float32)
 
 
+def _accepted(fn: Callable, extras: dict[str, Any]) -> dict[str, Any]:
+    """The TRL extras `fn` can take: all of them through **kwargs, else those its signature names (a function
+    written for jaxtune's plain signature keeps working)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return extras
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return extras
+    names = {p.name for p in params}
+    return {k: v for k, v in extras.items() if k in names}
+
+
+def _is_async(fn: Callable) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def _run_concurrently(calls: list[Callable[[], Any]]) -> list[Any]:
+    """The async reward calls gathered on one fresh event loop in a worker thread (a notebook's loop may be
+    running in this one); each result, or the exception it raised."""
+    async def one(call):
+        return await call()
+
+    async def gather():
+        return await asyncio.gather(*(one(call) for call in calls), return_exceptions=True)
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, gather()).result()
+
+
 def score(funcs: Sequence[RewardFunction], prompts: list, completions: list, completion_ids: list[list[int]],
-          columns: dict[str, list], where: Sequence[str]) -> np.ndarray:
+          columns: dict[str, list], where: Sequence[str], extras: dict[str, Any] | None = None) -> np.ndarray:
     """Rewards [completions, functions], NaN where a function returned None; `where` names each completion's
-    dataset row for the errors."""
+    dataset row for the errors, `extras` the TRL keyword arguments (trainer_state, log_extra, log_metric)."""
     out = np.zeros((len(completions), len(funcs)), np.float32)
+    extras = extras or {}
+
+    def call(f: RewardFunction):
+        return f.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns,
+                    **_accepted(f.fn, extras))
+
+    results: dict[int, Any] = {}
+    waiting = [j for j, f in enumerate(funcs) if _is_async(f.fn)]
     for j, f in enumerate(funcs):
-        try:
-            values = f.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        except Exception as e:  # noqa: BLE001 (the user's function: its error, in one line)
-            raise RewardError(f"reward function {f.name} raised {type(e).__name__}: {e} (batch starting at "
+        if j not in waiting:
+            try:
+                results[j] = call(f)
+            except Exception as e:  # noqa: BLE001 (the user's function: its error, in one line)
+                results[j] = e
+    if waiting:
+        results.update(zip(waiting, _run_concurrently([lambda f=funcs[j]: call(f) for j in waiting])))
+    for j, f in enumerate(funcs):
+        values = results[j]
+        if isinstance(values, Exception):
+            raise RewardError(f"reward function {f.name} raised {type(values).__name__}: {values} (batch starting at "
                               f"{where[0]})") from None
         try:
             values = list(values)

@@ -22,7 +22,7 @@ from jaxtune.generate import eos_token_ids, per_layer_cache
 from jaxtune.host_info import GIB
 from jaxtune.rl.advantages import _nanstd, group_advantages
 from jaxtune.rl.loss import GRPO
-from jaxtune.rl.rewards import RewardError, RewardFunction, score
+from jaxtune.rl.rewards import RewardError, RewardFunction, RewardLogs, TrainerState, score
 from jaxtune.rl import rollout as rollout_module
 from jaxtune.rl.rollout import completion_lists, rollout_rows, rows_per_call, sample_completions, sampling_bytes
 from jaxtune.sharding import batch_shards, global_rows
@@ -67,6 +67,7 @@ class Rollouts:
         self._cached: dict[str, np.ndarray] | None = None
         self._logps_fns: dict = {}  # jitted per QAT format (qat_start_step switches it)
         self.mesh = None  # set by place_on: sampling and the ratio's log-probabilities split over its devices
+        self.tokens_seen = 0  # prompt + completion tokens sampled so far (TRL's num_tokens), saved with the run
 
     def place_on(self, mesh) -> None:
         """Sample on `mesh` (each device its share of a rollout's rows, as the step splits a micro-batch)."""
@@ -88,9 +89,11 @@ class Rollouts:
                                   accum=1, seed=self.cfg.seed)
 
     def state(self) -> dict[str, Any]:
-        return self.stream.state()
+        return {**self.stream.state(), "tokens_seen": self.tokens_seen}
 
     def restore(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        self.tokens_seen = int(state.pop("tokens_seen", 0))
         self.stream.restore(state)
 
     def next(self, lora, frozen, step: int) -> dict[str, np.ndarray]:
@@ -115,8 +118,15 @@ class Rollouts:
         if not isinstance(prompts[0], str):  # conversational: completions as assistant messages, as TRL passes them
             texts = [[{"role": "assistant", "content": t}] for t in texts]
         columns = {k: [r.data.get(k) for r in prompt_rows] for k in prompt_rows[0].data if k != "prompt"}
-        rewards = self._score(prompts, texts, completions, columns, [r.where for r in prompt_rows], step)
-        advantages, reward_metrics = group_advantages(rewards, self.weights, g, cfg.scale_rewards)
+        self.tokens_seen += sum(map(len, prompt_ids)) + sum(map(len, completions))
+        logs = RewardLogs()
+        extras = {"trainer_state": TrainerState(
+            global_step=step, max_steps=cfg.max_steps, epoch=step * len(take) / len(self.rows),
+            num_input_tokens_seen=self.tokens_seen, logging_steps=cfg.logging_steps, save_steps=cfg.save_steps,
+            is_world_process_zero=self.lead), "log_extra": logs.log_extra, "log_metric": logs.log_metric}
+        rewards = self._score(prompts, texts, completions, columns, [r.where for r in prompt_rows], step, extras)
+        advantages, reward_metrics = group_advantages(rewards, self.weights, g, cfg.scale_rewards,
+                                                      cfg.multi_objective_aggregation)
         batch, truncated = rollout_rows(prompt_ids, completions, cfg.seq_len, self.eos_ids,
                                         cfg.mask_truncated_completions)
         batch["advantages"] = advantages[:, None]
@@ -125,24 +135,25 @@ class Rollouts:
         self.efficiency = float((batch["segment_ids"] > 0).mean())
         self.metrics = self._metrics(completions, truncated, rewards, reward_metrics, t1 - t0,
                                      time.perf_counter() - t1)
+        self.metrics.update(logs.metric_means())
         self._cached = batch
         if self.samples_path is not None and step % cfg.logging_steps == 0:
-            self._write_samples(step + 1, prompts, texts, rewards, advantages)
+            self._write_samples(step + 1, prompts, texts, rewards, advantages, logs.extra)
         return batch
 
     def _score(self, prompts: list, texts: list, completions: list[list[int]], columns: dict[str, list],
-               where: list[str], step: int) -> np.ndarray:
+               where: list[str], step: int, extras: dict[str, Any]) -> np.ndarray:
         """Rewards [completions, functions]. Across processes each scores its own share of the rollout (a reward
         function with a cost or a side effect, a verifier or a sandbox, runs once per completion) and all gather
         the whole; a reward function failing on one process ends every process, each with a line naming it."""
         n, p = jax.process_count(), jax.process_index()
         if n == 1:
-            return score(self.funcs, prompts, texts, completions, columns, where)
+            return score(self.funcs, prompts, texts, completions, columns, where, extras)
         part = slice(p * len(texts) // n, (p + 1) * len(texts) // n)  # whole micro-batch rows: len % n == 0
         local, error = None, None
         try:
             local = score(self.funcs, prompts[part], texts[part], completions[part],
-                          {k: v[part] for k, v in columns.items()}, where[part])
+                          {k: v[part] for k, v in columns.items()}, where[part], extras)
         except RewardError as e:
             error = e
         agree_on_checks(error, stage=f"rewards/{step}", failed="failed scoring its share of the rollout")
@@ -268,15 +279,23 @@ class Rollouts:
                   "completions/max_length": float(lengths.max()),
                   "completions/clipped_ratio": float(truncated.mean()),
                   "completions/mean_terminated_length": float(done.mean()) if done.size else 0.0,
+                  "completions/min_terminated_length": float(done.min()) if done.size else 0.0,
+                  "completions/max_terminated_length": float(done.max()) if done.size else 0.0,
+                  "num_tokens": float(self.tokens_seen),
                   "rollout_seconds": round(generate_s, 3), "reward_seconds": round(score_s, 3),
                   "generated_tokens": float(lengths.sum())})
         return m
 
     def _write_samples(self, step: int, prompts: list, texts: list, rewards: np.ndarray,
-                       advantages: np.ndarray) -> None:
+                       advantages: np.ndarray, extra: dict[str, list]) -> None:
+        """The first completions of the rollout with their rewards, advantage and the columns reward functions
+        logged with log_extra (a value that is not JSON written as its text)."""
         with open(self.samples_path, "a") as f:
             for i in range(min(SAMPLES_PER_LOG, len(texts))):
                 scores = {fn.name: (None if np.isnan(rewards[i, j]) else float(rewards[i, j]))
                           for j, fn in enumerate(self.funcs)}
-                f.write(json.dumps({"step": step, "prompt": prompts[i], "completion": texts[i], "rewards": scores,
-                                    "advantage": float(advantages[i])}) + "\n")
+                sample = {"step": step, "prompt": prompts[i], "completion": texts[i], "rewards": scores,
+                          "advantage": float(advantages[i])}
+                if extra:
+                    sample["extra"] = {k: v[i] if i < len(v) else None for k, v in extra.items()}
+                f.write(json.dumps(sample, default=str) + "\n")

@@ -17,8 +17,9 @@ SCHEDULES = ("constant", "linear", "cosine")
 REMAT = ("auto", "none", "selective", "per-layer", "offload")
 REPORTERS = ("tensorboard", "wandb")
 OBJECTIVES = ("sft", "dpo", "orpo", "grpo")
-GRPO_LOSSES = ("dapo", "grpo", "dr_grpo", "bnpo")
+GRPO_LOSSES = ("dapo", "grpo", "dr_grpo", "bnpo", "luspo", "cispo", "sapo", "vespo")
 SCALE_REWARDS = ("group", "batch", "none")
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")  # TRL's multi_objective_aggregation
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 DPO_LOSSES = ("sigmoid", "ipo", "robust")
 # 16.7M tokens: 39x the longest step measured on one 80 GB GPU (425,984 tokens); beyond it no single GPU can
@@ -112,8 +113,20 @@ class TrainConfig:
     epsilon: float = 0.2  # the ratio's clip range [1 - epsilon, 1 + epsilon_high]
     epsilon_high: float | None = None  # None: epsilon (DAPO's clip-higher sets it above)
     delta: float | None = None  # two-sided GRPO: the unclipped ratio also capped at delta (> 1)
-    loss_type: str = "dapo"  # dapo (tokens of the step), grpo (per sequence), dr_grpo (max_completion_length), bnpo
+    # dapo (tokens of the step), grpo (per sequence), dr_grpo (max_completion_length), bnpo, luspo (summed per
+    # sequence); cispo (the detached ratio capped at epsilon_high weights the policy gradient; 5.0 is usual there),
+    # sapo (a sigmoid-softened ratio), vespo (a gamma weight of the sequence ratio)
+    loss_type: str = "dapo"
+    sapo_temperature_pos: float = 1.0  # SAPO: the softening's temperature for positive advantages
+    sapo_temperature_neg: float = 1.05  # and for the others
+    vespo_k_pos: float = 2.0  # VESPO: the gamma weight's power and decay for non-negative advantages
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0  # and for negative ones
+    vespo_lambda_neg: float = 2.0
     scale_rewards: str = "group"  # advantages divided by the std of the group's rewards, the batch's, or "none"
+    # several reward functions: their weighted sum normalized ("sum_then_normalize"), or each normalized within the
+    # group before the weighted sum, which is then normalized over the batch ("normalize_then_sum", GDPO)
+    multi_objective_aggregation: str = "sum_then_normalize"
     num_iterations: int = 1  # optimizer steps on each batch of completions (> 1: importance ratios matter)
     importance_sampling_level: str = "token"  # "sequence": GSPO's one ratio per completion
     mask_truncated_completions: bool = False  # completions cut at max_completion_length carry no loss
@@ -200,6 +213,12 @@ class TrainConfig:
         if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
             raise ConfigError(f"epsilon_high {self.epsilon_high} is below epsilon {self.epsilon}; DAPO's clip-higher "
                               "sets it above (e.g. 0.28)", field="epsilon_high")
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            warnings.warn("loss_type 'luspo' is meant with importance_sampling_level 'sequence' (the paper's setup)",
+                          stacklevel=4)
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            warnings.warn("loss_type 'vespo' weighs each sequence's ratio itself: importance_sampling_level should be "
+                          "'token' (the default)", stacklevel=4)
         refused = {"eval_fraction": self.eval_fraction > 0, "precompute_reference": self.precompute_reference,
                    "offload_embedding": self.offload_embedding}
         for name, on in refused.items():
@@ -360,6 +379,13 @@ _RULES: dict[str, _Rule] = {
     "delta": _Rule("float", 1, low_open=True, fix="e.g. 4"),
     "loss_type": _Rule("choice", choices=GRPO_LOSSES),
     "scale_rewards": _Rule("choice", choices=SCALE_REWARDS),
+    "multi_objective_aggregation": _Rule("choice", choices=AGGREGATIONS),
+    "sapo_temperature_pos": _Rule("float", 0, low_open=True, fix="1.0 is SAPO's"),
+    "sapo_temperature_neg": _Rule("float", 0, low_open=True, fix="1.05 is SAPO's"),
+    "vespo_k_pos": _Rule("float", 0, fix="2.0 is VESPO's"),
+    "vespo_lambda_pos": _Rule("float", 0, fix="3.0 is VESPO's"),
+    "vespo_k_neg": _Rule("float", 0, fix="3.0 is VESPO's"),
+    "vespo_lambda_neg": _Rule("float", 0, fix="2.0 is VESPO's"),
     "num_iterations": _Rule("int", 1),
     "importance_sampling_level": _Rule("choice", choices=IMPORTANCE_SAMPLING_LEVELS),
     "mask_truncated_completions": _Rule("bool"),

@@ -163,7 +163,10 @@ def make_objective(cfg: TrainConfig, router_aux_loss_coef: float = 0.0):
                     epsilon_high=cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high, delta=cfg.delta,
                     beta=cfg.beta, importance_sampling_level=cfg.importance_sampling_level,
                     use_bias_correction_kl=cfg.use_bias_correction_kl,
-                    max_completion_length=cfg.max_completion_length, temperature=cfg.temperature)
+                    max_completion_length=cfg.max_completion_length, temperature=cfg.temperature,
+                    sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
+                    vespo_k_pos=cfg.vespo_k_pos, vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg,
+                    vespo_lambda_neg=cfg.vespo_lambda_neg)
     return Preference(cfg.objective, beta=cfg.beta, loss_type=cfg.dpo_loss, label_smoothing=cfg.label_smoothing,
                       orpo_lambda=cfg.orpo_lambda, nll_on_prompt=cfg.train_on_all)
 
