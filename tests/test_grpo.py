@@ -659,3 +659,44 @@ def test_advantages_and_reward_metrics_equal_trls_with_an_unscored_group(scale, 
     from jaxtune.rl.advantages import _nanstd
 
     assert np.isnan(_nanstd(np.full(4, np.nan, np.float32))) and np.isnan(_nanstd(np.ones(1, np.float32)))
+
+
+def test_reward_functions_written_for_trl_get_its_state_loggers_and_may_be_async(tiny_tokenizer, tmp_path):
+    """TRL's extras: trainer_state (the step, max_steps), log_extra (a column in completions.jsonl), log_metric
+    (metrics.jsonl); an async reward runs on its own loop even when train is called inside a running event loop (a
+    notebook); a plain function that takes no extras still gets none. TRL's num_tokens and terminated-length
+    metrics are logged too."""
+    import asyncio
+    import json
+
+    import jaxtune
+
+    seen = []
+
+    def shaped(prompts, completions, trainer_state, log_extra, log_metric, **_):
+        seen.append((trainer_state.global_step, trainer_state.max_steps, trainer_state.num_input_tokens_seen))
+        log_extra("chars", [len(c) for c in completions])
+        log_metric("shaped/mean_chars", float(np.mean([len(c) for c in completions])))
+        return [trainer_state.global_step / trainer_state.max_steps] * len(completions)
+
+    async def judged(prompts, completions, **_):
+        await asyncio.sleep(0)
+        return [float(len(c) % 2) for c in completions]
+
+    def plain(prompts, completions, completion_ids, answer):  # the columns by name, none of TRL's extras
+        return [float(a == "3") for a in answer]
+
+    async def run():
+        return jaxtune.train(_tiny_model(tiny_tokenizer), tiny_tokenizer, ADDITIONS, _grpo_config(max_steps=2),
+                             out_dir=tmp_path / "run", reward_funcs=[shaped, judged, plain], progress=False)
+
+    assert asyncio.run(run()).steps == 2
+    assert [s[:2] for s in seen] == [(0, 2), (1, 2)] and 0 < seen[0][2] < seen[1][2]
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    samples = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert [r["num_tokens"] for r in records] == [s[2] for s in seen]
+    for r in records:
+        assert r["completions/min_terminated_length"] <= r["completions/max_terminated_length"]
+        assert np.isfinite(r["shaped/mean_chars"]) and np.isfinite(r["rewards/judged/mean"])
+    assert records[1]["rewards/shaped/mean"] == 0.5
+    assert all(s["extra"]["chars"] == len(s["completion"]) for s in samples)
