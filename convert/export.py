@@ -23,13 +23,19 @@ def _read_run(run_dir: str) -> tuple[str, dict[str, Any]]:
 def check_run_exportable(run_dir: str | os.PathLike, *, gguf: bool, merged_dtype: str | None) -> None:
     """Refuses, before any weight is read, an export the run's model cannot make (a GGUF of an architecture
     llama.cpp's writer here does not cover, a mixture of experts' NF4 merged checkpoint): only its config is opened."""
+    if gguf or merged_dtype == "nf4":
+        check_model_exportable(_read_run(os.fspath(run_dir))[1]["base_model"], gguf=gguf, merged_dtype=merged_dtype)
+
+
+def check_model_exportable(model: str, *, gguf: bool, merged_dtype: str | None) -> None:
+    """`check_run_exportable` for a model itself (exported without adapters): HF directory, .gguf, jaxtune
+    checkpoint, bundled name or hub id."""
     from convert.load import open_checkpoint
     from jaxtune.bundled import resolve_model_path
 
     if not gguf and merged_dtype != "nf4":
         return
-    _, saved = _read_run(os.fspath(run_dir))
-    cfg, source, _ = open_checkpoint(resolve_model_path(saved["base_model"]))
+    cfg, source, _ = open_checkpoint(resolve_model_path(model))
     source.close()
     if gguf:
         from convert.gguf_export import check_gguf_model

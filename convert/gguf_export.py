@@ -13,6 +13,7 @@ computed and written alone, so the export holds one tensor in host memory.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -27,11 +28,10 @@ from convert.gguf_source import _LAYER_NAMES, _TOP_NAMES
 from convert.gguf_tokenizer import gguf_tokenizer_fields
 from convert import moe_names
 from convert.merged import MergedTensor, merged_tensors, open_original
-from convert.peft_io import lora_modules
 from jaxtune.config import ModelConfig
 from jaxtune.errors import CheckpointError, UnsupportedModelError
 from jaxtune.model import CausalLM
-from jaxtune.quant import quantize_q4_0, quantize_q4_k, quantize_q6_k
+from jaxtune.quant import quantize_q4_0, quantize_q4_k, quantize_q5_k, quantize_q6_k
 from jaxtune.rope import inverse_frequencies, unscaled_inverse_frequencies
 
 GGUF_TYPES = ("bf16", "f16", "q8_0", "q6_k", "q4_k_m", "q4_0", "f32")
@@ -182,63 +182,96 @@ def _more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
-def _k_mix_type(name: str, gguf_type: str, tied: bool, layers: int) -> str:
-    """The block type llama-quantize gives a 2-D tensor of a Q4_0, Q4_K_M or Q6_K file (before the shape
-    fallback): the output projection (the embedding when tied) in q6_K."""
-    if name == "output.weight" or (tied and name == "token_embd.weight"):
-        return "q6_k"
-    if gguf_type in ("q4_0", "q6_k"):
-        return gguf_type
+@dataclasses.dataclass(frozen=True)
+class TensorMix:
+    """What llama-quantize's choice of a tensor's type depends on, beside its name and shape: the file's type, a
+    tied embedding (it is the output then), the layer count, the experts (8: Mixtral's own rules) and llama.cpp's
+    70B class (a llama of 80 layers with grouped KV heads)."""
+
+    gguf_type: str
+    tied: bool
+    layers: int
+    experts: int = 0
+    llama_70b: bool = False
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, gguf_type: str, tied: bool) -> "TensorMix":
+        arch = GGUF_ARCHITECTURES[cfg.model_type]
+        return cls(gguf_type, tied, cfg.num_layers, cfg.num_experts,
+                   arch == "llama" and cfg.num_layers == 80 and cfg.num_heads != cfg.num_kv_heads)
+
+
+def _mix_type(name: str, mix: TensorMix) -> str:
+    """The block type llama-quantize gives a matrix of a q8_0, q6_k, q4_k_m or q4_0 file (before the shape
+    fallback), without an importance matrix: the output projection (the embedding when tied) in q6_K; in q4_k_m,
+    attn_v and ffn_down of `_more_bits` layers in q6_K (attn_v of a 70B llama at least q5_K), the rest q4_K; with 8
+    experts (Mixtral), attn_k and attn_v in q8_0 in every type and attn_output in q5_K in q4_k_m."""
+    base = "q4_k" if mix.gguf_type == "q4_k_m" else mix.gguf_type
+    if name == "output.weight" or (mix.tied and name == "token_embd.weight"):
+        return base if base == "q8_0" else "q6_k"
     kind = name.split(".")[-2].removesuffix("_exps") if name.startswith("blk.") else ""
-    if kind in ("attn_v", "ffn_down") and _more_bits(int(name.split(".")[1]), layers):
+    if kind in ("attn_k", "attn_v") and mix.experts == 8:
+        return "q8_0"
+    if mix.gguf_type != "q4_k_m":
+        return base
+    if kind == "attn_v":
+        more = _more_bits(int(name.split(".")[1]), mix.layers)
+        return "q6_k" if more else ("q5_k" if mix.llama_70b else "q4_k")
+    if kind == "ffn_down" and _more_bits(int(name.split(".")[1]), mix.layers):
         return "q6_k"
+    if kind == "attn_output" and mix.experts == 8:
+        return "q5_k"
     return "q4_k"
 
 
-def _encoding(name: str, shape: tuple[int, ...], gguf_type: str, tied: bool, layers: int) -> tuple[Any, Any]:
-    """(raw GGML type or None, numpy dtype of the stored array) of one tensor; 1-D tensors stay f32, as llama.cpp
-    keeps them. The quantized mixes pick each tensor's type as llama-quantize does (no importance matrix): the
-    output projection (the embedding when it is tied) in q6_K; in q4_k_m, attn_v and ffn_down of `_more_bits`
-    layers in q6_K and the other matrices in q4_K. A row that is not whole 256-weight super-blocks falls back
-    as llama.cpp's does (q4_K -> q5_0, q6_K -> q8_0), one that is not whole 32-weight blocks to f16."""
+# llama-quantize's fallback for a row that is not whole 256-weight super-blocks
+_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+
+
+def _encoding(name: str, shape: tuple[int, ...], mix: TensorMix) -> tuple[Any, Any]:
+    """(raw GGML type or None, numpy dtype of the stored array) of one tensor; 1-D tensors and the experts' router
+    stay f32, as llama.cpp's converter writes them and llama-quantize keeps them. The quantized types pick each
+    matrix's block type as llama-quantize does (`_mix_type`); a row that is not whole 256-weight super-blocks falls
+    back as llama.cpp's does (`_FALLBACK`), one that is not whole 32-weight blocks to f16."""
     import gguf
 
     q = gguf.GGMLQuantizationType
-    if len(shape) == 1 or gguf_type == "f32":
+    if len(shape) == 1 or mix.gguf_type == "f32" or name.endswith("ffn_gate_inp.weight"):
         return None, np.float32
-    if gguf_type in ("q4_0", "q4_k_m", "q6_k"):
-        gguf_type = _k_mix_type(name, gguf_type, tied, layers)
-        if gguf_type in ("q4_k", "q6_k") and shape[-1] % 256:
-            gguf_type = {"q4_k": "q5_0", "q6_k": "q8_0"}[gguf_type]
-    for kind, raw in (("q8_0", q.Q8_0), ("q4_0", q.Q4_0), ("q5_0", q.Q5_0), ("q4_k", q.Q4_K), ("q6_k", q.Q6_K)):
-        if gguf_type == kind:
-            if shape[-1] % gguf.GGML_QUANT_SIZES[raw][0] == 0:
-                return raw, np.uint8
-            return None, np.float16
-    if gguf_type == "bf16":
+    kind = mix.gguf_type
+    if kind in ("q8_0", "q6_k", "q4_k_m", "q4_0"):
+        kind = _mix_type(name, mix)
+        if kind in _FALLBACK and shape[-1] % 256:
+            kind = _FALLBACK[kind]
+    raws = {"q8_0": q.Q8_0, "q4_0": q.Q4_0, "q5_0": q.Q5_0, "q5_1": q.Q5_1, "q4_k": q.Q4_K, "q5_k": q.Q5_K,
+            "q6_k": q.Q6_K}
+    if kind in raws:
+        if shape[-1] % gguf.GGML_QUANT_SIZES[raws[kind]][0] == 0:
+            return raws[kind], np.uint8
+        return None, np.float16
+    if kind == "bf16":
         return q.BF16, np.uint8
     return None, np.float16
 
 
-def _stored_info(name: str, shape: tuple[int, ...], gguf_type: str, tied: bool,
-                 layers: int) -> tuple[tuple[int, ...], Any, int, Any]:
+def _stored_info(name: str, shape: tuple[int, ...], mix: TensorMix) -> tuple[tuple[int, ...], Any, int, Any]:
     """(stored shape, dtype, bytes, raw type) of a float32 tensor of `shape` once encoded: the tensor table is
     written before any data, so each tensor can be computed and written alone."""
     import gguf
 
-    raw, dtype = _encoding(name, shape, gguf_type, tied, layers)
+    raw, dtype = _encoding(name, shape, mix)
     stored = tuple(gguf.quants.quant_shape_to_byte_shape(shape, raw)) if raw is not None else shape
     return stored, dtype, int(np.prod(stored, dtype=np.int64)) * np.dtype(dtype).itemsize, raw
 
 
-def _encode(name: str, w: np.ndarray, gguf_type: str, tied: bool, layers: int) -> np.ndarray:
-    """The stored array of one float32 tensor (see `_encoding`): q4_0, q4_K and q6_K by jaxtune's quantizers
-    (byte-equal to ggml's reference ones), the other types by the `gguf` package's."""
+def _encode(name: str, w: np.ndarray, mix: TensorMix) -> np.ndarray:
+    """The stored array of one float32 tensor (see `_encoding`): q4_0, q4_K, q5_K and q6_K by jaxtune's
+    quantizers (byte-equal to ggml's reference ones), the other types by the `gguf` package's."""
     import gguf
 
-    raw, dtype = _encoding(name, w.shape, gguf_type, tied, layers)
+    raw, dtype = _encoding(name, w.shape, mix)
     own = {gguf.GGMLQuantizationType.Q4_0: quantize_q4_0, gguf.GGMLQuantizationType.Q4_K: quantize_q4_k,
-           gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
+           gguf.GGMLQuantizationType.Q5_K: quantize_q5_k, gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
     if raw in own:
         return own[raw](w)
     return gguf.quants.quantize(w, raw) if raw is not None else w.astype(dtype)
@@ -253,7 +286,8 @@ def save_gguf(
     gguf_type: str = "bf16",
     name: str | None = None,
 ) -> None:
-    """Writes the merged model as a llama.cpp GGUF file (`gguf_type`: bf16, f16, q8_0, q6_k, q4_k_m, q4_0 or f32).
+    """Writes the merged model as a llama.cpp GGUF file (`gguf_type`: bf16, f16, q8_0, q6_k, q4_k_m, q4_0 or f32);
+    a model without adapters is written as it is (a 4-bit GGUF of a base model).
 
     With `base` (the HF directory or .gguf of the ORIGINAL weights) the adapters are added onto those; without it,
     onto the dequantized NF4 weights (a warning says so), exactly as `save_merged`.
@@ -263,8 +297,6 @@ def save_gguf(
     cfg = _check_exportable(model, gguf_type)
     if tokenizer is None:
         raise CheckpointError("GGUF export needs the model's tokenizer (llama.cpp reads it from the file)")
-    if not lora_modules(model):
-        raise CheckpointError("the model has no LoRA adapters to merge; call jaxtune.get_peft_model first")
     out_path = check_gguf_output(out_path)
     parent = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(parent, exist_ok=True)
@@ -284,9 +316,9 @@ def save_gguf(
         if rope is not None:
             writer.add_tensor_info("rope_freqs.weight", rope.shape, rope.dtype, rope.nbytes)
         tensors = _gguf_tensors(list(merged_tensors(model, source)))
-        tied = not any(t.name == "output.weight" for t in tensors)
+        mix = TensorMix.of(cfg, gguf_type, tied=not any(t.name == "output.weight" for t in tensors))
         for t in tensors:  # the whole tensor table first; the data then follows one tensor at a time
-            stored, dtype, nbytes, raw = _stored_info(t.name, t.shape, gguf_type, tied, cfg.num_layers)
+            stored, dtype, nbytes, raw = _stored_info(t.name, t.shape, mix)
             writer.add_tensor_info(t.name, stored, np.dtype(dtype), nbytes, raw_dtype=raw)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -299,7 +331,7 @@ def save_gguf(
                 w = permute_qk(w, cfg.num_heads)
             elif interleaved_rope and t.name.endswith("attn_k.weight"):
                 w = permute_qk(w, cfg.num_kv_heads)
-            writer.write_tensor_data(_encode(t.name, w, gguf_type, tied, cfg.num_layers))
+            writer.write_tensor_data(_encode(t.name, w, mix))
         writer.close()
         plain_permissions(tmp)
         os.replace(tmp, out_path)

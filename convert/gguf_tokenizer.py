@@ -176,11 +176,13 @@ def gguf_tokenizer_fields(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
         tokens[i], types[i] = token, NORMAL
     for i, added in tokenizer.added_tokens_decoder.items():
         types[i] = CONTROL if added.special else USER_DEFINED
-    if tokenizer.unk_token_id is not None:
-        types[tokenizer.unk_token_id] = UNKNOWN
     merges = _merge_strings(model.get("merges") or [])
     fields: dict[str, Any] = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges}
     if model.get("byte_fallback"):
+        # SentencePiece's unknown piece, as llama.cpp's converter types it; a byte-level vocabulary's unk (SmolLM2's
+        # <|endoftext|>) stays CONTROL, as there (typed otherwise, llama.cpp warns of a control-looking token)
+        if tokenizer.unk_token_id is not None:
+            types[tokenizer.unk_token_id] = UNKNOWN
         fields["tokenizer.ggml.model"] = "llama"
         rank = {m.replace(" ", ""): r for r, m in reversed(list(enumerate(merges)))}
         fields["tokenizer.ggml.scores"] = [-float(rank.get(t, 0)) if ty == NORMAL else 0.0

@@ -173,7 +173,9 @@ def open_original(model: CausalLM, base: str | os.PathLike | None):
         raise CheckpointError(f"base {base} holds NF4-quantized weights; pass the HF directory (or .gguf) of the "
                               "original weights, or omit it to merge onto the dequantized weights")
     base_cfg, source, _ = open_checkpoint(base)
-    if base_cfg != model.config:
+    # the architecture must match; where the eos ids came from (generation_config.json, a GGUF's eot) need not
+    if dataclasses.replace(base_cfg, generation_eos_token_ids=()) != dataclasses.replace(
+            model.config, generation_eos_token_ids=()):
         source.close()
         raise CheckpointError(f"base {base} is not the checkpoint of this model (its config differs); "
                               "pass the directory or .gguf the model was converted from")

@@ -53,13 +53,19 @@ def _convert(args: argparse.Namespace) -> None:
 
 
 def _export(args: argparse.Namespace) -> None:
-    from convert.export import check_run_exportable, load_run, original_weights
+    from convert.export import check_model_exportable, check_run_exportable, load_run, original_weights
     from convert.merged import save_merged
     from convert.peft_io import save_peft
     from jaxtune.errors import CheckpointError
 
+    if (args.run is None) == (args.model is None):
+        raise CheckpointError("export needs a training run (RUN, the --out of jaxtune train) or --model MODEL (the "
+                              "model itself, without adapters): pass one of them")
     if not args.peft and not args.merged and not args.gguf:
         raise CheckpointError("nothing to export: pass --peft DIR, --merged DIR and/or --gguf OUT.gguf")
+    if args.model is not None and args.peft:
+        raise CheckpointError("--peft writes a run's trained adapters, and --model has none: pass the run "
+                              "directory instead, or only --merged / --gguf")
     from convert.atomic import check_writable
 
     for out in filter(None, (args.peft, args.merged)):  # refuse before writing anything
@@ -70,8 +76,20 @@ def _export(args: argparse.Namespace) -> None:
         from convert.gguf_export import check_gguf_output
 
         check_gguf_output(args.gguf)
-    check_run_exportable(args.run, gguf=bool(args.gguf), merged_dtype=args.dtype if args.merged else None)
-    model, tokenizer, base_model = load_run(args.run)
+    merged_dtype = args.dtype if args.merged else None
+    if args.model is not None:
+        from jaxtune.bundled import check_model_reference
+
+        check_model_reference(args.model)
+        check_model_exportable(args.model, gguf=bool(args.gguf), merged_dtype=merged_dtype)
+        from convert.load import from_pretrained
+
+        # its weights are read again from the file as each tensor is written; the 4-bit copy keeps memory low
+        base_model = args.model
+        model, tokenizer = from_pretrained(base_model, load_in_4bit=True)
+    else:
+        check_run_exportable(args.run, gguf=bool(args.gguf), merged_dtype=merged_dtype)
+        model, tokenizer, base_model = load_run(args.run)
     base = args.base or original_weights(base_model)
     onto = "onto " + base if base else "onto dequantized NF4 weights"
     if args.peft:
@@ -361,8 +379,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="compute dtype (float32 is faster on most CPUs)")
     tr.set_defaults(func=_train)
 
-    ex = sub.add_parser("export", help="export a training run as a PEFT adapter, a merged HF checkpoint and/or a GGUF")
-    ex.add_argument("run", help="the --out directory of jaxtune train")
+    ex = sub.add_parser("export", help="export a training run (or a model itself) as a PEFT adapter, a merged HF "
+                                       "checkpoint and/or a GGUF")
+    ex.add_argument("run", nargs="?", help="the --out directory of jaxtune train")
+    ex.add_argument("--model", help="instead of a run: a model to export as it is, without adapters (HF directory, "
+                                    ".gguf, jaxtune checkpoint, bundled name or hub id), e.g. to a 4-bit GGUF")
     ex.add_argument("--peft", help="output directory for the PEFT LoRA adapter")
     ex.add_argument("--merged", help="output directory for the merged HF checkpoint")
     ex.add_argument("--gguf", help="output .gguf file of the merged model, for llama.cpp / Ollama (Llama, Mistral)")

@@ -178,6 +178,42 @@ def test_cli_export_run(tmp_path, tiny_tokenizer, capsys):
     assert "already exists" in capsys.readouterr().err and not (tmp_path / "p2").exists()  # refused before writing
 
 
+def test_cli_exports_a_model_without_adapters_to_a_4bit_gguf(tmp_path, tiny_tokenizer, capsys):
+    """`jaxtune export --model` writes the base model itself: its q8_0 GGUF reads back in transformers with the
+    base's logits (to q8_0's rounding), and its q4_0 file holds what llama.cpp's q4_0 makes of the original weights
+    (not of their NF4 copy, which the loader holds)."""
+    import gguf
+    from transformers import LlamaConfig as LC
+
+    from jaxtune.cli import main
+    from jaxtune.quant import quantize_q4_0
+
+    hf = build_hf_model(LC(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2), tmp_path / "m")
+    tiny_tokenizer.save_pretrained(tmp_path / "m")
+    assert main(["export", "--model", str(tmp_path / "m"), "--gguf", str(tmp_path / "g" / "base.gguf"),
+                 "--gguf-type", "q8_0"]) == 0
+    assert "onto " + str(tmp_path / "m") in capsys.readouterr().out
+    via_gguf = AutoModelForCausalLM.from_pretrained(tmp_path / "g", gguf_file="base.gguf", dtype=torch.float32)
+    _close(_torch_logits(hf.eval()), _torch_logits(via_gguf.eval()), tol=5e-2)  # as q8_0 in test_gguf_export
+    assert main(["export", "--model", str(tmp_path / "m"), "--gguf", str(tmp_path / "q4.gguf"),
+                 "--gguf-type", "q4_0"]) == 0
+    stored = {t.name: t for t in gguf.GGUFReader(tmp_path / "q4.gguf").tensors}["blk.1.ffn_down.weight"]
+    original = hf.model.layers[1].mlp.down_proj.weight.detach().numpy()
+    assert stored.data.tobytes() == quantize_q4_0(original).tobytes()
+    capsys.readouterr()
+    for argv, message in [
+        (["export", "--model", str(tmp_path / "m"), "--peft", str(tmp_path / "p")], "--model has none"),
+        (["export", str(tmp_path), "--model", str(tmp_path / "m"), "--gguf", str(tmp_path / "x.gguf")], "one of them"),
+        (["export", "--gguf", str(tmp_path / "x.gguf")], "one of them"),
+        (["export", "--model", str(tmp_path / "nope"), "--gguf", str(tmp_path / "x.gguf")], "nope"),
+    ]:
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "p").exists() and not (tmp_path / "x.gguf").exists()
+
+
 def test_export_finds_the_original_weights_behind_a_converted_checkpoint(tmp_path, smollm2_path):
     """A run on a jaxtune NF4 checkpoint merges onto the checkpoint it was converted from (here the bundled GGUF)."""
     from convert.export import original_weights

@@ -224,6 +224,14 @@ def test_smollm2_fine_tune_round_trips_through_gguf(tmp_path, tuned_smollm2, sho
     assert jaxtune.generate(reimported, gguf_tok, prompts, max_new_tokens=12) == want
     assert gguf_tok("Hello 12345 world")["input_ids"] == tokenizer("Hello 12345 world")["input_ids"]
     assert gguf_tok.chat_template == tokenizer.chat_template
+    # every token typed as llama.cpp's converter typed the bundled file (its unk <|endoftext|> CONTROL, not UNKNOWN)
+    import gguf
+
+    from jaxtune.bundled import bundled_path
+
+    types = gguf.GGUFReader(tmp_path / "tuned.gguf").fields["tokenizer.ggml.token_type"].contents()
+    assert types == gguf.GGUFReader(bundled_path("smollm2")).fields["tokenizer.ggml.token_type"].contents()
+    assert types[tokenizer.unk_token_id] == 3
 
 
 def test_gguf_export_refusals_are_clear_and_leave_no_file(tmp_path, tiny_tokenizer, monkeypatch):

@@ -1,4 +1,4 @@
-"""q4_K / q6_K blocks: byte-equal to llama.cpp's reference quantizers (their bytes committed by
+"""q4_K / q5_K / q6_K blocks: byte-equal to llama.cpp's reference quantizers (their bytes committed by
 tests/data/make_llama_cpp_k_quants.py), read back by the `gguf` package's dequantizers as by jaxtune's own."""
 
 from __future__ import annotations
@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jaxtune.quant import dequantize_q4_k, dequantize_q6_k, quantize_q4_k, quantize_q6_k
+from jaxtune.quant import (dequantize_q4_k, dequantize_q5_k, dequantize_q6_k, quantize_q4_k, quantize_q5_k,
+                           quantize_q6_k)
 
 FIXTURE = Path(__file__).parent / "data" / "llama_cpp_k_quants.safetensors"
 FORMATS = {"q4_K": (quantize_q4_k, dequantize_q4_k, gguf.GGMLQuantizationType.Q4_K),
+           "q5_K": (quantize_q5_k, dequantize_q5_k, gguf.GGMLQuantizationType.Q5_K),
            "q6_K": (quantize_q6_k, dequantize_q6_k, gguf.GGMLQuantizationType.Q6_K)}
 
 
@@ -53,7 +55,7 @@ def test_k_quants_read_back_by_gguf_as_by_jaxtune(fmt, shape):
     q4_0 = gguf.quants.dequantize(gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q4_0),
                                   gguf.GGMLQuantizationType.Q4_0).reshape(shape)
     err, base = np.sqrt(np.mean((theirs - x) ** 2)), np.sqrt(np.mean((q4_0 - x) ** 2))
-    assert err < (0.9 if fmt == "q4_K" else 0.3) * base, (err, base)
+    assert err < {"q4_K": 0.9, "q5_K": 0.5, "q6_K": 0.3}[fmt] * base, (err, base)
 
 
 def test_k_quants_refuse_rows_of_partial_super_blocks():

@@ -1,9 +1,10 @@
-"""llama.cpp's K-quants (q4_K, q6_K) in numpy: the blocks a Q4_K_M GGUF is made of.
+"""llama.cpp's K-quants (q4_K, q5_K, q6_K) in numpy: the blocks a Q4_K_M GGUF is made of.
 
 A super-block is 256 weights of a row. q4_K splits it into 8 blocks of 32, each with a 6-bit scale and a 6-bit
-minimum (w = d * sc * q - dmin * m, q in 0..15, d and dmin f16 per super-block); q6_K into 16 blocks of 16 with an
-8-bit scale (w = d * sc * (q - 32), q in 0..63). The scale search is ggml's reference quantizer
-(`quantize_row_q4_K_ref` / `quantize_row_q6_K_ref`, what `llama-quantize` runs without an importance matrix),
+minimum (w = d * sc * q - dmin * m, q in 0..15, d and dmin f16 per super-block); q5_K likewise with q in 0..31
+(the fifth bits stored apart); q6_K into 16 blocks of 16 with an 8-bit scale (w = d * sc * (q - 32), q in 0..63).
+The scale search is ggml's reference quantizer (`quantize_row_q4_K_ref` / `_q5_K_ref` / `_q6_K_ref`, what
+`llama-quantize` runs without an importance matrix),
 computed over all blocks at once with float32 sums taken in ggml's order, so the bytes are ggml's.
 """
 
@@ -16,6 +17,7 @@ import numpy as np
 
 QK_K = 256  # weights per super-block
 Q4_K_BYTES = 2 + 2 + 12 + QK_K // 2  # d, dmin, 6-bit scales and mins, 4-bit codes
+Q5_K_BYTES = 2 + 2 + 12 + QK_K // 8 + QK_K // 2  # d, dmin, 6-bit scales and mins, fifth bits, low 4 bits
 Q6_K_BYTES = QK_K // 2 + QK_K // 4 + QK_K // 16 + 2  # low 4 bits, high 2 bits, int8 scales, d
 _EPS = np.float32(1e-15)  # ggml's GROUP_MAX_EPS: a block below it is all zeros
 _CHUNK = 1 << 18  # weights quantized at once by one thread (measured fastest of 2^14..2^20: the arrays stay in cache)
@@ -118,11 +120,14 @@ def _in_chunks(w: np.ndarray, fmt: str, fn, nbytes: int) -> np.ndarray:
     return out.reshape(*w.shape[:-1], w.shape[-1] // QK_K * nbytes)
 
 
-def _q4_k_blocks(x: np.ndarray) -> np.ndarray:
+def _asymmetric_blocks(x: np.ndarray, nmax: int, rmin: float, nstep: int):
+    """q4_K's and q5_K's shared part: each 32-weight block's scale and minimum by make_qkx2_quants (weights
+    av_x + |x|), both quantized to 6 bits against the super-block's f16 d and dmin, and the codes 0..nmax
+    recomputed from the stored ones. (d, dmin as f16 [n], the 12 packed scale bytes [n, 12], codes [n, 8, 32])."""
     blocks = x.reshape(-1, 8, 32)
     columns = np.ascontiguousarray(blocks.reshape(-1, 32).T)  # [32, blocks]
     av_x = np.sqrt(_ordered_sum(columns * columns) / f32(32))
-    scales, mins, codes = _scale_and_min(columns, av_x + np.abs(columns), 15, -1.0, 0.1, 20)
+    scales, mins, codes = _scale_and_min(columns, av_x + np.abs(columns), nmax, rmin, 0.1, nstep)
     scales, mins, codes = scales.reshape(-1, 8), mins.reshape(-1, 8), codes.T.reshape(-1, 8, 32)
     max_scale = np.maximum(scales.max(-1), f32(0))
     max_min = np.maximum(mins.max(-1), f32(0))
@@ -140,10 +145,31 @@ def _q4_k_blocks(x: np.ndarray) -> np.ndarray:
     step = d.astype(f32)[:, None] * ls.astype(f32)
     offset = dmin.astype(f32)[:, None] * lm.astype(f32)
     with np.errstate(divide="ignore", invalid="ignore"):
-        requant = np.clip(_nearest((blocks + offset[..., None]) / step[..., None]), 0, 15)
-    codes = np.where((step != 0)[..., None], requant, codes).astype(np.uint8).reshape(-1, 4, 2, 32)
-    qs = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(-1, 128)
-    return np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), packed, qs], axis=1)
+        requant = np.clip(_nearest((blocks + offset[..., None]) / step[..., None]), 0, nmax)
+    codes = np.where((step != 0)[..., None], requant, codes).astype(np.uint8)
+    return d, dmin, packed, codes
+
+
+def _low_nibbles(codes: np.ndarray) -> np.ndarray:
+    """The codes' low 4 bits as q4_K / q5_K store them: blocks 2c and 2c + 1 share 32 bytes, low and high nibble."""
+    low = (codes & 0xF).reshape(-1, 4, 2, 32)
+    return (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
+
+
+def _q4_k_blocks(x: np.ndarray) -> np.ndarray:
+    d, dmin, packed, codes = _asymmetric_blocks(x, 15, -1.0, 20)
+    return np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), packed, _low_nibbles(codes)],
+                          axis=1)
+
+
+def _q5_k_blocks(x: np.ndarray) -> np.ndarray:
+    d, dmin, packed, codes = _asymmetric_blocks(x, 31, -0.5, 15)
+    high = (codes >> 4) & 1  # [n, 8, 32]: bit b of qh[j] is block b's fifth bit of weight j
+    qh = np.zeros((len(x), 32), np.uint8)
+    for b in range(8):
+        qh |= high[:, b] << b
+    return np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), packed, qh, _low_nibbles(codes)],
+                          axis=1)
 
 
 def _q6_k_blocks(x: np.ndarray) -> np.ndarray:
@@ -174,6 +200,11 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     return _in_chunks(w, "q4_K", _q4_k_blocks, Q4_K_BYTES)
 
 
+def quantize_q5_k(w: np.ndarray) -> np.ndarray:
+    """The q5_K bytes [..., K / 256 * 176] of a float tensor [..., K] (K a multiple of 256), as GGUF stores them."""
+    return _in_chunks(w, "q5_K", _q5_k_blocks, Q5_K_BYTES)
+
+
 def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     """The q6_K bytes [..., K / 256 * 210] of a float tensor [..., K] (K a multiple of 256), as GGUF stores them."""
     return _in_chunks(w, "q6_K", _q6_k_blocks, Q6_K_BYTES)
@@ -184,13 +215,32 @@ def dequantize_q4_k(data: np.ndarray) -> np.ndarray:
     b = np.ascontiguousarray(data, np.uint8).reshape(-1, Q4_K_BYTES)
     d = b[:, 0:2].copy().view(np.float16)[:, 0].astype(f32)
     dmin = b[:, 2:4].copy().view(np.float16)[:, 0].astype(f32)
-    s = b[:, 4:16]
-    sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)], axis=1).astype(f32)
-    m = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1).astype(f32)
+    sc, m = _unpacked_scales(b[:, 4:16])
     qs = b[:, 16:].reshape(-1, 4, 32)
     q = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(-1, 8, 32).astype(f32)
     w = (d[:, None] * sc)[..., None] * q - (dmin[:, None] * m)[..., None]
     return w.reshape(*data.shape[:-1], data.shape[-1] // Q4_K_BYTES * QK_K)
+
+
+def dequantize_q5_k(data: np.ndarray) -> np.ndarray:
+    """The float32 weights [..., K] of q5_K bytes [..., K / 256 * 176]."""
+    b = np.ascontiguousarray(data, np.uint8).reshape(-1, Q5_K_BYTES)
+    d = b[:, 0:2].copy().view(np.float16)[:, 0].astype(f32)
+    dmin = b[:, 2:4].copy().view(np.float16)[:, 0].astype(f32)
+    sc, m = _unpacked_scales(b[:, 4:16])
+    qh, qs = b[:, 16:48], b[:, 48:].reshape(-1, 4, 32)
+    low = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(-1, 8, 32)
+    high = np.stack([(qh >> k) & 1 for k in range(8)], axis=1)  # [n, 8, 32]
+    q = (low | (high << 4)).astype(f32)
+    w = (d[:, None] * sc)[..., None] * q - (dmin[:, None] * m)[..., None]
+    return w.reshape(*data.shape[:-1], data.shape[-1] // Q5_K_BYTES * QK_K)
+
+
+def _unpacked_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit scales and minimums [n, 8] of q4_K's / q5_K's 12 packed bytes [n, 12], as float32."""
+    sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)], axis=1).astype(f32)
+    m = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1).astype(f32)
+    return sc, m
 
 
 def dequantize_q6_k(data: np.ndarray) -> np.ndarray:

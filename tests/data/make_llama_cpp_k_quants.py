@@ -1,5 +1,5 @@
-"""Writes tests/data/llama_cpp_k_quants.safetensors: float tensors and the q4_K / q6_K bytes that llama.cpp's own
-reference quantizers (ggml-quants.c: `quantize_row_q4_K_ref`, `quantize_row_q6_K_ref`, what llama-quantize runs
+"""Writes tests/data/llama_cpp_k_quants.safetensors: float tensors and the q4_K / q5_K / q6_K bytes that llama.cpp's
+own reference quantizers (ggml-quants.c: `quantize_row_q4_K_ref`, `_q5_K_ref`, `_q6_K_ref`, what llama-quantize runs
 without an importance matrix) make of them. The suite compares jaxtune's quantizers with these bytes without
 building llama.cpp.
 
@@ -63,7 +63,7 @@ def main(llama_cpp: str) -> None:
         tensors = {}
         for name, x in inputs().items():
             tensors[f"{name}.input"] = x
-            for fmt, nbytes in (("q4_K", 144), ("q6_K", 210)):
+            for fmt, nbytes in (("q4_K", 144), ("q5_K", 176), ("q6_K", 210)):
                 out = np.zeros(x.size // 256 * nbytes, np.uint8)
                 getattr(lib, f"quantize_row_{fmt}_ref")(x.ctypes.data_as(ctypes.c_void_p),
                                                         out.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(x.size))
