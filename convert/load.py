@@ -111,7 +111,7 @@ def _plan(source, cfg: ModelConfig, slots: dict[Path, tuple[tuple[int, ...], boo
         shape = slots[path][0]
         want = shape[len(_indices(index)):]
         got = source.shape(name)
-        if slots[path][1] and f"{name}.absmax" in names:
+        if f"{name}.absmax" in names:
             pass  # a bnb-4bit packed weight: its quant_state shape is checked when it is read
         elif tuple(got) != tuple(want):
             raise CheckpointError(f"tensor {name} has shape {tuple(got)} but config.json implies {tuple(want)}")
@@ -173,6 +173,11 @@ class TensorPlan:
             q = nf4.from_bnb_tensors({"weight": self.source.get(name), **bnb}, shape, where=name)
         elif quantized:
             q = nf4.quantize(np.asarray(self.source.get(name), np.float32))
+        elif f"{name}.absmax" in self._names:  # bnb quantized a weight jaxtune keeps 16-bit (rows of partial blocks)
+            bnb = {suffix: self.source.get(f"{name}.{suffix}") for suffix in nf4.BNB_TENSOR_NAMES if suffix != "weight"}
+            w = nf4.dequantize_bnb_blocks({"weight": self.source.get(name), **bnb}, self.slots[path][0][-2:], name)
+            yield path, layer, w.astype(self.expected[path].dtype)
+            return
         else:
             yield path, layer, np.asarray(self.source.get(name)).astype(self.expected[path].dtype, copy=False)
             return

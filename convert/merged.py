@@ -18,7 +18,6 @@ from convert.atomic import atomic_directory
 from convert.jaxtune_format import write_generation_config
 from convert.moe_names import expert_layout
 from convert.safetensors_writer import ShardedSafetensorsWriter
-from convert.peft_io import expert_lora_modules, lora_modules
 from convert.safetensors_source import SafetensorsSource
 from jaxtune import nf4
 from jaxtune.errors import CheckpointError
@@ -201,8 +200,6 @@ def save_merged(
         raise CheckpointError(f"unknown dtype {dtype!r}; choose one of: {', '.join(MERGED_DTYPES)}")
     if in_nf4 := dtype == "nf4":
         model.config.require_dense("exporting a merged NF4 checkpoint (use a 16-bit dtype)")
-    if not lora_modules(model) and not expert_lora_modules(model):
-        raise CheckpointError("the model has no LoRA adapters to merge; call jaxtune.get_peft_model first")
     source = open_original(model, base)
     out_dtype = _DTYPES["bfloat16" if in_nf4 else dtype]
     try:

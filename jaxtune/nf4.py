@@ -213,8 +213,18 @@ def to_bnb_tensors(q: NF4Weight, *, dtype: str = "bfloat16") -> dict[str, np.nda
 
 def to_bnb(w: np.ndarray | jax.Array, *, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
     """Quantizes W [out, in] and returns bnb's serialized tensors: weight, absmax, quant_map, nested_absmax,
-    nested_quant_map, quant_state.bitsandbytes__nf4."""
-    return to_bnb_tensors(quantize(w), dtype=dtype)
+    nested_quant_map, quant_state.bitsandbytes__nf4. A weight whose rows are not whole blocks is quantized as
+    bnb does it, in blocks of 64 over the flattened weight (its size a multiple of 64)."""
+    shape = tuple(w.shape)
+    if quantizable(shape):
+        return to_bnb_tensors(quantize(w), dtype=dtype)
+    if (shape[0] * shape[1]) % BLOCK:
+        raise CheckpointError(f"a weight of shape {shape} is not whole {BLOCK}-weight blocks; export it in 16 bits")
+    tensors = to_bnb_tensors(quantize(jnp.reshape(jnp.asarray(w), (-1, BLOCK))), dtype=dtype)
+    state = parse_quant_state(tensors["quant_state.bitsandbytes__nf4"])
+    tensors["quant_state.bitsandbytes__nf4"] = np.frombuffer(
+        _quant_state_json(shape, state["nested_offset"], dtype), np.uint8).copy()
+    return tensors
 
 
 def parse_quant_state(raw: np.ndarray | bytes, where: str = "quant_state") -> dict:
@@ -262,6 +272,37 @@ def from_bnb_tensors(tensors: dict[str, np.ndarray], shape: tuple[int, int] | No
     if codes.size != out * inn // 2 or absmax.size != n_blocks or nested.size != -(-n_blocks // NESTED_BLOCK):
         raise CheckpointError(f"{where} tensor sizes do not match its quant_state shape {state_shape}")
     return NF4Weight(codes.reshape(out, inn // 2), absmax, nested, np.float32(state["nested_offset"]), nested_map)
+
+
+def quantizable(shape: tuple[int, ...]) -> bool:
+    """Whether a weight [..., out, in] takes jaxtune's NF4 layout: rows of whole 64-weight blocks (the kernels read
+    a row's blocks). bitsandbytes' blocks run on across rows; such a weight stays 16-bit here."""
+    return shape[-1] % BLOCK == 0
+
+
+def dequantize_bnb_blocks(tensors: dict[str, np.ndarray], shape: tuple[int, int], where: str = "weight") -> np.ndarray:
+    """The float32 weight [out, in] of bnb's serialized NF4 tensors for any shape: the codes and double-quantized
+    absmax over the row-major flattened weight in blocks of 64 (the last one partial), as bnb quantizes a weight
+    whose rows are not whole blocks (jaxtune then keeps it 16-bit)."""
+    missing = [k for k in BNB_TENSOR_NAMES if k not in tensors]
+    if missing:
+        raise CheckpointError(f"{where} lacks bnb tensor(s) {', '.join(missing)}; the bnb-4bit checkpoint is incomplete")
+    state = parse_quant_state(tensors["quant_state.bitsandbytes__nf4"], f"{where}.quant_state")
+    if tuple(int(s) for s in state["shape"]) != tuple(shape):
+        raise CheckpointError(f"{where} quant_state shape {tuple(state['shape'])} does not match the expected "
+                              f"{tuple(shape)}")
+    n = shape[0] * shape[1]
+    blocks = -(-n // BLOCK)
+    packed = np.asarray(tensors["weight"], np.uint8).reshape(-1)
+    absmax_codes = np.asarray(tensors["absmax"], np.uint8).reshape(-1)
+    nested = np.asarray(tensors["nested_absmax"], np.float32).reshape(-1)
+    nested_map = np.asarray(tensors["nested_quant_map"], np.float32).reshape(-1)
+    if packed.size != -(-n // 2) or absmax_codes.size != blocks or nested.size != -(-blocks // NESTED_BLOCK) \
+            or nested_map.size != 256:
+        raise CheckpointError(f"{where} tensor sizes do not match its quant_state shape {tuple(shape)}")
+    absmax = nested_map[absmax_codes] * np.repeat(nested, NESTED_BLOCK)[:blocks] + np.float32(state["nested_offset"])
+    codes = np.stack([packed >> 4, packed & 15], axis=-1).reshape(-1)[:n]
+    return (NF4_CODE[codes] * np.repeat(absmax.astype(np.float32), BLOCK)[:n]).reshape(shape)
 
 
 def from_bnb(tensors: dict[str, np.ndarray], shape: tuple[int, int]) -> np.ndarray:

@@ -7,6 +7,7 @@ optimizers and `nnx.grad(..., wrt=nnx.LoRAParam)` never see.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -179,16 +180,25 @@ _quantize_experts = jax.jit(jax.vmap(jax.vmap(nf4.quantize_traced)))
 def quantize_layers(model: CausalLM) -> CausalLM:
     """Replaces every dense projection of the decoder layers by a frozen NF4 one (in place; returns model).
 
-    Embeddings, norms and lm_head stay in the model dtype. Works on abstract models too (eval_shape).
+    Embeddings, norms and lm_head stay in the model dtype, and so does a projection whose rows are not whole
+    64-weight blocks (a one-line warning names it; LoRA adapts it all the same). Works on abstract models too
+    (eval_shape).
     """
+    kept = []
     for name, parent, proj in _projections(model):
+        if not isinstance(proj, (Linear, ExpertLinear)):
+            continue
+        if not nf4.quantizable(proj.weight.shape):
+            kept.append(f"{name} ({proj.weight.shape[-1]} inputs)")
+            continue
         if isinstance(proj, ExpertLinear):  # each expert quantized on its own, as bnb does an expert's Linear
             setattr(parent, name, NF4Experts(_quantize_experts(proj.weight[...])))
             continue
-        if not isinstance(proj, Linear):
-            continue
         q = _quantize_stack(proj.weight[...])
         setattr(parent, name, NF4Linear(q, None if proj.bias is None else proj.bias[...]))
+    if kept:
+        warnings.warn(f"{', '.join(kept)} kept in {jnp.dtype(model.dtype).name}, not NF4: jaxtune's NF4 quantizes rows "
+                      f"of whole {nf4.BLOCK}-weight blocks", stacklevel=2)
     return model
 
 
