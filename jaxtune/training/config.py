@@ -44,7 +44,8 @@ class TrainConfig:
     grad_accum: int = 1
     # optimizer
     learning_rate: float = 2e-4
-    schedule: str = "cosine"
+    # None: "cosine" for SFT; "linear" for DPO, ORPO and GRPO, as TRL's trainers (transformers' default) decay it
+    schedule: str | None = None
     warmup_steps: int = 0
     weight_decay: float = 0.0
     adam_b1: float = 0.9
@@ -147,6 +148,8 @@ class TrainConfig:
             self.micro_batch_size = self.num_generations if self.objective == "grpo" else 4
         if self.beta is None:
             self.beta = 0.0 if self.objective == "grpo" else 0.1
+        if self.schedule is None:
+            self.schedule = "cosine" if self.objective == "sft" else "linear"
         for f in dataclasses.fields(self):
             rule = _RULES.get(f.name)
             if rule is not None and not (f.name in _OPTIONAL and getattr(self, f.name) is None):
