@@ -33,7 +33,7 @@ class LeastAvailable:
     """Samples MemAvailable while a step runs: the least host memory left (what the step's offload took)."""
 
     def __init__(self, interval_s: float = 0.5):
-        from jaxtune.host_info import meminfo_bytes
+        from jaxtune.platform.host_info import meminfo_bytes
 
         self._read, self._interval, self.least = meminfo_bytes, interval_s, None
         self._done = threading.Event()
@@ -72,8 +72,8 @@ def main() -> None:
 
     import jaxtune
     from benchmarks.learnable_run import synthetic_rows
-    from jaxtune.distributed import memory_stats, peak_memory_gib
-    from jaxtune.host_info import GIB, pinned_cap_bytes
+    from jaxtune.parallel.distributed import memory_stats, peak_memory_gib
+    from jaxtune.platform.host_info import GIB, pinned_cap_bytes
     from jaxtune.training.loop import prepare_data
 
     t0 = time.perf_counter()

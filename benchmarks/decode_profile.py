@@ -96,7 +96,7 @@ def main() -> None:
 
     import jaxtune
     from jaxtune.generate import cache_length
-    from jaxtune.model import KVCache
+    from jaxtune.models.causal_lm import KVCache
     from jaxtune.rl.rollout import sample
     from trace_summary import _gpu_events, classify
 

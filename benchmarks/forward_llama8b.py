@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtune.config import ModelConfig
-from jaxtune.model import CausalLM, abstract_model
+from jaxtune.models.config import ModelConfig
+from jaxtune.models.causal_lm import CausalLM, abstract_model
 
 LLAMA3_8B = ModelConfig(
     model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,

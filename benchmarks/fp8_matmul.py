@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.nf4_matmul import REPEAT, SHAPES, time_us
-from jaxtune import nf4, ops
+from jaxtune import ops
+from jaxtune.quant import nf4
 from jaxtune.ops.fp8_linear import fp8_weight
 from pallas_kernels.fp8_matmul import Fp8Tiles, fp8_matmul, fp8_matmul_reference
 from pallas_kernels.fp8_quantize import quantize_blocks

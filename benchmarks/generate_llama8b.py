@@ -17,9 +17,9 @@ import numpy as np
 
 import jaxtune
 from benchmarks.scale_qlora import MODELS, random_model
-from jaxtune.distributed import peak_memory_gib
+from jaxtune.parallel.distributed import peak_memory_gib
 from jaxtune.generate import generate_tokens
-from jaxtune.sharding import make_mesh
+from jaxtune.parallel.sharding import make_mesh
 
 
 def timed_generate(model, prompts: list[list[int]], new: int) -> float:

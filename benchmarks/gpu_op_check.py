@@ -89,8 +89,8 @@ def layer_check(name: str, dtype: str, t: int, rows: int, modes: tuple[str, ...]
     from flax import nnx
 
     import jaxtune
-    from jaxtune.config import ModelConfig
-    from jaxtune.model import init_model
+    from jaxtune.models.config import ModelConfig
+    from jaxtune.models.causal_lm import init_model
     from jaxtune.qlora import quantize_layers
     from jaxtune.training.step import split_model
 

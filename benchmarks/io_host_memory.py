@@ -27,7 +27,7 @@ STAGES = {
     "convert": "import jaxtune; jaxtune.convert('{d}/hf', '{d}/jt')",
     "merged": "{load}; jaxtune.save_merged(model, '{d}/merged', base='{d}/hf', tokenizer=tok)",
     # the random checkpoint's word-level tokenizer is not BPE: the GGUF gets the bundled SmolLM2's (ids padded)
-    "gguf": "{load}; from convert.gguf_source import GGUFSource; from jaxtune.bundled import resolve_model_path; "
+    "gguf": "{load}; from convert.gguf_source import GGUFSource; from jaxtune.io.bundled import resolve_model_path; "
             "tok = GGUFSource(resolve_model_path('smollm2')).tokenizer(); "
             "jaxtune.save_gguf(model, '{d}/model.gguf', tokenizer=tok, base='{d}/hf', gguf_type='bf16')",
 }

@@ -54,7 +54,7 @@ def main() -> None:
     from flax import nnx
 
     import jaxtune
-    from jaxtune.distributed import peak_memory_gib
+    from jaxtune.parallel.distributed import peak_memory_gib
 
     read_s = read_files_seconds(args.model)
     t0 = time.perf_counter()

@@ -3,7 +3,7 @@
 A bf16 70B is 140 GB and cannot exist on a 64 GB disk; this writes the NF4 form (~40 GB for Llama-3-70B) without
 any full-precision intermediate: each projection is drawn on the GPU as N(0, 0.02) in bf16 (the scale of trained
 Llama weights, so activations and losses stay finite), quantized exactly as bitsandbytes does
-(`jaxtune.nf4.to_bnb`: NF4 codes, double-quantized absmax), and written with the layer's other tensors into one
+(`jaxtune.quant.nf4.to_bnb`: NF4 codes, double-quantized absmax), and written with the layer's other tensors into one
 safetensors shard. Embeddings, norms and lm_head are bf16, as in Unsloth's `-bnb-4bit` checkpoints. The directory
 has a `quantization_config`, an index and a word-level tokenizer, so transformers / Unsloth and jaxtune load the
 same weights.
@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from convert.moe_names import expert_layout
 from convert.safetensors_writer import write_shards
-from jaxtune import nf4
+from jaxtune.quant import nf4
 
 # HF config fields of each shape (Llama-3.x and Qwen3 dense); vocab sizes as released
 MODELS: dict[str, dict] = {
@@ -173,7 +173,7 @@ def random_model(name: str, seed: int = 0):
     write and read); each expert quantized on its own as the loader does. Embeddings, norms, router in bf16."""
     from convert.load import abstract_state
     from convert.state_tree import merge_filled
-    from jaxtune.config import ModelConfig
+    from jaxtune.models.config import ModelConfig
     from jaxtune.qlora import _quantize_experts, _quantize_stack
 
     cfg = ModelConfig.from_hf(hf_config(name))

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxtune
-from jaxtune import nf4
+from jaxtune.quant import nf4
 from jaxtune.moe.grouped import grouped_matmul
 from jaxtune.moe.layout import BLOCK_M, tile_layout
 from pallas_kernels.grouped_matmul import GroupedTiles, grouped_matmul as kernel

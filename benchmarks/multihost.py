@@ -42,8 +42,8 @@ def make_model_and_data(work: str) -> tuple[str, str]:
     from transformers import PreTrainedTokenizerFast
 
     from convert.jaxtune_format import write_checkpoint
-    from jaxtune.config import ModelConfig
-    from jaxtune.model import init_model
+    from jaxtune.models.config import ModelConfig
+    from jaxtune.models.causal_lm import init_model
     from jaxtune.qlora import quantize_layers
 
     rows = [{"text": f"row {i}: " + " ".join(["the quick brown fox jumps over the lazy dog"] * (1 + i % 7))}

@@ -18,7 +18,7 @@ import json
 import resource
 import time
 
-from jaxtune.distributed import initialize_from_env
+from jaxtune.parallel.distributed import initialize_from_env
 
 initialize_from_env()  # several processes: before anything else touches JAX
 
@@ -29,12 +29,12 @@ from flax import nnx
 
 import jaxtune
 from benchmarks.train_qlora import dense_batches
-from jaxtune.config import ModelConfig
-from jaxtune.distributed import peak_memory_gib
-from jaxtune.host_info import available_ram_bytes, pinned_cap_bytes
-from jaxtune.model import CausalLM
+from jaxtune.models.config import ModelConfig
+from jaxtune.parallel.distributed import peak_memory_gib
+from jaxtune.platform.host_info import available_ram_bytes, pinned_cap_bytes
+from jaxtune.models.causal_lm import CausalLM
 from jaxtune.qlora import quantize_layers
-from jaxtune.sharding import global_batch, make_mesh, shard_state, state_shardings
+from jaxtune.parallel.sharding import global_batch, make_mesh, shard_state, state_shardings
 from jaxtune.training.host_memory import HostMemoryGuard, offload_plan
 from jaxtune.training.loop import PEAK_BF16_FLOPS, flops_per_token
 from jaxtune.training.step import REMAT_POLICIES, make_optimizer, make_train_step, split_model

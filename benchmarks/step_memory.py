@@ -109,7 +109,7 @@ def compile_one(args: argparse.Namespace, remat: str) -> None:
     from benchmarks.make_bnb4_checkpoint import hf_config
     from benchmarks.train_qlora import memory_plan
     from convert.load import abstract_model
-    from jaxtune.config import ModelConfig
+    from jaxtune.models.config import ModelConfig
     from jaxtune.training.step import REMAT_POLICIES, make_optimizer, make_train_step, split_model
 
     cfg = ModelConfig.from_hf(hf_config(args.model))

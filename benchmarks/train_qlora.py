@@ -29,7 +29,7 @@ from flax import nnx
 import jaxtune
 from jaxtune.data.formats import Example
 from jaxtune.data.packing import pack_examples
-from jaxtune.distributed import peak_memory_gib
+from jaxtune.parallel.distributed import peak_memory_gib
 from jaxtune.ops import dispatch
 from jaxtune.training.autobatch import choose_micro_batch
 from jaxtune.training.loop import PEAK_BF16_FLOPS, flops_per_token

@@ -20,7 +20,7 @@ from convert.jaxtune_format import (SHARD_METADATA, check_quantization, is_jaxtu
 from convert.load import (TensorPlan, abstract_state, bnb_quantization, from_pretrained, load_tokenizer,
                           open_checkpoint)
 from convert.safetensors_writer import ShardedSafetensorsWriter
-from jaxtune.bundled import resolve_model_path
+from jaxtune.io.bundled import resolve_model_path
 from jaxtune.errors import CheckpointError
 from jaxtune.moe.experts import NF4Experts
 from jaxtune.qlora import NF4Linear

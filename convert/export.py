@@ -6,8 +6,8 @@ import os
 from typing import Any
 
 from jaxtune.errors import CheckpointError
-from jaxtune.jsonfile import read_json_file
-from jaxtune.model import CausalLM
+from jaxtune.io.jsonfile import read_json_file
+from jaxtune.models.causal_lm import CausalLM
 
 
 def _read_run(run_dir: str) -> tuple[str, dict[str, Any]]:
@@ -31,7 +31,7 @@ def check_model_exportable(model: str, *, gguf: bool, merged_dtype: str | None) 
     """`check_run_exportable` for a model itself (exported without adapters): HF directory, .gguf, jaxtune
     checkpoint, bundled name or hub id."""
     from convert.load import open_checkpoint
-    from jaxtune.bundled import resolve_model_path
+    from jaxtune.io.bundled import resolve_model_path
 
     if not gguf and merged_dtype != "nf4":
         return
@@ -81,7 +81,7 @@ def original_weights(base_model: str) -> str | None:
     was made from when that still exists, else None."""
     from convert.jaxtune_format import converted_from, is_jaxtune_checkpoint
     from convert.load import bnb_quantization
-    from jaxtune.bundled import resolve_model_path
+    from jaxtune.io.bundled import resolve_model_path
 
     try:  # a bundled name (its GGUF is the original) or a hub id (its cached copy)
         base_model = resolve_model_path(base_model)

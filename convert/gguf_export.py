@@ -28,11 +28,11 @@ from convert.gguf_source import _LAYER_NAMES, _TOP_NAMES
 from convert.gguf_tokenizer import gguf_tokenizer_fields
 from convert import moe_names
 from convert.merged import MergedTensor, merged_tensors, open_original
-from jaxtune.config import ModelConfig
+from jaxtune.models.config import ModelConfig
 from jaxtune.errors import CheckpointError, UnsupportedModelError
-from jaxtune.model import CausalLM
+from jaxtune.models.causal_lm import CausalLM
 from jaxtune.quant import quantize_q4_0, quantize_q4_k, quantize_q5_k, quantize_q6_k
-from jaxtune.rope import inverse_frequencies, unscaled_inverse_frequencies
+from jaxtune.models.rope import inverse_frequencies, unscaled_inverse_frequencies
 
 GGUF_TYPES = ("bf16", "f16", "q8_0", "q6_k", "q4_k_m", "q4_0", "f32")
 # model type -> llama.cpp's architecture it is written as

@@ -80,7 +80,7 @@ def llama3_rope_from_factors(factors: np.ndarray, theta: float, head_dim: int, o
     file's original context (else Llama 3.1's) the parameters follow. They are checked by recomputing the divisors.
     None when every divisor is 1 (no scaling).
     """
-    from jaxtune.rope import llama3_inverse_frequencies, unscaled_inverse_frequencies
+    from jaxtune.models.rope import llama3_inverse_frequencies, unscaled_inverse_frequencies
 
     if factors.shape != (head_dim // 2,):
         raise CheckpointError(f"GGUF rope_freqs has {factors.size} values, the model's heads need {head_dim // 2}; "

@@ -25,10 +25,10 @@ from convert.atomic import atomic_directory
 from convert.safetensors_source import SafetensorsSource
 from convert.safetensors_writer import write_shards
 from convert.state_tree import expected_arrays, merge_filled
-from jaxtune.config import ModelConfig, generation_config_json, load_hf_config
+from jaxtune.models.config import ModelConfig, generation_config_json, load_hf_config
 from jaxtune.errors import CheckpointError
-from jaxtune.jsonfile import read_json_file
-from jaxtune.model import CausalLM
+from jaxtune.io.jsonfile import read_json_file
+from jaxtune.models.causal_lm import CausalLM
 from jaxtune.qlora import quantize_layers
 
 FORMAT_FILE = "jaxtune.json"

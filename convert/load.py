@@ -22,11 +22,11 @@ from convert.gguf_source import GGUFSource
 from convert.jaxtune_format import is_jaxtune_checkpoint, read_checkpoint
 from convert.safetensors_source import SafetensorsSource
 from convert.state_tree import Path, expected_arrays, merge_filled
-from jaxtune.bundled import model_reference, resolve_model_path
-from jaxtune.config import ModelConfig, load_hf_config
+from jaxtune.io.bundled import model_reference, resolve_model_path
+from jaxtune.models.config import ModelConfig, load_hf_config
 from jaxtune.errors import CheckpointError
-from jaxtune import nf4
-from jaxtune.model import CausalLM
+from jaxtune.quant import nf4
+from jaxtune.models.causal_lm import CausalLM
 from jaxtune.qlora import quantize_layers
 
 _IGNORED_TENSORS = re.compile(r"rotary_emb\.inv_freq$")
@@ -281,7 +281,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype: str = "bfloat16", load_in
 
     `path` may also be a bundled model name (`smollm2`) or a Hugging Face Hub id (`Qwen/Qwen3-8B`,
     `owner/repo/FILE.gguf`; `revision` or `owner/repo@revision` picks a branch, tag or commit), fetched through
-    huggingface_hub's cache with only the files loading reads (jaxtune/hub.py). Weights are read tensor by tensor
+    huggingface_hub's cache with only the files loading reads (jaxtune/io/hub.py). Weights are read tensor by tensor
     with a progress bar and cast to `dtype`; with `load_in_4bit=True` the decoder projections are quantized to NF4 (bitsandbytes
     layout) as they load, while embeddings, norms and lm_head keep `dtype`. The tokenizer comes from the same
     directory (or the GGUF's embedded one).

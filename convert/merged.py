@@ -19,9 +19,9 @@ from convert.jaxtune_format import write_generation_config
 from convert.moe_names import expert_layout
 from convert.safetensors_writer import ShardedSafetensorsWriter
 from convert.safetensors_source import SafetensorsSource
-from jaxtune import nf4
+from jaxtune.quant import nf4
 from jaxtune.errors import CheckpointError
-from jaxtune.model import CausalLM, Linear
+from jaxtune.models.causal_lm import CausalLM, Linear
 from jaxtune.moe.experts import LoRAExperts, NF4Experts
 from jaxtune.qlora import LORA_TARGETS, PARENT_MODULE, LoRALinear, NF4Linear, projection
 
@@ -165,7 +165,7 @@ def open_original(model: CausalLM, base: str | os.PathLike | None):
         return None
     from convert.jaxtune_format import is_jaxtune_checkpoint
     from convert.load import bnb_quantization, open_checkpoint
-    from jaxtune.bundled import resolve_model_path
+    from jaxtune.io.bundled import resolve_model_path
 
     base = resolve_model_path(os.fspath(base))  # a bundled name or hub id: its local copy
     if os.path.isdir(base) and (is_jaxtune_checkpoint(base) or bnb_quantization(base)):

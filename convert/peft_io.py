@@ -15,8 +15,8 @@ from safetensors.numpy import save_file
 from convert.atomic import atomic_directory
 from convert.safetensors_source import SafetensorsSource
 from jaxtune.errors import CheckpointError
-from jaxtune.jsonfile import read_json_file
-from jaxtune.model import CausalLM
+from jaxtune.io.jsonfile import read_json_file
+from jaxtune.models.causal_lm import CausalLM
 from jaxtune.moe.experts import LoRAExperts
 from jaxtune.qlora import LORA_TARGETS, PARENT_MODULE, LoRALinear, get_peft_model, projection
 

@@ -8,18 +8,18 @@ from typing import Any
 # jaxtune needs no PyTorch: transformers' import-time note that it is missing is noise on every command
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-from jaxtune.device_memory_env import set_device_memory_fraction
-from jaxtune.host_info import set_pinned_host_cap
+from jaxtune.platform.device_memory_env import set_device_memory_fraction
+from jaxtune.platform.host_info import set_pinned_host_cap
 
 set_pinned_host_cap()  # before any JAX backend starts
 set_device_memory_fraction()
 
-from jaxtune.config import ModelConfig
+from jaxtune.models.config import ModelConfig
 from jaxtune.ops.dispatch import kernel_mode, set_kernels
 from jaxtune.errors import CheckpointError, ConfigError, JaxtuneError, UnsupportedModelError
 from jaxtune.generate import generate
-from jaxtune import nf4
-from jaxtune.model import CausalLM, init_model
+from jaxtune.quant import nf4
+from jaxtune.models.causal_lm import CausalLM, init_model
 from jaxtune.qlora import get_peft_model, quantize_layers
 from jaxtune.training import TrainConfig, TrainingDiverged, TrainResult, train
 
@@ -42,6 +42,28 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_FROM_CONVERT[name]), name)
     raise AttributeError(f"module 'jaxtune' has no attribute {name!r}")
+
+
+# modules that moved into packages by concern, still importable by their first names (`import jaxtune.model`): the
+# same module objects, so what is patched or read through either name is one thing
+MOVED_MODULES = {"model": "models.causal_lm", "config": "models.config", "layer_loop": "models.layer_loop", "nf4": "quant.nf4",
+                 "remat": "models.remat", "rope": "models.rope", "sharding": "parallel.sharding",
+                 "distributed": "parallel.distributed", "bundled": "io.bundled", "hub": "io.hub",
+                 "jsonfile": "io.jsonfile", "host_info": "platform.host_info",
+                 "device_memory_env": "platform.device_memory_env"}
+
+
+def _alias_moved_modules() -> None:
+    import importlib
+    import sys
+
+    for old, new in MOVED_MODULES.items():
+        module = importlib.import_module(f"jaxtune.{new}")  # each already imported by the package's own imports
+        sys.modules.setdefault(f"jaxtune.{old}", module)
+        globals().setdefault(old, module)
+
+
+_alias_moved_modules()
 
 
 __all__ = [

@@ -15,7 +15,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from jaxtune.bundled import check_model_reference
+    from jaxtune.io.bundled import check_model_reference
     from jaxtune.errors import CheckpointError, ConfigError
     from jaxtune.generate import check_sampling
 
@@ -78,7 +78,7 @@ def _export(args: argparse.Namespace) -> None:
         check_gguf_output(args.gguf)
     merged_dtype = args.dtype if args.merged else None
     if args.model is not None:
-        from jaxtune.bundled import check_model_reference
+        from jaxtune.io.bundled import check_model_reference
 
         check_model_reference(args.model)
         check_model_exportable(args.model, gguf=bool(args.gguf), merged_dtype=merged_dtype)
@@ -161,7 +161,7 @@ def _train_checks(args: argparse.Namespace):
     """(the run's TrainConfig, its data rows), after every check that needs no model: values, model reference, data
     rows, run directory, reporters."""
     cfg = _train_config(args)
-    from jaxtune.bundled import check_model_reference
+    from jaxtune.io.bundled import check_model_reference
     from jaxtune.data import check_rows, read_rows
     from jaxtune.data.preference import check_preference_rows
     from jaxtune.training.checkpoint import check_run_dir
@@ -213,7 +213,7 @@ def _tokenizer_only(model: str):
 
     try:
         from convert.load import load_tokenizer, open_checkpoint
-        from jaxtune.bundled import resolve_model_path
+        from jaxtune.io.bundled import resolve_model_path
 
         _, source, gguf = open_checkpoint(model)
         with warnings.catch_warnings():
@@ -224,7 +224,7 @@ def _tokenizer_only(model: str):
 
 
 def _train(args: argparse.Namespace) -> None:
-    from jaxtune.distributed import agree_on_checks, initialize_from_env
+    from jaxtune.parallel.distributed import agree_on_checks, initialize_from_env
 
     try:  # bad values and unusable paths refused before the model loads
         (cfg, rows, rewards), failure = _train_checks(args), None
@@ -235,7 +235,7 @@ def _train(args: argparse.Namespace) -> None:
     import jaxtune
 
     if cfg.mesh:  # a mesh that does not fit the devices fails before the model loads
-        from jaxtune.sharding import make_mesh
+        from jaxtune.parallel.sharding import make_mesh
 
         make_mesh(cfg.mesh)
     model, tokenizer = jaxtune.from_pretrained(args.model, dtype=args.dtype, load_in_4bit=True)
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         args.func(args)
     except (JaxtuneError, NotImplementedError) as e:
         if "jax" in sys.modules:
-            from jaxtune.distributed import exit_now, is_multiprocess
+            from jaxtune.parallel.distributed import exit_now, is_multiprocess
 
             if is_multiprocess():  # peers may be blocked in a collective: do not wait for them at shutdown
                 exit_now(e)

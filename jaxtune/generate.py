@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtune.errors import ConfigError
-from jaxtune.model import CausalLM, KVCache
+from jaxtune.models.causal_lm import CausalLM, KVCache
 
 Prompt = str | Sequence[dict[str, str]]
 

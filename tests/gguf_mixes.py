@@ -25,8 +25,8 @@ def mix_model(case: str, vocab_size: int):
     import numpy as np
     from flax import nnx
 
-    from jaxtune.config import ModelConfig
-    from jaxtune.model import init_model
+    from jaxtune.models.config import ModelConfig
+    from jaxtune.models.causal_lm import init_model
 
     cfg = ModelConfig(**{**CASES[case], "vocab_size": vocab_size}, eos_token_id=2)
     model = init_model(cfg, dtype="float32", seed=0)

@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxtune.distributed import initialize_from_env  # noqa: E402
+from jaxtune.parallel.distributed import initialize_from_env  # noqa: E402
 
 initialize_from_env()
 
@@ -28,9 +28,9 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxtune  # noqa: E402
-import jaxtune.sharding as sharding  # noqa: E402
-from jaxtune.config import ModelConfig  # noqa: E402
-from jaxtune.model import init_model  # noqa: E402
+import jaxtune.parallel.sharding as sharding  # noqa: E402
+from jaxtune.models.config import ModelConfig  # noqa: E402
+from jaxtune.models.causal_lm import init_model  # noqa: E402
 from jaxtune.qlora import get_peft_model, quantize_layers  # noqa: E402
 from jaxtune.training.step import loss_and_grads, split_model  # noqa: E402
 
@@ -114,7 +114,7 @@ def check_grads() -> None:
     labels = rng.integers(0, 320, shape).astype(np.int32)
     labels[seg == 0] = -1
     batch = {"input_ids": rng.integers(0, 320, shape).astype(np.int32), "labels": labels, "segment_ids": seg,
-             "positions": jaxtune.model.segment_positions(jnp.asarray(seg.reshape(-1, 48))).reshape(shape)}
+             "positions": jaxtune.models.causal_lm.segment_positions(jnp.asarray(seg.reshape(-1, 48))).reshape(shape)}
     batch["positions"] = np.asarray(batch["positions"])
     ref_loss, ref_grads, _, _ = grads_on(None, graphdef, lora, frozen, batch)
     # pure data parallel (nothing gathered) and FSDP within a 2-D mesh over all 8 devices; the Pallas kernels per
@@ -153,7 +153,7 @@ def train(tokenizer_dir: str, out_dir: str, mesh: str | None = None, options: st
     import signal
 
     from convert.load import load_tokenizer
-    from jaxtune.distributed import memory_stats, peak_memory_gib
+    from jaxtune.parallel.distributed import memory_stats, peak_memory_gib
 
     opts = json.loads(options)
     tok = load_tokenizer(tokenizer_dir)

@@ -165,8 +165,8 @@ def test_a_tokenizer_of_another_model_is_refused_before_training(tmp_path, tiny_
     """Ids past the model's embedding table (a tokenizer from another model) fail with the id and the fix, before any
     step, instead of a NaN loss after a few (the lookup reads past the table)."""
     import jaxtune
-    from jaxtune.config import ModelConfig
-    from jaxtune.model import init_model
+    from jaxtune.models.config import ModelConfig
+    from jaxtune.models.causal_lm import init_model
 
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=16, eos_token_id=1)

@@ -13,8 +13,8 @@ from flax import nnx
 
 import jaxtune
 from jaxtune import ops
-from jaxtune.config import ModelConfig
-from jaxtune.model import CausalLM, init_model
+from jaxtune.models.config import ModelConfig
+from jaxtune.models.causal_lm import CausalLM, init_model
 from jaxtune.qlora import quantize_layers
 from jaxtune.training.step import REMAT_POLICIES, loss_and_grads, make_optimizer, make_train_step, split_model
 

@@ -227,7 +227,7 @@ def test_smollm2_fine_tune_round_trips_through_gguf(tmp_path, tuned_smollm2, sho
     # every token typed as llama.cpp's converter typed the bundled file (its unk <|endoftext|> CONTROL, not UNKNOWN)
     import gguf
 
-    from jaxtune.bundled import bundled_path
+    from jaxtune.io.bundled import bundled_path
 
     types = gguf.GGUFReader(tmp_path / "tuned.gguf").fields["tokenizer.ggml.token_type"].contents()
     assert types == gguf.GGUFReader(bundled_path("smollm2")).fields["tokenizer.ggml.token_type"].contents()

@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 import jaxtune
-from jaxtune.config import ModelConfig
-from jaxtune.model import init_model
+from jaxtune.models.config import ModelConfig
+from jaxtune.models.causal_lm import init_model
 from jaxtune.qlora import quantize_layers
 from jaxtune.training.step import split_model
 
@@ -89,7 +89,7 @@ def test_every_layer_of_a_stack_through_the_kernels_inside_a_scan_on_the_gpu(dty
     layer index as training reads it (the prepared scales' stack): the dequant kernel (W and Wᵀ) and the fused
     forward and input-gradient kernels at decode and training row counts give each layer's own result. A model of
     one layer cannot tell a kernel that reads the wrong layer from a right one."""
-    from jaxtune import nf4
+    from jaxtune.quant import nf4
     from jaxtune.ops.nf4_linear import kernel_tiles
     from pallas_kernels.nf4_dequant import nf4_dequantize
     from pallas_kernels.nf4_matmul import nf4_matmul_dx, nf4_matmul_forward

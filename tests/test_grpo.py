@@ -222,8 +222,8 @@ ADDITIONS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in
 
 
 def _tiny_model(tokenizer):
-    from jaxtune.config import ModelConfig
-    from jaxtune.model import init_model
+    from jaxtune.models.config import ModelConfig
+    from jaxtune.models.causal_lm import init_model
     from jaxtune.qlora import quantize_layers
 
     cfg = ModelConfig(model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
@@ -549,7 +549,7 @@ def test_a_rollout_from_the_base_dequantized_once_samples_the_nf4_rollouts_token
         copy.prepare_dense_weights()
         projections = [m for _, m in nnx.iter_modules(copy.layers) if isinstance(m, NF4Linear)]
         assert projections and all(len(m.dense.get_value()) == model.config.num_layers for m in projections)
-        from jaxtune import nf4
+        from jaxtune.quant import nf4
 
         for m in projections:
             q = m._arrays()

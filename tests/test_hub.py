@@ -17,7 +17,7 @@ from transformers import LlamaConfig
 import jaxtune
 from conftest import build_hf_model
 from jaxtune.cli import main as cli_main
-from jaxtune.hub import parse_hub_id
+from jaxtune.io.hub import parse_hub_id
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1)
@@ -77,7 +77,7 @@ def test_a_cached_hub_id_loads_as_its_directory_with_only_the_files_loading_read
     np.testing.assert_array_equal(np.asarray(got(ids)), np.asarray(want(ids)))
     assert tok is not None and got.name_or_path == "owner/tiny"
     assert os.path.isfile(snapshot / "pytorch_model.bin")  # cached, but never a pattern the loader asks for
-    from jaxtune.hub import MODEL_FILES
+    from jaxtune.io.hub import MODEL_FILES
     import fnmatch
     assert not any(fnmatch.fnmatch("pytorch_model.bin", p) for p in MODEL_FILES)
 

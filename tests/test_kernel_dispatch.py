@@ -14,9 +14,9 @@ from flax import nnx
 
 import jaxtune
 from jaxtune.ops import dispatch
-from jaxtune.config import ModelConfig
+from jaxtune.models.config import ModelConfig
 from jaxtune.errors import JaxtuneError
-from jaxtune.model import init_model
+from jaxtune.models.causal_lm import init_model
 from jaxtune.qlora import get_peft_model, quantize_layers
 
 
@@ -291,7 +291,7 @@ def test_remat_policies_keep_gradients_and_selective_redoes_no_kernel(policy, un
 def test_single_sequence_rows_run_cudnn_attention_with_pallas_gradients():
     """Rows of one sequence (then padding) take cuDNN's causal attention; its loss and gradients match the
     Pallas kernel's on the same rows, and selective remat keeps cuDNN's forward outputs (no recompute)."""
-    from jaxtune.remat import CUDNN_ATTENTION_FORWARD
+    from jaxtune.models.remat import CUDNN_ATTENTION_FORWARD
 
     jaxtune.set_kernels("auto")
     model = kernel_model(dtype="bfloat16")
@@ -329,10 +329,10 @@ def test_offload_policy_moves_layer_inputs_to_host_and_tiles_the_mlp(monkeypatch
     unchanged."""
     from jax._src.ad_checkpoint import saved_residuals
 
-    import jaxtune.model
+    import jaxtune.models.causal_lm
 
     # at most 48 tokens of the 192-wide MLP: 2 x 64 tokens -> 3 tiles of 48, the last padded
-    monkeypatch.setattr(jaxtune.model, "offload_mlp_token_tile", lambda cfg: 48)
+    monkeypatch.setattr(jaxtune.models.causal_lm, "offload_mlp_token_tile", lambda cfg: 48)
     model = kernel_model()
     ids, seg = packed_rows()
     jaxtune.set_kernels("pallas-interpret")

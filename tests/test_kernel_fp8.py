@@ -13,7 +13,8 @@ import pytest
 from jax.experimental.pallas.triton import CUSTOM_CALL_TARGET_NAME as CUSTOM_CALL
 
 import jaxtune
-from jaxtune import nf4, ops
+from jaxtune import ops
+from jaxtune.quant import nf4
 from jaxtune.ops import dispatch
 from jaxtune.ops.fp8_linear import fp8_weight, fp8_weight_t
 from jaxtune.training.config import ConfigError
@@ -279,8 +280,8 @@ ROWS = [{"messages": [{"role": "user", "content": f"hello {i}"},
 
 
 def test_training_in_fp8_follows_the_bf16_run(tiny_tokenizer):
-    from jaxtune.config import ModelConfig
-    from jaxtune.model import init_model
+    from jaxtune.models.config import ModelConfig
+    from jaxtune.models.causal_lm import init_model
     from jaxtune.qlora import quantize_layers
 
     shape = ModelConfig(model_type="llama", vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas.triton import CUSTOM_CALL_TARGET_NAME as CUSTOM_CALL
 
-from jaxtune import nf4
+from jaxtune.quant import nf4
 from pallas_kernels.nf4_dequant import nf4_dequantize
 from pallas_kernels.nf4_matmul import (
     MatmulTiles, nf4_matmul, nf4_matmul_dx, nf4_matmul_forward, nf4_matmul_reference,

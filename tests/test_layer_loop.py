@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtune.layer_loop import layer_loop
+from jaxtune.models.layer_loop import layer_loop
 from test_kernel_dispatch import all_eqns
 
 LAYERS = 3

@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 from transformers import LlamaConfig
 
-from jaxtune.config import ModelConfig
-from jaxtune.model import init_model, segment_positions
-from jaxtune.rope import apply_rope, inverse_frequencies, rope_tables
+from jaxtune.models.config import ModelConfig
+from jaxtune.models.causal_lm import init_model, segment_positions
+from jaxtune.models.rope import apply_rope, inverse_frequencies, rope_tables
 
 SMALL = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
                     num_heads=4, num_kv_heads=2, head_dim=8)
@@ -128,7 +128,7 @@ def test_long_context_mlp_tiles_bound_the_intermediate_size_and_split_evenly():
     """Long-context mode runs the MLP in token tiles of at most a fixed number of [tokens, intermediate] elements
     (wide 70B MLPs get half of 8B's tokens), split into equal tiles so an uneven length is not padded up to a
     whole extra tile; the tiled MLP equals the untiled one."""
-    from jaxtune.model import MLP, offload_mlp_token_tile
+    from jaxtune.models.causal_lm import MLP, offload_mlp_token_tile
 
     shapes = {"llama3-8b": (4096, 14336), "llama3-70b": (8192, 28672), "llama3.2-1b": (2048, 8192)}
     tiles = {name: offload_mlp_token_tile(dataclasses.replace(SMALL, hidden_size=h, intermediate_size=i))
@@ -148,7 +148,7 @@ def test_per_layer_caches_decode_as_the_stacked_cache_with_adapters(tiny_qlora_m
     """A GPU decodes with a KV cache per layer (one traced layer per decoder layer, `KVCache`): the same logits and
     cache contents as the stacked cache's layer loop, prefill and single-token steps, NF4 base and non-zero LoRA."""
     import jaxtune
-    from jaxtune.model import KVCache
+    from jaxtune.models.causal_lm import KVCache
 
     model = tiny_qlora_model
     jaxtune.get_peft_model(model, r=4, lora_alpha=8)

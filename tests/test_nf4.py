@@ -9,7 +9,7 @@ import pytest
 import torch
 from bitsandbytes import functional as F
 
-from jaxtune import nf4
+from jaxtune.quant import nf4
 from jaxtune.errors import CheckpointError
 
 # numel 17*320 = 5440 is not a multiple of 64*256: the last nested block is partial
@@ -105,7 +105,7 @@ def test_absmax_dequantization_builds_no_index_tables():
     import jax
     import jax.numpy as jnp
 
-    from jaxtune import nf4
+    from jaxtune.quant import nf4
 
     blocks = 14336 * 4096 // nf4.BLOCK
     args = (jax.ShapeDtypeStruct((blocks,), jnp.uint8), jax.ShapeDtypeStruct((blocks // 256,), jnp.float32),

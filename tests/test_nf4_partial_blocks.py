@@ -29,7 +29,7 @@ def test_a_dense_mlp_of_48_keeps_down_proj_16bit_and_matches_transformers(tmp_pa
     hf = build_hf_model(LlamaConfig(vocab_size=len(tiny_tokenizer), intermediate_size=48, **SMALL), tmp_path / "m")
     with pytest.warns(UserWarning, match=r"down_proj \(48 inputs\) kept in float32, not NF4"):
         model, _ = jaxtune.from_pretrained(tmp_path / "m", dtype="float32", load_in_4bit=True)
-    from jaxtune.model import Linear
+    from jaxtune.models.causal_lm import Linear
     from jaxtune.qlora import NF4Linear
 
     assert isinstance(model.layers.mlp.down_proj, Linear) and isinstance(model.layers.mlp.up_proj, NF4Linear)

@@ -42,7 +42,7 @@ def _merged(model, name: str, layer: int, as_jaxtune: bool = False) -> np.ndarra
     if hasattr(base, "weight_nf4"):
         import jax
 
-        from jaxtune import nf4
+        from jaxtune.quant import nf4
         w = np.asarray(nf4.dequantize(jax.tree.map(lambda x: x[layer], base.weight_nf4)), np.float64)
     else:
         w = np.asarray(base.weight[...][layer], np.float64)
@@ -146,8 +146,8 @@ def test_qat_trains_and_refuses_what_it_cannot_combine_with(tiny_tokenizer):
         jaxtune.TrainConfig(qat="nf4", lora_dropout=0.05)
     with pytest.raises(jaxtune.ConfigError, match="qat"):
         jaxtune.TrainConfig(qat="q3_k")
-    from jaxtune.config import ModelConfig
-    from jaxtune.model import init_model
+    from jaxtune.models.config import ModelConfig
+    from jaxtune.models.causal_lm import init_model
     from jaxtune.qlora import quantize_layers
 
     cfg = ModelConfig(model_type="llama", vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128,
@@ -186,8 +186,8 @@ def test_eval_quantized_logs_the_held_out_loss_of_the_4bit_export(tmp_path, tiny
 def test_qat_from_a_later_step_trains_the_steps_before_it_as_plain_lora(tiny_tokenizer):
     """qat_start_step=2: steps 1-2 are a plain run's to the bit, step 3 on goes through the quantizer (its loss is
     the 4-bit model's, not the plain run's)."""
-    from jaxtune.config import ModelConfig
-    from jaxtune.model import init_model
+    from jaxtune.models.config import ModelConfig
+    from jaxtune.models.causal_lm import init_model
     from jaxtune.qlora import quantize_layers
 
     cfg = ModelConfig(model_type="llama", vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128,

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, Qwen2Config
 
 import jaxtune
 from conftest import build_hf_model, peft_reference, set_random_lora
-from jaxtune import nf4
+from jaxtune.quant import nf4
 from jaxtune.qlora import LORA_TARGETS, get_peft_model
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import FAST_COMPILE
-from jaxtune.sharding import MeshError, array_spec, parse_mesh
+from jaxtune.parallel.sharding import MeshError, array_spec, parse_mesh
 
 WORKER = os.path.join(os.path.dirname(__file__), "sharded_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

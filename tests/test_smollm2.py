@@ -11,7 +11,7 @@ import torch
 
 import jaxtune
 from jaxtune.generate import encode_prompt, eos_token_ids, generate_tokens
-from jaxtune.model import KVCache
+from jaxtune.models.causal_lm import KVCache
 
 PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],

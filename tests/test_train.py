@@ -16,9 +16,9 @@ import pytest
 from flax import nnx
 
 import jaxtune
-from jaxtune.config import ModelConfig
+from jaxtune.models.config import ModelConfig
 from jaxtune.data.packing import IGNORE
-from jaxtune.model import init_model
+from jaxtune.models.causal_lm import init_model
 from jaxtune.qlora import get_peft_model, quantize_layers
 from jaxtune.training.loss import chunked_cross_entropy
 from jaxtune.training.step import loss_and_grads, make_optimizer, split_model
@@ -227,7 +227,7 @@ def test_on_a_gpu_host_offloads_train_the_same_and_leave_the_planned_device_byte
 
 
 def test_embedding_in_host_memory_is_copied_in_for_the_lookup_only():
-    from jaxtune.model import Embed
+    from jaxtune.models.causal_lm import Embed
 
     embed = Embed(11, 4, dtype=jnp.float32, rngs=nnx.Rngs(0))
     table = np.asarray(embed.weight[...])
@@ -502,7 +502,7 @@ def test_pinned_host_cap_is_what_this_host_can_give_in_full_unless_the_user_set_
     import subprocess
     import sys
 
-    from jaxtune import host_info
+    from jaxtune.platform import host_info
 
     gib = 2**30
     for available, total, cap in [(121 * gib, 125 * gib, 105),  # the H100 host: 16 GiB kept back
@@ -531,7 +531,7 @@ def test_xla_may_use_most_of_the_gpu_unless_the_user_said_how_it_allocates(monke
     import subprocess
     import sys
 
-    from jaxtune import device_memory_env
+    from jaxtune.platform import device_memory_env
 
     for name in device_memory_env.USER_SETTINGS:
         monkeypatch.delenv(name, raising=False)
@@ -571,13 +571,13 @@ def test_host_budget_counts_the_pinned_region_an_offload_plan_makes():
 def test_host_budget_is_the_tightest_of_every_process(monkeypatch):
     """Processes plan the offload layout from the same figures (else they would compile different steps): the
     least available memory, the lowest cap and the largest margin any of them has."""
-    import jaxtune.distributed
+    import jaxtune.parallel.distributed
     from jaxtune.training.host_memory import HostBudget
 
     mib = 2**20
-    monkeypatch.setattr(jaxtune.distributed, "agree_min", lambda v: v - 7)  # another process: 7 MiB tighter each
+    monkeypatch.setattr(jaxtune.parallel.distributed, "agree_min", lambda v: v - 7)  # another process: 7 MiB tighter each
     budget = HostBudget.now()
-    monkeypatch.setattr(jaxtune.distributed, "agree_min", lambda v: v)
+    monkeypatch.setattr(jaxtune.parallel.distributed, "agree_min", lambda v: v)
     alone = HostBudget.now()
     assert abs(budget.available - (alone.available - 7 * mib)) < 256 * mib  # MemAvailable moves between reads
     assert budget.cap == alone.cap - 7 * mib and budget.margin == alone.margin + 7 * mib

@@ -69,8 +69,15 @@ BOUNDS = {
     "epsilon": ([-0.1, 1.0], [0.0, 0.2]),
     "epsilon_high": ([-0.1, "x"], [None, 0.28]),
     "delta": ([1.0, 0.5], [None, 4.0]),
-    "loss_type": (["ppo"], ["dapo", "grpo", "dr_grpo", "bnpo"]),
+    "loss_type": (["ppo"], ["dapo", "grpo", "dr_grpo", "bnpo", "luspo", "cispo", "sapo", "vespo"]),
+    "sapo_temperature_pos": ([0.0, -1.0], [1e-3, 1.0]),
+    "sapo_temperature_neg": ([0.0], [1.05]),
+    "vespo_k_pos": ([-0.5], [0.0, 2.0]),
+    "vespo_lambda_pos": ([-1.0], [0.0, 3.0]),
+    "vespo_k_neg": ([-0.5], [3.0]),
+    "vespo_lambda_neg": ([-1.0], [2.0]),
     "scale_rewards": (["mean", True], ["group", "batch", "none"]),
+    "multi_objective_aggregation": (["sum"], ["sum_then_normalize", "normalize_then_sum"]),
     "num_iterations": ([0], [1, 4]),
     "importance_sampling_level": (["token-level"], ["token", "sequence"]),
     "mask_truncated_completions": (["yes"], [True]),
@@ -146,13 +153,14 @@ BAD_FLAGS = {
         "--top-p": "0", "--top-k": "-1", "--epsilon": "1.5", "--epsilon-high": "-1", "--delta": "0.5",
         "--loss-type": "ppo", "--scale-rewards": "mean", "--num-iterations": "0",
         "--importance-sampling-level": "word", "--mask-truncated-completions": None,
+        "--multi-objective-aggregation": "sum",
     },
     "generate": {"--max-new-tokens": "0", "--temperature": "-1", "--top-p": "0", "--seed": "x",
                  "--dtype": "int4", "--adapter": "missing-adapter", "--prompt": "", "--raw": None,
                  "--load-in-4bit": None},
     "convert": {"--quantize": "int3", "--dtype": "int4"},
     "export": {"--peft": "exists", "--merged": "exists", "--gguf": "out.txt", "--gguf-type": "q4_k",
-               "--base": "missing-base", "--dtype": "int4"},
+               "--base": "missing-base", "--dtype": "int4", "--model": "missing-model"},
 }
 
 
@@ -249,8 +257,8 @@ def test_a_step_larger_than_memory_is_refused_before_it_runs(tiny_tokenizer, tin
 def test_a_step_too_large_for_the_gpu_is_refused_in_one_line(tiny_tokenizer, tmp_path):
     """On GPU a first step that runs out of device memory at micro-batch 1 ends in the one-line refusal (what the
     step needs, what the device has, what to change), not a RESOURCE_EXHAUSTED traceback."""
-    from jaxtune.config import ModelConfig
-    from jaxtune.model import init_model
+    from jaxtune.models.config import ModelConfig
+    from jaxtune.models.causal_lm import init_model
     from jaxtune.qlora import quantize_layers
     from jaxtune.training.autobatch import StepTooLarge
 

@@ -12,7 +12,8 @@ from jaxtune.moe.experts import ExpertLinear, NF4Experts
 from jaxtune.moe.layout import tile_layout
 from jaxtune.moe.routing import route
 from jaxtune.ops.sharded import per_batch_shard_with
-from jaxtune.sharding import batch_shards, current_mesh, whole_on_every_device
+from jaxtune.parallel.sharding import batch_shards, current_mesh, whole_on_every_device
+from jaxtune.quant.weights import QuantizedWeight
 
 
 class Router(nnx.Module):
@@ -72,8 +73,6 @@ def _per_batch_shard(block: SparseMoE, x: jax.Array, mask: jax.Array | None,
     FSDP gathers a dense layer's, the NF4 codes 1 byte each). Routed on the global rows instead, the grouped
     kernel (a custom call, which XLA cannot partition) ran every expert's GEMM over every device's rows on every
     device. The statistics come out per device and are summed."""
-    from jaxtune.qlora import QuantizedWeight
-
     local = nnx.clone(block)
     for _, module in nnx.iter_modules(local):
         if isinstance(module, NF4Experts):  # this layer's codes, not the whole stack the layer loop passes

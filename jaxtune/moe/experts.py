@@ -10,11 +10,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtune import nf4, ops
+from jaxtune import ops
+
+from jaxtune.quant import nf4
 from jaxtune.moe.grouped import grouped_matmul
 from jaxtune.moe.layout import TileLayout
 from jaxtune.ops import dispatch
-from jaxtune.sharding import current_mesh
+from jaxtune.parallel.sharding import current_mesh
+from jaxtune.quant.weights import QuantizedWeight
 
 _INIT_STD = 0.02
 
@@ -35,8 +38,6 @@ class NF4Experts(nnx.Module):
     x's dtype and run as one grouped GEMM."""
 
     def __init__(self, q: nf4.NF4Weight):
-        from jaxtune.qlora import QuantizedWeight
-
         self.codes = QuantizedWeight(q.codes)
         self.absmax_codes = QuantizedWeight(q.absmax_codes)
         self.nested_absmax = QuantizedWeight(q.nested_absmax)

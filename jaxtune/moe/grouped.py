@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jaxtune.moe.layout import TileLayout
 from jaxtune.ops import dispatch
-from jaxtune.sharding import current_mesh
+from jaxtune.parallel.sharding import current_mesh
 
 
 def grouped_matmul(x: jax.Array, weight: jax.Array, layout: TileLayout, *, trainable: bool = False,

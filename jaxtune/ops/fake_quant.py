@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from jaxtune.ops import dispatch
 from jaxtune.ops.kernel_operands import kernel_shaped, with_codes
-from jaxtune.sharding import current_mesh
+from jaxtune.parallel.sharding import current_mesh
 
 
 def fused_round_trip(weight, a: jax.Array, b: jax.Array, scale: float, fmt: str, dtype) -> jax.Array | None:

@@ -54,7 +54,7 @@ def kernel_tiles(m: int, direction: str, shape: tuple[int, int] | None = None, d
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _xla_nf4_matmul(x: jax.Array, weight, at_use: bool) -> jax.Array:
-    from jaxtune.nf4 import dequantize
+    from jaxtune.quant.nf4 import dequantize
 
     x, weight = barrier(at_use, x, weight)
     return linear(x, dequantize(layer_on_every_device(weight), x.dtype))
@@ -65,7 +65,7 @@ def _xla_nf4_matmul_fwd(x, weight, at_use):
 
 
 def _xla_nf4_matmul_bwd(at_use, weight, dy):
-    from jaxtune.nf4 import dequantize
+    from jaxtune.quant.nf4 import dequantize
 
     weight, dy = barrier(at_use, weight, dy)
     return input_gradient(dy, dequantize(layer_on_every_device(weight), dy.dtype)), jax.tree.map(zero_cotangent, weight)
@@ -116,7 +116,7 @@ def dense_nf4_weight(weight, dtype) -> jax.Array:
     """W [out, in] in dtype, dequantized as the projection's "dequantize, then dot" path dequantizes it (the Pallas
     kernel where the weight's shape suits it and kernels run, else XLA): the same bits, for a caller that reads the
     weight for many tokens (a sampler) and dequantizes it once."""
-    from jaxtune.nf4 import dequantize
+    from jaxtune.quant.nf4 import dequantize
     from jaxtune.ops import dispatch
 
     if dispatch.nf4_dequant_impl() == "pallas" and kernel_shaped(weight):

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxtune.sharding import BATCH_AXES, batch_shards, current_mesh
+from jaxtune.parallel.sharding import BATCH_AXES, batch_shards, current_mesh
 
 
 def per_batch_shard(fn: Callable[..., jax.Array], *args: jax.Array) -> jax.Array:

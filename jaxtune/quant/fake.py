@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxtune import nf4
+from jaxtune.quant import nf4
 from jaxtune.quant.k_quants_traced import round_trip_q4_k_m
 from jaxtune.quant.q4_0 import round_trip_q4_0
 

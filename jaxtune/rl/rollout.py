@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtune.data.packing import IGNORE
 from jaxtune.data.sources import DataError, Row
 from jaxtune.generate import cache_length, decode, encode_prompt, left_padded, per_layer_cache, prompt_bucket
-from jaxtune.sharding import BATCH_AXES, global_rows
+from jaxtune.parallel.sharding import BATCH_AXES, global_rows
 
 
 def check_prompt_rows(rows: Sequence[Row]) -> None:

@@ -17,15 +17,15 @@ from jax.experimental.multihost_utils import process_allgather
 
 from jaxtune.data import BatchStream, PackedRows
 from jaxtune.data.sources import Row
-from jaxtune.distributed import agree_min, agree_on_checks, memory_stats
+from jaxtune.parallel.distributed import agree_min, agree_on_checks, memory_stats
 from jaxtune.generate import eos_token_ids, per_layer_cache
-from jaxtune.host_info import GIB
+from jaxtune.platform.host_info import GIB
 from jaxtune.rl.advantages import _nanstd, group_advantages
 from jaxtune.rl.loss import GRPO
 from jaxtune.rl.rewards import RewardError, RewardFunction, RewardLogs, TrainerState, score
 from jaxtune.rl import rollout as rollout_module
 from jaxtune.rl.rollout import completion_lists, rollout_rows, rows_per_call, sample_completions, sampling_bytes
-from jaxtune.sharding import batch_shards, global_rows
+from jaxtune.parallel.sharding import batch_shards, global_rows
 from jaxtune.training.autobatch import MARGIN, StepTooLarge
 
 SAMPLES_PER_LOG = 8  # completions written to completions.jsonl at each logging step

@@ -7,10 +7,10 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from jaxtune.distributed import agree_min, memory_stats
+from jaxtune.parallel.distributed import agree_min, memory_stats
 from jaxtune.errors import JaxtuneError
-from jaxtune.host_info import GIB, available_ram_bytes
-from jaxtune.sharding import batch_sharding, batch_shards
+from jaxtune.platform.host_info import GIB, available_ram_bytes
+from jaxtune.parallel.sharding import batch_sharding, batch_shards
 from jaxtune.training.config import TrainConfig
 
 CANDIDATES = (64, 32, 16, 8, 4, 2, 1)

@@ -19,7 +19,7 @@ import numpy as np
 from jaxtune.data import BatchStream, PackedRows, encode_rows, pack_examples, read_rows
 from jaxtune.data.preference import encode_pairs, pack_pairs
 from jaxtune.data.sources import DataError, Row
-from jaxtune.distributed import agree_on_checks
+from jaxtune.parallel.distributed import agree_on_checks
 from jaxtune.errors import JaxtuneError
 from jaxtune.training.config import TrainConfig
 

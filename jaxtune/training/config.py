@@ -89,7 +89,7 @@ class TrainConfig:
     # GPU: keep compiled steps in JAX's persistent compilation cache (jaxtune.training.compilation), so a rerun
     # or a resumed run loads its step in seconds instead of compiling it again
     compile_cache: bool = True
-    # devices: "data=2,fsdp=4" (see jaxtune.sharding); None = every device on the data axis
+    # devices: "data=2,fsdp=4" (see jaxtune.parallel.sharding); None = every device on the data axis
     mesh: str | None = None
     # objective: "sft" (next-token cross-entropy on `format` rows), or preference tuning on prompt/chosen/rejected
     # rows: "dpo" (reference = the model with its adapters off) or "orpo" (no reference)
@@ -159,7 +159,7 @@ class TrainConfig:
         if self.micro_batch_size != "auto":
             self.micro_batch_size = _MICRO_BATCH.check("micro_batch_size", self.micro_batch_size)
         if self.mesh is not None:
-            from jaxtune.sharding import mesh_axis_sizes
+            from jaxtune.parallel.sharding import mesh_axis_sizes
 
             try:  # the form only here; whether it fits the devices is checked when the run starts
                 mesh_axis_sizes(self.mesh)

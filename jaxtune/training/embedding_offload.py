@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from jaxtune.errors import JaxtuneError
-from jaxtune.model import CausalLM
+from jaxtune.models.causal_lm import CausalLM
 from jaxtune.training.optimizer_offload import place_on_host
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from jaxtune.errors import JaxtuneError
-from jaxtune.host_info import GIB, available_ram_bytes, meminfo_bytes, physical_ram_bytes, pinned_cap_bytes
+from jaxtune.platform.host_info import GIB, available_ram_bytes, meminfo_bytes, physical_ram_bytes, pinned_cap_bytes
 
 PLAN_SHARE_OF_CAP = 0.9  # the rest of the pool: staging regions left from loading weights, which it keeps
 MARGIN_GIB, MARGIN_SHARE = 6, 0.05  # of host memory left for the process's own growth during a step
@@ -42,7 +42,7 @@ class HostBudget:
     def now(cls) -> HostBudget:
         """This host's figures, or in a multi-process run the tightest of every process's (least available, lowest
         cap, largest margin), so that every process plans the same layout and compiles the same step."""
-        from jaxtune.distributed import agree_min
+        from jaxtune.parallel.distributed import agree_min
 
         mib = 2**20  # agreed in MiB: bytes overflow the int32 the processes exchange
         margin = max(MARGIN_GIB * GIB, int(MARGIN_SHARE * physical_ram_bytes()))

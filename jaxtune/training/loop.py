@@ -20,12 +20,12 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxtune.ops.dispatch import check_fp8_device
-from jaxtune.distributed import (agree_min, catch_stop_signals, clear_stop_request, local_device, memory_stats,
+from jaxtune.parallel.distributed import (agree_min, catch_stop_signals, clear_stop_request, local_device, memory_stats,
                                  peak_memory_gib, stop_requested)
 from jaxtune.errors import ConfigError, JaxtuneError
-from jaxtune.model import CausalLM
+from jaxtune.models.causal_lm import CausalLM
 from jaxtune.qlora import get_peft_model
-from jaxtune.sharding import batch_shards, make_mesh, shard_state
+from jaxtune.parallel.sharding import batch_shards, make_mesh, shard_state
 from jaxtune.training.batches import make_batches, prepare_data  # noqa: F401 (prepare_data: public here too)
 from jaxtune.training.autobatch import (MARGIN, choose_micro_batch, refuse_if_too_large_for_host,
                                        step_bytes_or_none, too_large)

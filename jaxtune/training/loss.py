@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jaxtune.data.packing import IGNORE
 from jaxtune.ops import dot_out
-from jaxtune.sharding import batch_shards, current_mesh
+from jaxtune.parallel.sharding import batch_shards, current_mesh
 
 
 def chunked_cross_entropy(

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import jax
 
-from jaxtune.distributed import agree_min, memory_stats
-from jaxtune.host_info import GIB, available_ram_bytes
+from jaxtune.parallel.distributed import agree_min, memory_stats
+from jaxtune.platform.host_info import GIB, available_ram_bytes
 from jaxtune.training.autobatch import MARGIN, step_bytes_or_none
 from jaxtune.training.config import TrainConfig
 

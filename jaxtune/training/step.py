@@ -14,8 +14,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxtune.data.packing import IGNORE
-from jaxtune.model import CausalLM
-from jaxtune.sharding import global_batch, state_shardings
+from jaxtune.models.causal_lm import CausalLM
+from jaxtune.parallel.sharding import global_batch, state_shardings
 from jaxtune.training.compilation import step_compiler_options
 from jaxtune.training.config import TrainConfig
 from jaxtune.training.objectives import SFT, Objective, make_objective

@@ -3,9 +3,9 @@ run the expert GEMMs on its own rows? Prints the grouped kernel's row count per 
 loss/gradient agreement with the single-GPU step on the same global batch."""
 import json, re, sys, time
 import jax, jax.numpy as jnp, numpy as np
-import jaxtune, jaxtune.sharding as sharding
-from jaxtune.config import ModelConfig
-from jaxtune.model import init_model, segment_positions
+import jaxtune, jaxtune.parallel.sharding as sharding
+from jaxtune.models.config import ModelConfig
+from jaxtune.models.causal_lm import init_model, segment_positions
 from jaxtune.qlora import get_peft_model, quantize_layers
 from jaxtune.training.step import loss_and_grads, split_model
 from flax import nnx

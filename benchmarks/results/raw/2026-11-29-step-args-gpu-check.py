@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxtune
-from jaxtune.config import ModelConfig
-from jaxtune.model import init_model
+from jaxtune.models.config import ModelConfig
+from jaxtune.models.causal_lm import init_model
 from jaxtune.qlora import get_peft_model, quantize_layers
 from jaxtune.training.autobatch import choose_micro_batch
 from jaxtune.training.optimizer_offload import place_on_host

@@ -2,7 +2,7 @@
 
 Parameter paths mirror Hugging Face names (`layers.self_attn.q_proj.weight`, ...) so checkpoint I/O is a
 rename. Decoder layers are stored stacked along a leading layer axis and run as one loop (`jax.lax.scan`;
-for training `jaxtune.layer_loop`, which saves activations in place): one compiled layer body, so compile time
+for training `jaxtune.models.layer_loop`, which saves activations in place): one compiled layer body, so compile time
 does not grow with depth. Training may unroll that loop instead (`unroll_layers`: faster steps, longer compiles),
 and so does decoding with a KV cache per layer (`KVCache`: GRPO's rollouts on a GPU).
 """
@@ -18,12 +18,12 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtune import ops
-from jaxtune.config import ModelConfig
-from jaxtune.layer_loop import layer_loop
+from jaxtune.models.config import ModelConfig
+from jaxtune.models.layer_loop import layer_loop
 from jaxtune.moe import balancing
 from jaxtune.moe.block import SparseMoE
-from jaxtune.remat import remat_policy, split_offload_scan
-from jaxtune.rope import apply_rope, rope_tables
+from jaxtune.models.remat import remat_policy, split_offload_scan
+from jaxtune.models.rope import apply_rope, rope_tables
 
 _INIT_STD = 0.02
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import core as jax_core
 
-from jaxtune.sharding import current_mesh
+from jaxtune.parallel.sharding import current_mesh
 
 # layer_fn(h, per_layer_i, invariant, index) -> h: one decoder layer (h an array, or a pytree of them: the hidden
 # states and what the layers accumulate beside them)

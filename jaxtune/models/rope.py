@@ -7,7 +7,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtune.config import ModelConfig
+from jaxtune.models.config import ModelConfig
 
 
 def unscaled_inverse_frequencies(theta: float, head_dim: int) -> np.ndarray:

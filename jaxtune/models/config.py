@@ -224,7 +224,7 @@ def _moe_fields(model_type: str, hf: dict[str, Any], intermediate: int) -> dict[
 
 def load_hf_config(model_dir: str | os.PathLike) -> ModelConfig:
     """Reads `model_dir/config.json` into a ModelConfig with clear errors for missing or bad files."""
-    from jaxtune.jsonfile import read_json_file
+    from jaxtune.io.jsonfile import read_json_file
 
     hf = read_json_file(
         os.path.join(model_dir, "config.json"),
@@ -238,7 +238,7 @@ def load_hf_config(model_dir: str | os.PathLike) -> ModelConfig:
 def generation_eos_ids(model_dir: str | os.PathLike) -> tuple[int, ...]:
     """The eos_token_id of `model_dir/generation_config.json` as a tuple (none: no file, or no ids in it); a file
     that is not JSON is named in one line."""
-    from jaxtune.jsonfile import read_json_file
+    from jaxtune.io.jsonfile import read_json_file
 
     path = os.path.join(model_dir, "generation_config.json")
     if not os.path.isfile(path):

@@ -34,7 +34,7 @@ def resolve_model_path(path: str, revision: str | None = None) -> str:
         return path
     if path in BUNDLED:
         return bundled_path(path)
-    from jaxtune.hub import download, parse_hub_id
+    from jaxtune.io.hub import download, parse_hub_id
 
     if parse_hub_id(path) is not None:  # never a relative or absolute path: those start with "." or "/"
         return download(path, revision)
@@ -55,7 +55,7 @@ def model_reference(path: str, revision: str | None = None) -> str:
 def check_model_reference(path: str) -> None:
     """Refuses, before any work, a model that is neither an existing path, a bundled name nor a hub id (a hub id
     is fetched when the model loads)."""
-    from jaxtune.hub import parse_hub_id
+    from jaxtune.io.hub import parse_hub_id
 
     if os.path.exists(path) or path in BUNDLED or parse_hub_id(path) is not None:
         return

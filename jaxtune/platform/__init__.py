@@ -1,0 +1,2 @@
+"""The machine jaxtune runs on: host memory and the device memory fraction JAX may take, set before a backend
+starts."""
