@@ -134,9 +134,81 @@ def train(
         embedding_to_device(model)
 
 
+@dataclasses.dataclass
+class _Setup:
+    """What a run starts from, before any step is planned: the resolved config's request, where it writes, its
+    batches, the mesh and the flags its step's graphdef carries."""
+
+    model: CausalLM
+    requested: TrainConfig  # as the caller gave it ("auto" unresolved): what config.json records
+    run_dir: str | None
+    lead: bool  # files beside the checkpoints are written by one process
+    batches: Any  # packed dataset rows, or GRPO's scored completions
+    mesh: Any
+    unit: int  # micro-batches split into this many equal parts (the mesh's batch shards)
+    aux_coef: float  # a mixture of experts' load-balancing loss weight (0: off)
+    rows: int  # the micro-batch the step is planned for
+    progress: bool
+    base_model: str | None
+
+    def split_with(self, cfg: TrainConfig, layout: tuple[int, int], quantized: str | None = None,
+                   qat: bool = True):
+        """The step's graphdef carries these flags; the user's model gets its defaults back. `quantized`: the
+        graphdef of the held-out loss through that 4-bit format (eval_quantized), computed in the model's dtype;
+        without `qat`, the plain step of the steps before qat_start_step."""
+        model = self.model
+        model.single_sequence_rows = self.batches.single_sequence_rows
+        model.compute = "bf16" if quantized else cfg.compute
+        model.offload_device_layers, model.offload_group = layout
+        model.unroll_layers = cfg.unroll_layers
+        model.qat = quantized or (None if cfg.qat == "none" or not qat else cfg.qat)
+        model.router_aux = bool(self.aux_coef)
+        try:
+            return split_model(model)
+        finally:
+            model.single_sequence_rows, model.compute, model.offload_device_layers, model.offload_group = (
+                False, "bf16", 0, 1)
+            model.unroll_layers, model.qat, model.router_aux = False, None, False
+
+    def first_layouts(self, cfg: TrainConfig, remat: str) -> tuple[Any, list[tuple[int, int]]]:
+        """(host budget or None, remat "offload"'s (layers whose inputs stay on device, offload group) to try)."""
+        self.model.remat_policy = REMAT_POLICIES[remat]
+        if remat == "offload" and offloads_to_host():  # host memory must hold the layer inputs, in the pinned
+            return offload_plan(self.model, self.rows, cfg.seq_len)  # region they make XLA's pool take
+        return None, [(0, 1)]
+
+
+@dataclasses.dataclass
+class _Plan:
+    """The planned step: the config with remat "auto" (and the offloads it may add) resolved, the step's graphdef
+    and compiled functions, the layout of the layers' saved inputs, and the state the step updates."""
+
+    cfg: TrainConfig
+    graphdef: Any
+    step_fn: Callable
+    plain_fn: Callable  # the steps before qat_start_step (step_fn itself without QAT)
+    layout: tuple[int, int]
+    host: Any  # remat "offload"'s host budget, or None
+    offloading: bool  # layer inputs in host memory: the loop guards host memory
+    batch_extra: dict[str, Any]
+    lora: Any
+    frozen: Any
+    opt_state: Any
+
+
 def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, out_dir, resume: bool, progress: bool,
            callback, base_model: str | None, rewards: dict[str, Any]) -> TrainResult:
-    cfg = requested = config or TrainConfig()  # cfg: with remat "auto" resolved to the policy chosen
+    """The run in its phases: set up (checks, adapters, batches, mesh), plan the step (remat and the layers'
+    layout), fit the card (the micro-batch, DPO's reference, the held-out evaluation), run the loop, save."""
+    setup = _set_up(model, tokenizer, data, config or TrainConfig(), out_dir, resume, progress, base_model, rewards)
+    plan = _plan_step(setup)
+    micro, held_out = _fit_card(setup, plan)
+    return _run_loop(setup, plan, micro, held_out, callback)
+
+
+def _set_up(model: CausalLM, tokenizer: Any, data, cfg: TrainConfig, out_dir, resume: bool, progress: bool,
+            base_model: str | None, rewards: dict[str, Any]) -> _Setup:
+    """Everything refused before work is refused; the adapters, the batches and the mesh made."""
     run_dir = None if out_dir is None else os.fspath(out_dir)
     check_run_dir(run_dir, resume, cfg)
     if jax.process_index() == 0:
@@ -152,68 +224,48 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
     if not jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
         get_peft_model(model, r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                        target_modules=cfg.target_modules, use_rslora=cfg.use_rslora, seed=cfg.seed)
-    lead = jax.process_index() == 0  # files beside the checkpoints are written by one process
+    lead = jax.process_index() == 0
     # the objective's seam: packed dataset rows, or GRPO's scored completions
     batches = make_batches(data, tokenizer, cfg, model, progress=progress, run_dir=run_dir, lead=lead, **rewards)
-    eval_rows = getattr(batches, "eval_rows", None)
     mesh = make_mesh(cfg.mesh) if cfg.mesh or jax.device_count() > 1 else None
     if mesh is not None and cfg.objective == "grpo":
         batches.place_on(mesh)  # each device samples its share of a rollout
-    unit = 1 if mesh is None else batch_shards(mesh)  # micro-batches split into this many equal parts
-    # the flag lives in the step's graphdef only, so the model keeps honouring segment ids after training
-    single_sequence_rows = batches.single_sequence_rows
+    unit = 1 if mesh is None else batch_shards(mesh)
     if cfg.compute == "fp8":
         check_fp8_device()
     use_compilation_cache(cfg.compile_cache)
-    rows = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else unit  # what the step is planned for
+    rows = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else unit
+    return _Setup(model, cfg, run_dir, lead, batches, mesh, unit, aux_coef, rows, progress, base_model)
 
-    def split_with(layout: tuple[int, int], quantized: str | None = None, qat: bool = True):
-        """The step's graphdef carries these flags; the user's model gets its defaults back. `quantized`: the
-        graphdef of the held-out loss through that 4-bit format (eval_quantized), computed in the model's dtype;
-        without `qat`, the plain step of the steps before qat_start_step."""
-        model.single_sequence_rows, model.compute = single_sequence_rows, "bf16" if quantized else cfg.compute
-        model.offload_device_layers, model.offload_group = layout
-        model.unroll_layers = cfg.unroll_layers
-        model.qat = quantized or (None if cfg.qat == "none" or not qat else cfg.qat)
-        model.router_aux = bool(aux_coef)
-        try:
-            return split_model(model)
-        finally:
-            model.single_sequence_rows, model.compute, model.offload_device_layers, model.offload_group = (
-                False, "bf16", 0, 1)
-            model.unroll_layers, model.qat, model.router_aux = False, None, False
 
-    def first_layouts(remat: str) -> tuple[Any, list[tuple[int, int]]]:
-        """(host budget or None, remat "offload"'s (layers whose inputs stay on device, offload group) to try)."""
-        model.remat_policy = REMAT_POLICIES[remat]
-        if remat == "offload" and offloads_to_host():  # host memory must hold the layer inputs, in the pinned
-            return offload_plan(model, rows, cfg.seq_len)  # region they make XLA's pool take
-        return None, [(0, 1)]
-
+def _plan_step(setup: _Setup) -> _Plan:
+    """The remat policy ("auto": the fastest whose step fits, host offloads as the last resort) and the layout of
+    the layers' saved inputs, each candidate step compiled once; the state placed as the plan needs it."""
+    model, cfg, mesh, aux_coef = setup.model, setup.requested, setup.mesh, setup.aux_coef
     lora, frozen = nnx.state(model, nnx.LoRAParam, ...)  # the states split_model gives, whatever the policy
     with_reference = (cfg.objective == "dpo" and not cfg.precompute_reference) or (cfg.objective == "grpo"
                                                                                     and cfg.beta > 0)
     if with_reference and reference_adapters(lora):
         frozen = (frozen, jax.tree.map(jnp.copy, lora))  # DPO's / GRPO's reference: the adapters as the run begins
     # arrays a batch holds besides the token ones (preference pairs), so the step can be planned before data flows
-    batch_extra = dict(batches.batch_extra)
+    batch_extra = dict(setup.batches.batch_extra)
     if cfg.precompute_reference:
-        batch_extra["ref_logps"] = ((2 * batches.train_rows.extra["pair_mask"].shape[1],), np.dtype(np.float32))
-    optimizer = make_optimizer(cfg)
-    opt_state = optimizer.init(lora)
+        batch_extra["ref_logps"] = ((2 * setup.batches.train_rows.extra["pair_mask"].shape[1],), np.dtype(np.float32))
+    opt_state = make_optimizer(cfg).init(lora)
     if mesh is not None:
         lora, frozen, opt_state = (shard_state(mesh, tree) for tree in (lora, frozen, opt_state))
     opt_state, frozen = _to_host_memory(model, opt_state, frozen, cfg.offload_optimizer, cfg.offload_embedding)
     tried = {}  # remat "auto": each candidate's (graphdef, step), the step compiled once to plan it (jit reuses it)
     if cfg.remat == "auto":
         def build_step(remat: str):
-            graphdef = split_with(first_layouts(remat)[1][0])[0]
-            step = make_train_step(graphdef, dataclasses.replace(cfg, remat=remat), mesh, batch_extra, aux_coef)
+            candidate = dataclasses.replace(cfg, remat=remat)
+            graphdef = setup.split_with(candidate, setup.first_layouts(candidate, remat)[1][0])[0]
+            step = make_train_step(graphdef, candidate, mesh, batch_extra, aux_coef)
             tried[remat] = graphdef, step
             return step
 
-        choice = choose_remat(build_step, lora, opt_state, frozen, rows, cfg, offloads_to_host())
-        if lead:
+        choice = choose_remat(build_step, lora, opt_state, frozen, setup.rows, cfg, offloads_to_host())
+        if setup.lead:
             print(choice.reason, flush=True)
         cfg = dataclasses.replace(cfg, remat=choice.policy)
         if choice.policy == "offload" and not choice.fits:  # the last resort: host memory takes what else it can
@@ -223,59 +275,75 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
                 opt_state, frozen = _to_host_memory(model, opt_state, frozen, *more.values())
                 cfg = dataclasses.replace(cfg, **{k: True for k, v in more.items() if v})
                 tried.pop("offload")  # its step kept those arrays on the device
-                if lead:
+                if setup.lead:
                     moved = [f"{_HOST_OFFLOADS[k]} ({k})" for k, v in more.items() if v]
                     print(f"remat auto: {' and '.join(moved)} also kept in host memory", flush=True)
-    host, layouts = first_layouts(cfg.remat)
-    offloading = cfg.remat == "offload" and offloads_to_host()
+    host, layouts = setup.first_layouts(cfg, cfg.remat)
     if cfg.remat in tried:
         graphdef, step_fn = tried[cfg.remat]
     else:
-        graphdef = split_with(layouts[0])[0]
+        graphdef = setup.split_with(cfg, layouts[0])[0]
         step_fn = make_train_step(graphdef, cfg, mesh, batch_extra, aux_coef)
     layout = layouts[0]
-    if len(layouts) > 1 and not _fits_device(step_fn, lora, opt_state, frozen, cfg, unit):
+    if len(layouts) > 1 and not _fits_device(step_fn, lora, opt_state, frozen, cfg, setup.unit):
         layout = layouts[1]
-        step_fn = make_train_step(split_with(layout)[0], cfg, mesh, batch_extra, aux_coef)
+        step_fn = make_train_step(setup.split_with(cfg, layout)[0], cfg, mesh, batch_extra, aux_coef)
     on_device, group = layout
     # QAT from qat_start_step on: the steps before it are plain LoRA's (planned with the QAT step, the larger)
-    plain_fn = (make_train_step(split_with(layout, qat=False)[0], cfg, mesh, batch_extra, aux_coef)
+    plain_fn = (make_train_step(setup.split_with(cfg, layout, qat=False)[0], cfg, mesh, batch_extra, aux_coef)
                 if cfg.qat_start_step else step_fn)
-    if on_device and lead:
+    if on_device and setup.lead:
         print(f"remat offload: the inputs of {on_device} of {model.config.num_layers} layers stay in device memory, "
               f"host memory holds the rest ({host.describe()})", flush=True)
-    if group > 1 and lead:
+    if group > 1 and setup.lead:
         print(f"remat offload: host memory holds the input of one layer in {group}; the layers between are "
               f"recomputed from it (one more forward each; {host.describe()})", flush=True)
+    offloading = cfg.remat == "offload" and offloads_to_host()
+    return _Plan(cfg, graphdef, step_fn, plain_fn, layout, host, offloading, batch_extra, lora, frozen, opt_state)
+
+
+def _fit_card(setup: _Setup, plan: _Plan) -> tuple[int, HeldOutEval | None]:
+    """(the micro-batch: the largest that fits when "auto", refused in one line when too large; the held-out
+    evaluation or None), with DPO's reference log-probabilities computed first when asked and the batches started."""
+    cfg, batches, mesh, unit = plan.cfg, setup.batches, setup.mesh, setup.unit
     if cfg.micro_batch_size == "auto":
-        micro = choose_micro_batch(cfg, step_fn, lora, opt_state, frozen, rows=len(batches))
+        micro = choose_micro_batch(cfg, plan.step_fn, plan.lora, plan.opt_state, plan.frozen, rows=len(batches))
         if cfg.objective == "grpo":  # whole groups per step: the largest that fits and keeps them whole
             micro = _whole_groups(micro, cfg.grad_accum, cfg.num_generations, unit)
-        if lead:
+        if setup.lead:
             print(f"micro_batch_size auto: {micro} (device memory, and the {len(batches)} rows the dataset packs "
                   "into, allow it)", flush=True)
     else:
         micro = cfg.micro_batch_size
-    refuse_if_too_large_for_host(step_fn, lora, opt_state, frozen, micro, cfg)
+    refuse_if_too_large_for_host(plan.step_fn, plan.lora, plan.opt_state, plan.frozen, micro, cfg)
     if micro % unit:
         raise JaxtuneError(f"micro_batch_size {micro} does not split over the {unit} devices of mesh "
                            f"{dict(mesh.shape)}; use a multiple of {unit}")
+    eval_rows = getattr(batches, "eval_rows", None)
     if cfg.precompute_reference:  # DPO: the reference's log-probabilities once, stored with the run
         splits = {"train": batches.train_rows, **({"eval": eval_rows} if eval_rows is not None else {})}
-        if run_dir is not None and lead:
-            os.makedirs(run_dir, exist_ok=True)
-        refs = reference_logps(graphdef, lora, frozen, splits, micro, cfg, run_dir, mesh, lead, progress)
+        if setup.run_dir is not None and setup.lead:
+            os.makedirs(setup.run_dir, exist_ok=True)
+        refs = reference_logps(plan.graphdef, plan.lora, plan.frozen, splits, micro, cfg, setup.run_dir, mesh,
+                               setup.lead, setup.progress)
         for name, rows_of in splits.items():
             rows_of.extra["ref_logps"] = refs[name]
     batches.start(micro, cfg.grad_accum)  # its micro_batch / accum: halved and doubled on running out of memory
-    held_out = None
-    if eval_rows is not None and len(eval_rows):
-        quantized = None if cfg.eval_quantized == "none" else cfg.eval_quantized
-        # under QAT of that format, the run's own evaluation already is the quantized one
-        quantized_fn = None if quantized in (None, cfg.qat) else make_eval_step(
-            split_with(layout, quantized)[0], dataclasses.replace(cfg, compute="bf16"), mesh)
-        held_out = HeldOutEval(make_eval_step(graphdef, cfg, mesh), eval_rows, quantized, quantized_fn)
+    if eval_rows is None or not len(eval_rows):
+        return micro, None
+    quantized = None if cfg.eval_quantized == "none" else cfg.eval_quantized
+    # under QAT of that format, the run's own evaluation already is the quantized one
+    quantized_fn = None if quantized in (None, cfg.qat) else make_eval_step(
+        setup.split_with(cfg, plan.layout, quantized)[0], dataclasses.replace(cfg, compute="bf16"), mesh)
+    return micro, HeldOutEval(make_eval_step(plan.graphdef, cfg, mesh), eval_rows, quantized, quantized_fn)
 
+
+def _run_loop(setup: _Setup, plan: _Plan, micro: int, held_out: HeldOutEval | None, callback) -> TrainResult:
+    """The steps from the latest checkpoint (or the first) to max_steps, with the progress bar, metrics, evaluation,
+    checkpoints and the stop signals; then the last save and the loss plot."""
+    model, cfg, requested, batches, mesh, lead = setup.model, plan.cfg, setup.requested, setup.batches, setup.mesh, \
+        setup.lead
+    run_dir, lora, frozen, opt_state = setup.run_dir, plan.lora, plan.frozen, plan.opt_state
     # what "auto" resolved to: the remat policy, and whether host memory also holds the optimizer state and the
     # input embedding
     resolved = {"remat": cfg.remat, "offload_optimizer": cfg.offload_optimizer,
@@ -293,7 +361,7 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
         if lead:
             with open(os.path.join(run_dir, "config.json"), "w") as f:
                 json.dump({"train": requested.to_dict(), "model": model.config.to_hf(), "micro_batch_size": micro,
-                           **resolved, "base_model": base_model}, f, indent=2)
+                           **resolved, "base_model": setup.base_model}, f, indent=2)
     hparams = {**requested.to_dict(), "micro_batch_size": micro, **resolved}
     metrics = MetricsLog(run_dir, cfg.report_to, hparams, start_step) if lead else None
 
@@ -308,11 +376,11 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
     agreed_stop = jax.process_count() > 1  # every process stops after the same step: the flag rides in the step
     uniform_loss = math.log(model.config.vocab_size)
     # DPO/ORPO: rewards and log-probabilities, as TRL names them; a mixture of experts' aux_loss
-    objective_metrics = make_objective(cfg, aux_coef).metric_names
+    objective_metrics = make_objective(cfg, setup.aux_coef).metric_names
     step, bad_in_row, collapsed_in_row, interrupted, tokens_per_s = start_step, 0, 0, False, 0.0
-    bar = tqdm(total=cfg.max_steps, initial=start_step, desc="training", unit="step", disable=not progress)
+    bar = tqdm(total=cfg.max_steps, initial=start_step, desc="training", unit="step", disable=not setup.progress)
     try:
-        with _StopSignal() as stop, (HostMemoryGuard() if offloading else contextlib.nullcontext()):
+        with _StopSignal() as stop, (HostMemoryGuard() if plan.offloading else contextlib.nullcontext()):
             while step < cfg.max_steps:
                 t0 = time.perf_counter()
                 stop.rearm()
@@ -322,15 +390,16 @@ def _train(model: CausalLM, tokenizer: Any, data, config: TrainConfig | None, ou
                     batch = to_device_batch({k: v.reshape(batches.accum, batches.micro_batch, -1)
                                              for k, v in host_batch.items()}, mesh)
                     try:
-                        fn = plain_fn if step < cfg.qat_start_step else step_fn
+                        fn = plan.plain_fn if step < cfg.qat_start_step else plan.step_fn
                         new_lora, new_opt_state, m = fn(lora, opt_state, frozen, batch, np.int32(step))
                         m = jax.device_get(m)  # a launch that runs out of memory may fail only here (asynchronously)
                         lora, opt_state = new_lora, new_opt_state
                         break
                     except Exception as e:  # noqa: BLE001 (only out-of-memory is handled)
-                        if not _can_step_down(e, batches, lora, unit):
+                        if not _can_step_down(e, batches, lora, setup.unit):
                             if "RESOURCE_EXHAUSTED" in str(e):
-                                raise _out_of_memory(step_fn, lora, opt_state, frozen, batches.micro_batch, cfg) from None
+                                raise _out_of_memory(plan.step_fn, lora, opt_state, frozen, batches.micro_batch,
+                                                     cfg) from None
                             raise
                         batches.micro_batch, batches.accum = batches.micro_batch // 2, batches.accum * 2
                         warnings.warn(f"out of device memory: micro-batch lowered to {batches.micro_batch} "
