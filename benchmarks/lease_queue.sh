@@ -1,4 +1,4 @@
-# Sourced by the GPU-lease drivers (benchmarks/results/raw/*-lease-*.sh from 2026-11-26's fourth hold on), run from
+# Sourced by the GPU-lease drivers (benchmarks/drivers/*-lease-*.sh from 2026-11-26's fourth hold on), run from
 # the checkout: one named run per call, its stage and exit status in /tmp/jt/stages, its JSON lines tagged
 # {"run": NAME} in $out; `queues` runs the driver's gpu0, gpu1, ... functions at once, one per GPU.
 . benchmarks/run_log.sh

@@ -1,5 +1,5 @@
 """The suite's tiny tokenizer, built offline: for the `tiny_tokenizer` fixture and for scripts that run the suite's
-workers outside pytest (benchmarks/results/raw/*.sh)."""
+workers outside pytest (benchmarks/drivers/*.sh)."""
 
 from __future__ import annotations
 
