@@ -119,11 +119,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def benchmark_script(name: str):
-    """A script of benchmarks/ loaded as a module (they are scripts, not a package)."""
+    """A script of benchmarks/ (in its folder by what it measures) loaded as a module (they are scripts, not a
+    package)."""
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+    (path,) = (Path(__file__).resolve().parents[1] / "benchmarks").glob(f"*/{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,4 +1,4 @@
-"""benchmarks/make_bnb4_checkpoint.py writes a random checkpoint in bitsandbytes' 4-bit layout without a
+"""benchmarks/tools/make_bnb4_checkpoint.py writes a random checkpoint in bitsandbytes' 4-bit layout without a
 full-precision copy (how a 70B is made on a 64 GB disk): bitsandbytes reads back the same weights jaxtune
 loads, and transformers on bnb's dequantization gives jaxtune's logits."""
 

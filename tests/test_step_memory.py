@@ -1,4 +1,4 @@
-"""benchmarks/step_memory.py names what a compiled step holds at its peak: its reading of XLA's live-range dump
+"""benchmarks/steps/step_memory.py names what a compiled step holds at its peak: its reading of XLA's live-range dump
 gives back a buffer of known size, and the script's plan adds up for a 1B model compiled from shapes only."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 from conftest import benchmark_script
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "step_memory.py"
+SCRIPT = ROOT / "benchmarks" / "steps" / "step_memory.py"
 
 
 def _script():

@@ -12,29 +12,29 @@ json() { tee -a /tmp/jt/runs.log | grep --line-buffered '^{"' | sed -u "s/^{/{\"
 stage() { echo "=== $1 $(date +%T)" | tee -a /tmp/jt/stages; }
 gpu0() {
   export CUDA_VISIBLE_DEVICES=0
-  stage plan70; PYTHONPATH=. python3 benchmarks/step_memory.py --model llama3-70b --batch 1 --remat offload per-layer 2>&1 | json plan70
-  stage ckpt70; PYTHONPATH=. python3 benchmarks/make_bnb4_checkpoint.py --model llama3-70b /tmp/bnb4_70b 2>&1 | json ckpt70
+  stage plan70; PYTHONPATH=. python3 benchmarks/steps/step_memory.py --model llama3-70b --batch 1 --remat offload per-layer 2>&1 | json plan70
+  stage ckpt70; PYTHONPATH=. python3 benchmarks/tools/make_bnb4_checkpoint.py --model llama3-70b /tmp/bnb4_70b 2>&1 | json ckpt70
   for r in offload per-layer; do
-    stage jt70-$r; PYTHONPATH=. python3 benchmarks/train_qlora.py /tmp/bnb4_70b --batch 1 --remat $r --steps 4 --warmup 2 2>&1 | json jt70-$r
+    stage jt70-$r; PYTHONPATH=. python3 benchmarks/steps/train_qlora.py /tmp/bnb4_70b --batch 1 --remat $r --steps 4 --warmup 2 2>&1 | json jt70-$r
   done
   stage unsloth70; PYTHONPATH=$here/.site:$here/.bench python3 -c "from unsloth_baseline import run; run('/tmp/bnb4_70b', 1, 2048, 'unsloth')" 2>&1 | json unsloth70
-  stage jt70-fp8; PYTHONPATH=. python3 benchmarks/train_qlora.py /tmp/bnb4_70b --batch 1 --remat per-layer --compute fp8 --steps 4 --warmup 2 2>&1 | json jt70-fp8
-  stage scale70-1; PYTHONPATH=. python3 benchmarks/scale_qlora.py --model llama3-70b --gpus 1 --batch-per-gpu 1 --remat per-layer 2>&1 | json scale70-1
+  stage jt70-fp8; PYTHONPATH=. python3 benchmarks/steps/train_qlora.py /tmp/bnb4_70b --batch 1 --remat per-layer --compute fp8 --steps 4 --warmup 2 2>&1 | json jt70-fp8
+  stage scale70-1; PYTHONPATH=. python3 benchmarks/ladders/scale_qlora.py --model llama3-70b --gpus 1 --batch-per-gpu 1 --remat per-layer 2>&1 | json scale70-1
 }
 gpu1() {
   export CUDA_VISIBLE_DEVICES=1
-  bash benchmarks/vram_ladder.sh checkpoint jaxtune-8 unsloth-8 jaxtune-12 unsloth-12 jaxtune-16 unsloth-16 jaxtune-24 unsloth-24
-  stage 32b; JT_BATCHES="1 2" FP8_BATCH=2 UNSLOTH_CFGS="2:False" bash benchmarks/size_ladder.sh qwen3-32b
+  bash benchmarks/ladders/vram_ladder.sh checkpoint jaxtune-8 unsloth-8 jaxtune-12 unsloth-12 jaxtune-16 unsloth-16 jaxtune-24 unsloth-24
+  stage 32b; JT_BATCHES="1 2" FP8_BATCH=2 UNSLOTH_CFGS="2:False" bash benchmarks/ladders/size_ladder.sh qwen3-32b
 }
 stage A; gpu0 > /tmp/jt/gpu0.log 2>&1 & gpu1 > /tmp/jt/gpu1.log 2>&1 & wait
 stage B
 for m in fsdp=2 data=2; do
-  stage scale70-$m; PYTHONPATH=. python3 benchmarks/scale_qlora.py --model llama3-70b --gpus 2 --mesh $m --batch-per-gpu 1 --remat per-layer 2>&1 | json scale70-$m
+  stage scale70-$m; PYTHONPATH=. python3 benchmarks/ladders/scale_qlora.py --model llama3-70b --gpus 2 --mesh $m --batch-per-gpu 1 --remat per-layer 2>&1 | json scale70-$m
 done
 stage C
 (export CUDA_VISIBLE_DEVICES=0 JT_SEQS_40=$(( (153977*120+99)/100 )),$(( (153977*140+99)/100 )) JT_SEQS_48=$(( (191728*120+99)/100 )),$(( (191728*140+99)/100 ))
- bash benchmarks/vram_ladder.sh jaxtune-40 jaxtune-48 > /tmp/jt/gpu0c.log 2>&1) &
+ bash benchmarks/ladders/vram_ladder.sh jaxtune-40 jaxtune-48 > /tmp/jt/gpu0c.log 2>&1) &
 (export CUDA_VISIBLE_DEVICES=1 UNSLOTH_SEQS_40=153977,$(( (153977*120+99)/100 )) UNSLOTH_SEQS_48=191728,$(( (191728*120+99)/100 ))
- bash benchmarks/vram_ladder.sh unsloth-40 unsloth-48 > /tmp/jt/gpu1c.log 2>&1) &
+ bash benchmarks/ladders/vram_ladder.sh unsloth-40 unsloth-48 > /tmp/jt/gpu1c.log 2>&1) &
 wait
 stage done

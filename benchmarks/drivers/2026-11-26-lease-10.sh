@@ -6,12 +6,12 @@
 # 80 GB H100 uncapped at r=32 (defaults); Llama-3-8B batch 4 with and without the Triton GEMM fusions. Detached:
 #   bash benchmarks/drivers/poll.sh benchmarks/drivers/2026-11-26-lease-10.sh 10 540
 set -u
-. benchmarks/lease_queue.sh
+. benchmarks/tools/lease_queue.sh
 C=/tmp/bnb4_qwen3-32b
 NO_TRITON="--xla_gpu_enable_triton_gemm=false"
 uncapped() {  # uncapped NAME LENGTHS: the longest 8B step at r=32 on the whole GPU (defaults)
   stage "$1"
-  PYTHONPATH=. python3 benchmarks/context_ladder.py /tmp/bnb4_8b --lora-r 32 --remat auto --seqs "$2" 2>&1 | tagged "$1"
+  PYTHONPATH=. python3 benchmarks/ladders/context_ladder.py /tmp/bnb4_8b --lora-r 32 --remat auto --seqs "$2" 2>&1 | tagged "$1"
   status "$1" "${PIPESTATUS[0]}"
 }
 ( XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 ckpt qwen3-32b $C ) &
@@ -24,7 +24,7 @@ wait
 XLA_FLAGS="--xla_dump_to=/tmp/jt/dump32 --xla_dump_hlo_module_re=.*step.*" \
   jt jt-pairs-1 $C --batch 2 --remat selective --unroll-layers --steps 6 --warmup 2 --profile /tmp/jt/trace32
 (cd benchmarks && python3 fusion_report.py /tmp/jt/trace32 /tmp/jt/dump32 2 40 > /tmp/jt/fusions32.jsonl 2> /tmp/jt/fusions32.err)
-python3 benchmarks/trace_summary.py /tmp/jt/trace32 2 40 > /tmp/jt/trace32.jsonl 2>&1
+python3 benchmarks/tools/trace_summary.py /tmp/jt/trace32 2 40 > /tmp/jt/trace32.jsonl 2>&1
 rm -rf /tmp/jt/dump32
 unsloth unsloth-1 $C 2
 XLA_FLAGS=$NO_TRITON jt jt-pairs-no-triton-gemm-1 $C --batch 2 --remat selective --unroll-layers --steps 6 --warmup 2

@@ -5,7 +5,7 @@
 # this run: the page cache is dropped first and the run is the first the kernel's OOM killer would pick).
 #   bash benchmarks/drivers/poll.sh benchmarks/drivers/2026-11-26-lease-12.sh 12 540
 set -u
-. benchmarks/lease_queue.sh
+. benchmarks/tools/lease_queue.sh
 NO_TRITON="--xla_gpu_enable_triton_gemm=false"
 ckpt llama3.2-1b /tmp/bnb4_1b
 ckpt llama3.2-3b /tmp/bnb4_3b
@@ -19,7 +19,7 @@ sync; echo 3 > /proc/sys/vm/drop_caches
 stage jaxtune-80-r32
 grep -E "MemTotal|MemAvailable" /proc/meminfo | tee -a /tmp/jt/stages
 ( echo 1000 > /proc/self/oom_score_adj
-  PYTHONPATH=. exec python3 benchmarks/context_ladder.py /tmp/bnb4_8b --lora-r 32 --remat auto --seqs 411280 ) 2>&1 \
+  PYTHONPATH=. exec python3 benchmarks/ladders/context_ladder.py /tmp/bnb4_8b --lora-r 32 --remat auto --seqs 411280 ) 2>&1 \
   | tagged jaxtune-80-r32
 status jaxtune-80-r32 "${PIPESTATUS[0]}"
 stage all-done

@@ -8,7 +8,7 @@
 # Detached and polled (copy /tmp/jt back on every poll):
 #   setsid bash benchmarks/drivers/2026-11-26-lease-7.sh > /tmp/jt/log 2>&1 < /dev/null &
 set -u
-. benchmarks/lease_queue.sh
+. benchmarks/tools/lease_queue.sh
 unsloth_ckpt() {  # unsloth_ckpt NAME CKPT BATCH: Unsloth with its "unsloth" gradient checkpointing at seq 2048
   stage "$1"
   PYTHONPATH=$here/.site:$here/.bench python3 -c "import sys; from unsloth_baseline import run; run(sys.argv[1], int(sys.argv[2]), 2048, 'unsloth')" \
@@ -17,7 +17,7 @@ unsloth_ckpt() {  # unsloth_ckpt NAME CKPT BATCH: Unsloth with its "unsloth" gra
 }
 plan() {  # plan NAME step_memory-arguments...: XLA's memory plan of a step from shapes only
   local name=$1; shift
-  stage "$name"; PYTHONPATH=. python3 benchmarks/step_memory.py "$@" 2>&1 | tagged "$name"; status "$name" "${PIPESTATUS[0]}"
+  stage "$name"; PYTHONPATH=. python3 benchmarks/steps/step_memory.py "$@" 2>&1 | tagged "$name"; status "$name" "${PIPESTATUS[0]}"
 }
 ( export XLA_PYTHON_CLIENT_PREALLOCATE=false; ckpt llama3-70b /tmp/bnb4_70b; ckpt llama3-8b /tmp/bnb4_8b ) &
 XLA_PYTHON_CLIENT_PREALLOCATE=false gpu_tests

@@ -6,16 +6,16 @@
 # step's concatenations. Detached and polled (copy /tmp/jt back on every poll):
 #   setsid bash benchmarks/drivers/2026-11-26-lease-8.sh > /tmp/jt/log 2>&1 < /dev/null &
 set -u
-. benchmarks/lease_queue.sh
+. benchmarks/tools/lease_queue.sh
 plan() {  # plan NAME step_memory-arguments...: XLA's memory plan of a step from shapes only
   local name=$1; shift
   stage "$name"
-  PYTHONPATH=. python3 benchmarks/step_memory.py "$@" 2> "/tmp/jt/$name.err" | tagged "$name"
+  PYTHONPATH=. python3 benchmarks/steps/step_memory.py "$@" 2> "/tmp/jt/$name.err" | tagged "$name"
   status "$name" "${PIPESTATUS[0]}"
 }
 uncapped() {  # uncapped NAME LENGTHS: the longest 8B step at r=32 on the whole GPU (defaults)
   stage "$1"
-  PYTHONPATH=. python3 benchmarks/context_ladder.py /tmp/bnb4_8b --lora-r 32 --remat auto --seqs "$2" 2>&1 | tagged "$1"
+  PYTHONPATH=. python3 benchmarks/ladders/context_ladder.py /tmp/bnb4_8b --lora-r 32 --remat auto --seqs "$2" 2>&1 | tagged "$1"
   status "$1" "${PIPESTATUS[0]}"
 }
 ( XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 ckpt llama3-8b /tmp/bnb4_8b ) &

@@ -3,10 +3,10 @@
 # machine after the driver (hold A) or on a fresh machine (hold B), e.g. `bash ...-followups.sh call3`.
 # Lines go to /tmp/jt/r*.jsonl; merged, tagged by hold, in 2026-11-26-70b-parity-fsdp-h200x2.jsonl.
 set -u
-. benchmarks/run_log.sh
+. benchmarks/tools/run_log.sh
 here=$PWD
 tag() { json_lines | sed -u "s/^{/{\"run\": \"$1\", /"; }
-jt() { local gpu=$1 name=$2; shift 2; CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=. python3 benchmarks/train_qlora.py "$@" 2>&1 | tag "$name"; }
+jt() { local gpu=$1 name=$2; shift 2; CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=. python3 benchmarks/steps/train_qlora.py "$@" 2>&1 | tag "$name"; }
 unsloth() {  # unsloth GPU NAME CKPT BATCH CHECKPOINTING(False|unsloth)
   local ck=$5; [ "$ck" = unsloth ] && ck="'unsloth'"
   CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=$here/.site:$here/.bench python3 -c \
@@ -26,14 +26,14 @@ call4() {  # hold A: FP8 at 70B; Unsloth batch 2 without checkpointing
 call5() {  # hold A: GPU time by class at 70B batch 1 on both sides; Unsloth 32B batch 2 again
   (jt 0 jt70-selective-b1-trace /tmp/bnb4_70b --batch 1 --remat selective --steps 2 --warmup 1 --warm-autotune \
      --profile /tmp/jt/trace70
-   python3 benchmarks/trace_summary.py /tmp/jt/trace70 2 25 | sed -u 's/^{/{"run": "jt70-selective-b1-profile", /') >> /tmp/jt/r4.jsonl &
+   python3 benchmarks/tools/trace_summary.py /tmp/jt/trace70 2 25 | sed -u 's/^{/{"run": "jt70-selective-b1-profile", /') >> /tmp/jt/r4.jsonl &
   (CUDA_VISIBLE_DEVICES=1 PYTHONPATH=$here/.site python3 .bench/unsloth_profile.py /tmp/bnb4_70b 1 2>&1 | tag unsloth70-b1-profile
    unsloth 1 unsloth32-b2 /tmp/bnb4_qwen3-32b 2 False) >> /tmp/jt/r4.jsonl & wait
 }
 hold_b_call1() {  # hold B: XLA's dynamic-slice fusion (GEMMs reading/writing the layer loop's stacks in place)
   F=--xla_gpu_enable_dynamic_slice_fusion=true
   q() { local gpu=$1 m=$2 ck=$3 b=$4 fl
-    CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=. python3 benchmarks/make_bnb4_checkpoint.py --model "$m" "$ck" > /dev/null 2>&1
+    CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=. python3 benchmarks/tools/make_bnb4_checkpoint.py --model "$m" "$ck" > /dev/null 2>&1
     for fl in "" "$F"; do
       XLA_FLAGS="$fl" jt "$gpu" "$m-b$b" "$ck" --batch "$b" --remat selective --steps 4 --warmup 2 \
         | sed -u "s/^{/{\"xla_flags\": \"$fl\", /"

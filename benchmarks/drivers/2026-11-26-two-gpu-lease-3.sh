@@ -9,7 +9,7 @@
 # GPU 1: 8B selective batch 4/8 both sides (the headline at level 3), the GPU-only tests, the 32B rung both sides, then the VRAM ladder's
 # 40 GB cap for Unsloth (stopped at a deadline). Phase B, both GPUs: 70B fsdp=2 batch 2 per GPU, traced.
 set -u
-. benchmarks/run_log.sh
+. benchmarks/tools/run_log.sh
 here=$PWD
 out=/tmp/jt/results.jsonl
 t_start=$(date +%s)
@@ -18,7 +18,7 @@ status() { echo "--- $1 exit $2" | tee -a /tmp/jt/stages /tmp/jt/runs.log; }
 tagged() { json_lines | sed -u "s/^{/{\"run\": \"$1\", /" | tee -a "$out"; }
 jt() {  # jt NAME train_qlora-arguments...
   local name=$1; shift
-  stage "$name"; PYTHONPATH=. python3 benchmarks/train_qlora.py "$@" 2>&1 | tagged "$name"; status "$name" "${PIPESTATUS[0]}"
+  stage "$name"; PYTHONPATH=. python3 benchmarks/steps/train_qlora.py "$@" 2>&1 | tagged "$name"; status "$name" "${PIPESTATUS[0]}"
 }
 unsloth() {  # unsloth NAME CKPT BATCH
   stage "$1"
@@ -29,12 +29,12 @@ unsloth() {  # unsloth NAME CKPT BATCH
 scale() {  # scale NAME scale_qlora-arguments...
   local name=$1; shift
   stage "$name"
-  PYTHONPATH=. python3 benchmarks/scale_qlora.py --model llama3-70b --remat per-layer "$@" 2>&1 | tagged "$name"
+  PYTHONPATH=. python3 benchmarks/ladders/scale_qlora.py --model llama3-70b --remat per-layer "$@" 2>&1 | tagged "$name"
   status "$name" "${PIPESTATUS[0]}"
 }
 gpu0() {
   export CUDA_VISIBLE_DEVICES=0
-  stage ckpt70; PYTHONPATH=. python3 benchmarks/make_bnb4_checkpoint.py --model llama3-70b /tmp/bnb4_70b 2>&1 | tagged ckpt70
+  stage ckpt70; PYTHONPATH=. python3 benchmarks/tools/make_bnb4_checkpoint.py --model llama3-70b /tmp/bnb4_70b 2>&1 | tagged ckpt70
   a70=(/tmp/bnb4_70b --batch 1 --remat offload --steps 4 --warmup 2)
   jt jt70-off "${a70[@]}"
   jt jt70-off-compile-first "${a70[@]}" --compile-first
@@ -44,15 +44,15 @@ gpu0() {
 }
 gpu1() {
   export CUDA_VISIBLE_DEVICES=1
-  stage ckpt8; PYTHONPATH=. python3 benchmarks/make_bnb4_checkpoint.py --model llama3-8b /tmp/bnb4_8b 2>&1 | tagged ckpt8
+  stage ckpt8; PYTHONPATH=. python3 benchmarks/tools/make_bnb4_checkpoint.py --model llama3-8b /tmp/bnb4_8b 2>&1 | tagged ckpt8
   for b in 4 8; do jt jt8-sel-b$b /tmp/bnb4_8b --batch $b --remat selective; done
   for b in 4 8; do unsloth unsloth8-b$b /tmp/bnb4_8b $b; done
   stage gpu-tests; JAX_PLATFORMS=cuda python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -25 > /tmp/jt/gpu_tests.log
   status gpu-tests "${PIPESTATUS[0]}"
-  stage ckpt32; PYTHONPATH=. python3 benchmarks/make_bnb4_checkpoint.py --model qwen3-32b /tmp/bnb4_qwen3-32b 2>&1 | tagged ckpt32
+  stage ckpt32; PYTHONPATH=. python3 benchmarks/tools/make_bnb4_checkpoint.py --model qwen3-32b /tmp/bnb4_qwen3-32b 2>&1 | tagged ckpt32
   for b in 1 2; do jt jt32-b$b /tmp/bnb4_qwen3-32b --batch $b --remat selective; done
   for b in 1 2; do unsloth unsloth32-b$b /tmp/bnb4_qwen3-32b $b; done
-  UNSLOTH_SEQS_40=153977,184773 bash benchmarks/vram_ladder.sh unsloth-40
+  UNSLOTH_SEQS_40=153977,184773 bash benchmarks/ladders/vram_ladder.sh unsloth-40
 }
 stage A
 gpu0 > /tmp/jt/gpu0.log 2>&1 &

@@ -8,14 +8,14 @@
 # 2 the same way, 8B batch 4 both ways, the GPU-only tests. Phase B, both GPUs: 70B per-layer batch 2 per GPU on one
 # GPU and with fsdp=2 (traced). Phase C: the two-process checks (resume, auto batch, SIGTERM, SIGKILL).
 set -u
-. benchmarks/lease_queue.sh
+. benchmarks/tools/lease_queue.sh
 gpu0() {
   export CUDA_VISIBLE_DEVICES=0
   ckpt llama3-70b /tmp/bnb4_70b
   a=(/tmp/bnb4_70b --batch 1 --remat selective --steps 6 --warmup 2)
   jt jt70-b1-loop "${a[@]}"
   jt jt70-b1-unrolled "${a[@]}" --unroll-layers --profile /tmp/jt/trace70u
-  python3 benchmarks/trace_summary.py /tmp/jt/trace70u 2 25 2>&1 | tagged jt70-b1-unrolled-profile
+  python3 benchmarks/tools/trace_summary.py /tmp/jt/trace70u 2 25 2>&1 | tagged jt70-b1-unrolled-profile
   unsloth unsloth70-b1 /tmp/bnb4_70b 1
 }
 gpu1() {

@@ -7,7 +7,7 @@
 # (traced). Phase C: the two-process checks. Detached and polled (copy /tmp/jt back on every poll):
 #   setsid bash benchmarks/drivers/2026-11-26-two-gpu-lease-5.sh > /tmp/jt/log 2>&1 < /dev/null &
 set -u
-. benchmarks/lease_queue.sh
+. benchmarks/tools/lease_queue.sh
 gpu0() {
   export CUDA_VISIBLE_DEVICES=0
   ckpt llama3-70b /tmp/bnb4_70b && touch /tmp/jt/ckpt70-ready

@@ -6,7 +6,7 @@
 # both sides at 8 GB above what they passed, then the GPU-only tests. Detached and polled (copy /tmp/jt back on every poll):
 #   setsid bash benchmarks/drivers/2026-11-26-two-gpu-lease-6.sh > /tmp/jt/log 2>&1 < /dev/null &
 set -u
-. benchmarks/lease_queue.sh
+. benchmarks/tools/lease_queue.sh
 gpu0() {
   export CUDA_VISIBLE_DEVICES=0
   ckpt llama3-70b /tmp/bnb4_70b
@@ -14,7 +14,7 @@ gpu0() {
   jt jt70-b1-unrolled-1 "${a[@]}"
   unsloth unsloth70-b1-1 /tmp/bnb4_70b 1
   jt jt70-b1-unrolled-2 "${a[@]}" --profile /tmp/jt/trace70
-  python3 benchmarks/trace_summary.py /tmp/jt/trace70 2 25 2>&1 | tagged jt70-b1-unrolled-profile
+  python3 benchmarks/tools/trace_summary.py /tmp/jt/trace70 2 25 2>&1 | tagged jt70-b1-unrolled-profile
   unsloth unsloth70-b1-2 /tmp/bnb4_70b 1
   ckpt qwen3-32b /tmp/bnb4_32b
   b=(/tmp/bnb4_32b --batch 2 --remat selective --steps 6 --warmup 2 --unroll-layers)

@@ -7,7 +7,7 @@
 # GPU 1: the 32B rung of the size ladder, then the VRAM ladder's 40 GB cap. GPU 1's queue is stopped at a deadline.
 # Phase B, both GPUs: 70B over fsdp=2 with and without XLA's collective pipelining, against one GPU.
 set -u
-. benchmarks/run_log.sh
+. benchmarks/tools/run_log.sh
 here=$PWD
 out=/tmp/jt/results.jsonl
 t_start=$(date +%s)
@@ -17,17 +17,17 @@ tagged() { json_lines | sed -u "s/^{/{\"run\": \"$1\", /" | tee -a "$out"; }
 jt() {  # jt NAME XLA_FLAGS train_qlora-arguments...
   local name=$1 flags=$2; shift 2
   stage "$name"
-  XLA_FLAGS="$flags" PYTHONPATH=. python3 benchmarks/train_qlora.py "$@" 2>&1 | tagged "$name"
+  XLA_FLAGS="$flags" PYTHONPATH=. python3 benchmarks/steps/train_qlora.py "$@" 2>&1 | tagged "$name"
   status "$name" "${PIPESTATUS[0]}"
 }
 gpu0() {
   export CUDA_VISIBLE_DEVICES=0
-  stage ckpt8; PYTHONPATH=. python3 benchmarks/make_bnb4_checkpoint.py --model llama3-8b /tmp/bnb4_8b 2>&1 | tagged ckpt8
+  stage ckpt8; PYTHONPATH=. python3 benchmarks/tools/make_bnb4_checkpoint.py --model llama3-8b /tmp/bnb4_8b 2>&1 | tagged ckpt8
   a8=(/tmp/bnb4_8b --batch 1 --remat per-layer --steps 4 --warmup 2)
   jt jt8-pl-level4 "" "${a8[@]}"
   jt jt8-pl-compile-first "" "${a8[@]}" --compile-first
   for l in 3 1 0; do jt jt8-pl-level$l "--xla_gpu_autotune_level=$l" "${a8[@]}"; done
-  stage ckpt70; PYTHONPATH=. python3 benchmarks/make_bnb4_checkpoint.py --model llama3-70b /tmp/bnb4_70b 2>&1 | tagged ckpt70
+  stage ckpt70; PYTHONPATH=. python3 benchmarks/tools/make_bnb4_checkpoint.py --model llama3-70b /tmp/bnb4_70b 2>&1 | tagged ckpt70
   a70=(/tmp/bnb4_70b --batch 1 --remat offload --steps 4 --warmup 2)
   jt jt70-off-level4 "" "${a70[@]}"
   jt jt70-off-compile-first "" "${a70[@]}" --compile-first
@@ -39,9 +39,9 @@ gpu0() {
 }
 gpu1() {
   export CUDA_VISIBLE_DEVICES=1
-  bash benchmarks/size_ladder_rungs.sh qwen3-32b
+  bash benchmarks/ladders/size_ladder_rungs.sh qwen3-32b
   while [ ! -f /tmp/bnb4_8b/config.json ]; do sleep 5; done
-  bash benchmarks/vram_ladder.sh jaxtune-40 unsloth-40
+  bash benchmarks/ladders/vram_ladder.sh jaxtune-40 unsloth-40
 }
 stage A
 gpu0 > /tmp/jt/gpu0.log 2>&1 &
@@ -57,7 +57,7 @@ stage B
 scale() {  # scale NAME XLA_FLAGS scale_qlora-arguments...
   local name=$1 flags=$2; shift 2
   stage "$name"
-  XLA_FLAGS="$flags" PYTHONPATH=. python3 benchmarks/scale_qlora.py --model llama3-70b --remat per-layer "$@" 2>&1 \
+  XLA_FLAGS="$flags" PYTHONPATH=. python3 benchmarks/ladders/scale_qlora.py --model llama3-70b --remat per-layer "$@" 2>&1 \
     | json_lines | sed -u "s/^{/{\"run\": \"$name\", \"xla_flags\": \"$flags\", /" | tee -a "$out"
   status "$name" "${PIPESTATUS[0]}"
 }

@@ -4,12 +4,12 @@
 # 411,217), then the size ladder's 1B / 3B / 8B best batches beside Unsloth again now that bf16 steps compile
 # without XLA's Triton GEMM fusions. Detached: bash benchmarks/drivers/poll.sh THIS 13 540
 set -u
-. benchmarks/lease_queue.sh
+. benchmarks/tools/lease_queue.sh
 ckpt llama3-8b /tmp/bnb4_8b
 sync; echo 3 > /proc/sys/vm/drop_caches
 stage jaxtune-80-r32
 ( echo 1000 > /proc/self/oom_score_adj
-  PYTHONPATH=. exec python3 benchmarks/context_ladder.py /tmp/bnb4_8b --lora-r 32 --remat auto --seqs 411392 ) 2>&1 \
+  PYTHONPATH=. exec python3 benchmarks/ladders/context_ladder.py /tmp/bnb4_8b --lora-r 32 --remat auto --seqs 411392 ) 2>&1 \
   | tagged jaxtune-80-r32
 status jaxtune-80-r32 "${PIPESTATUS[0]}"
 ckpt llama3.2-1b /tmp/bnb4_1b

@@ -4,7 +4,7 @@
 # Unsloth first (hold 13 ran jaxtune first), FP8 beside them.
 # Detached: bash benchmarks/drivers/poll.sh THIS 14 540
 set -u
-. benchmarks/lease_queue.sh
+. benchmarks/tools/lease_queue.sh
 ckpt qwen3-14b /tmp/bnb4_14b
 unsloth unsloth14-b4 /tmp/bnb4_14b 4
 jt jt14-b4 /tmp/bnb4_14b --batch 4 --remat selective --steps 6 --warmup 2

@@ -4,9 +4,9 @@
 # layouts, with the GPU time by kernel class of one step of each side.
 # Detached: bash benchmarks/drivers/poll.sh THIS 17 540
 set -u
-. benchmarks/lease_queue.sh
+. benchmarks/tools/lease_queue.sh
 ckpt llama3-8b /tmp/bnb4_8b
-run jaxtune-grpo env PYTHONPATH=. python3 benchmarks/grpo_qlora.py /tmp/bnb4_8b --batches 16x4,8x8 --profile /tmp/jt/trace
-run unsloth-grpo-8x8 env PYTHONPATH=$here/.site python3 benchmarks/unsloth_grpo.py /tmp/bnb4_8b 8 8 unsloth profile
-run unsloth-grpo-16x4 env PYTHONPATH=$here/.site python3 benchmarks/unsloth_grpo.py /tmp/bnb4_8b 16 4 unsloth
+run jaxtune-grpo env PYTHONPATH=. python3 benchmarks/rl/grpo_qlora.py /tmp/bnb4_8b --batches 16x4,8x8 --profile /tmp/jt/trace
+run unsloth-grpo-8x8 env PYTHONPATH=$here/.site python3 benchmarks/rl/unsloth_grpo.py /tmp/bnb4_8b 8 8 unsloth profile
+run unsloth-grpo-16x4 env PYTHONPATH=$here/.site python3 benchmarks/rl/unsloth_grpo.py /tmp/bnb4_8b 16 4 unsloth
 stage all-done

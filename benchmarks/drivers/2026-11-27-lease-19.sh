@@ -4,8 +4,8 @@
 # GPU time by kernel class of its third step; then jaxtune with the fused NF4 kernel at decode rows up to 64.
 # bash benchmarks/drivers/poll.sh THIS 19 570
 set -u
-. benchmarks/lease_queue.sh
+. benchmarks/tools/lease_queue.sh
 ckpt llama3-8b /tmp/bnb4_8b
-run unsloth-grpo-8x8 env PYTHONPATH=$here/.site python3 benchmarks/unsloth_grpo.py /tmp/bnb4_8b 8 8 unsloth profile
-run jaxtune-grpo-fused64 env PYTHONPATH=. python3 benchmarks/grpo_qlora.py /tmp/bnb4_8b --batches 8x8 --steps 3 --fused-rows 64
+run unsloth-grpo-8x8 env PYTHONPATH=$here/.site python3 benchmarks/rl/unsloth_grpo.py /tmp/bnb4_8b 8 8 unsloth profile
+run jaxtune-grpo-fused64 env PYTHONPATH=. python3 benchmarks/rl/grpo_qlora.py /tmp/bnb4_8b --batches 8x8 --steps 3 --fused-rows 64
 stage all-done

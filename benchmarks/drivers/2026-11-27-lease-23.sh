@@ -3,7 +3,7 @@
 # completions (lease 19's attempt overlapped another run), to settle its best batch beside lease 20's 8 x 8.
 # bash benchmarks/drivers/poll.sh THIS 23 400
 set -u
-. benchmarks/lease_queue.sh
+. benchmarks/tools/lease_queue.sh
 ckpt llama3-8b /tmp/bnb4_8b
-run unsloth-grpo-16x4 env PYTHONPATH=$here/.site python3 benchmarks/unsloth_grpo.py /tmp/bnb4_8b 16 4 unsloth
+run unsloth-grpo-16x4 env PYTHONPATH=$here/.site python3 benchmarks/rl/unsloth_grpo.py /tmp/bnb4_8b 16 4 unsloth
 stage all-done

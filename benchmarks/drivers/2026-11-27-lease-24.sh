@@ -4,8 +4,8 @@
 # buffers (CUDA graphs), to see what kernel launches cost.
 # bash benchmarks/drivers/poll.sh THIS 24 570
 set -u
-. benchmarks/lease_queue.sh
+. benchmarks/tools/lease_queue.sh
 ckpt llama3-8b /tmp/bnb4_8b
-run decode-profile env PYTHONPATH=. python3 benchmarks/decode_profile.py /tmp/bnb4_8b --trace /tmp/jt/trace-a
-run decode-profile-no-cmdbuf env PYTHONPATH=. XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 benchmarks/decode_profile.py /tmp/bnb4_8b --trace /tmp/jt/trace-b --label no-command-buffer
+run decode-profile env PYTHONPATH=. python3 benchmarks/rl/decode_profile.py /tmp/bnb4_8b --trace /tmp/jt/trace-a
+run decode-profile-no-cmdbuf env PYTHONPATH=. XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 benchmarks/rl/decode_profile.py /tmp/bnb4_8b --trace /tmp/jt/trace-b --label no-command-buffer
 stage all-done

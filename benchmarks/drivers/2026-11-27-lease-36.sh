@@ -4,11 +4,11 @@
 # shapes at batch 8 and 16.
 # bash benchmarks/drivers/poll.sh THIS 36 570
 set -u
-. benchmarks/lease_queue.sh
+. benchmarks/tools/lease_queue.sh
 for b in 1 2 4; do
-  stage jt-mixtral-b$b; PYTHONPATH=. timeout 130 python3 benchmarks/train_qlora.py random:mixtral-8x7b --batch $b --remat selective --steps 3 --warmup 1 2>&1 | tagged jt-mixtral-b$b
+  stage jt-mixtral-b$b; PYTHONPATH=. timeout 130 python3 benchmarks/steps/train_qlora.py random:mixtral-8x7b --batch $b --remat selective --steps 3 --warmup 1 2>&1 | tagged jt-mixtral-b$b
 done
 for b in 8 16; do
-  stage jt-30b-b$b; PYTHONPATH=. timeout 100 python3 benchmarks/train_qlora.py random:qwen3-30b-a3b --batch $b --remat selective --steps 3 --warmup 1 2>&1 | tagged jt-30b-b$b
+  stage jt-30b-b$b; PYTHONPATH=. timeout 100 python3 benchmarks/steps/train_qlora.py random:qwen3-30b-a3b --batch $b --remat selective --steps 3 --warmup 1 2>&1 | tagged jt-30b-b$b
 done
 stage all-done

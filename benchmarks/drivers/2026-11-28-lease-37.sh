@@ -6,9 +6,9 @@
 # jaxtune (remat selective) at batches 8, 16, 32.
 # bash benchmarks/drivers/poll.sh THIS 37 570
 set -u
-. benchmarks/lease_queue.sh
-run ckpt env PYTHONPATH=. python3 benchmarks/make_bnb4_checkpoint.py --model qwen3-30b-a3b --bf16 --layers 24 /tmp/moe30
-run unsloth-moe env PYTHONPATH=$here/.site python3 benchmarks/unsloth_moe.py /tmp/moe30 2 4 8 16 32 --profile
+. benchmarks/tools/lease_queue.sh
+run ckpt env PYTHONPATH=. python3 benchmarks/tools/make_bnb4_checkpoint.py --model qwen3-30b-a3b --bf16 --layers 24 /tmp/moe30
+run unsloth-moe env PYTHONPATH=$here/.site python3 benchmarks/moe/unsloth_moe.py /tmp/moe30 2 4 8 16 32 --profile
 for b in 16 32 8; do
   jt jt-moe-b$b /tmp/moe30 --batch $b --remat selective --steps 3 --warmup 1
 done

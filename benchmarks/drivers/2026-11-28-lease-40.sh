@@ -3,7 +3,7 @@
 # 4, seq 2048, remat selective, beside plain QLoRA and --qat q4_0 (the same checkpoint and data, lease 30's runs).
 # bash benchmarks/drivers/poll.sh THIS 40 570
 set -u
-. benchmarks/lease_queue.sh
+. benchmarks/tools/lease_queue.sh
 ckpt llama3-8b /tmp/bnb4_8b
 jt plain-b4 /tmp/bnb4_8b --batch 4 --remat selective --steps 4 --warmup 1
 jt qat-q4_0-b4 /tmp/bnb4_8b --batch 4 --remat selective --steps 4 --warmup 1 --qat q4_0

@@ -5,8 +5,8 @@
 # lease 37's / 39's (the same weights, tokens and arithmetic).
 # bash benchmarks/drivers/poll.sh THIS 42 480
 set -u
-. benchmarks/lease_queue.sh
-run ckpt env PYTHONPATH=. python3 benchmarks/make_bnb4_checkpoint.py --model qwen3-30b-a3b --bf16 --layers 24 /tmp/moe30
+. benchmarks/tools/lease_queue.sh
+run ckpt env PYTHONPATH=. python3 benchmarks/tools/make_bnb4_checkpoint.py --model qwen3-30b-a3b --bf16 --layers 24 /tmp/moe30
 jt jt-moe-b16 /tmp/moe30 --batch 16 --remat selective --steps 3 --warmup 1
 jt jt-moe-b64 /tmp/moe30 --batch 64 --remat selective --steps 3 --warmup 1
 stage all-done

@@ -6,11 +6,11 @@
 # jaxtune with the layer loop for the same-hold before/after.
 # bash benchmarks/drivers/poll.sh THIS 43 570
 set -u
-. benchmarks/lease_queue.sh
+. benchmarks/tools/lease_queue.sh
 ckpt llama3-8b /tmp/bnb4_8b
-run decode-loop env PYTHONPATH=. python3 benchmarks/decode_profile.py /tmp/bnb4_8b --unroll-decode off --no-trace --label loop
-run decode-unrolled env PYTHONPATH=. python3 benchmarks/decode_profile.py /tmp/bnb4_8b --unroll-decode on --trace /tmp/jt/trace-u --label unrolled
-run jaxtune-grpo-8x8 env PYTHONPATH=. python3 benchmarks/grpo_qlora.py /tmp/bnb4_8b --batches 8x8 --steps 3
-run unsloth-grpo-8x8 env PYTHONPATH=$here/.site python3 benchmarks/unsloth_grpo.py /tmp/bnb4_8b 8 8 unsloth
-run jaxtune-grpo-8x8-loop env PYTHONPATH=. python3 benchmarks/grpo_qlora.py /tmp/bnb4_8b --batches 8x8 --steps 3 --unroll-decode off
+run decode-loop env PYTHONPATH=. python3 benchmarks/rl/decode_profile.py /tmp/bnb4_8b --unroll-decode off --no-trace --label loop
+run decode-unrolled env PYTHONPATH=. python3 benchmarks/rl/decode_profile.py /tmp/bnb4_8b --unroll-decode on --trace /tmp/jt/trace-u --label unrolled
+run jaxtune-grpo-8x8 env PYTHONPATH=. python3 benchmarks/rl/grpo_qlora.py /tmp/bnb4_8b --batches 8x8 --steps 3
+run unsloth-grpo-8x8 env PYTHONPATH=$here/.site python3 benchmarks/rl/unsloth_grpo.py /tmp/bnb4_8b 8 8 unsloth
+run jaxtune-grpo-8x8-loop env PYTHONPATH=. python3 benchmarks/rl/grpo_qlora.py /tmp/bnb4_8b --batches 8x8 --steps 3 --unroll-decode off
 stage all-done

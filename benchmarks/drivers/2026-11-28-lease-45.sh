@@ -6,9 +6,9 @@
 # (as it ran: the kernel was then the GPU default and --qat-xla opted out; since, XLA is the default and
 # --qat-kernel opts in)
 set -u
-. benchmarks/lease_queue.sh
-run ckpt env PYTHONPATH=. python3 benchmarks/make_bnb4_checkpoint.py --model llama3-8b --layers 16 /tmp/bnb4_8b16
-run qat-kernel env PYTHONPATH=. python3 benchmarks/qat_q4_0.py
+. benchmarks/tools/lease_queue.sh
+run ckpt env PYTHONPATH=. python3 benchmarks/tools/make_bnb4_checkpoint.py --model llama3-8b --layers 16 /tmp/bnb4_8b16
+run qat-kernel env PYTHONPATH=. python3 benchmarks/kernels/qat_q4_0.py
 jt jt-plain /tmp/bnb4_8b16 --batch 4 --remat selective --steps 4 --warmup 1
 jt jt-qat-kernel /tmp/bnb4_8b16 --batch 4 --remat selective --steps 4 --warmup 1 --qat q4_0
 jt jt-qat-xla /tmp/bnb4_8b16 --batch 4 --remat selective --steps 4 --warmup 1 --qat q4_0 --qat-xla

@@ -7,25 +7,25 @@
 # step is within 15% of plain, QAT_KERNEL_ON_GPU = True), then Unsloth + TRL's GRPO step (8x8) on the same checkpoint.
 # bash benchmarks/drivers/poll.sh THIS 46 570   (then poll again for the rest)
 set -u
-. benchmarks/lease_queue.sh
+. benchmarks/tools/lease_queue.sh
 ckpt llama3-8b /tmp/bnb4_8b
 gpu0() {
   export CUDA_VISIBLE_DEVICES=0
   stage nf4-gpu-tests
   JAX_PLATFORMS=cuda python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_nf4.py 2>&1 | tail -30 > /tmp/jt/gpu_tests.log
   status nf4-gpu-tests "${PIPESTATUS[0]}"
-  run nf4-sweep env PYTHONPATH=. python3 benchmarks/nf4_matmul.py --ms 16,64 --dirs fwd --out /tmp/jt/nf4_table.json
-  run jaxtune-grpo-table env PYTHONPATH=. python3 benchmarks/grpo_qlora.py /tmp/bnb4_8b --batches 8x8 --steps 3 --nf4-table /tmp/jt/nf4_table.json
-  run jaxtune-grpo-default env PYTHONPATH=. python3 benchmarks/grpo_qlora.py /tmp/bnb4_8b --batches 8x8 --steps 3
-  run jaxtune-grpo-table-cap24 env PYTHONPATH=. python3 benchmarks/grpo_qlora.py /tmp/bnb4_8b --batches 8x8 --steps 3 --cap-gib 23.5 --nf4-table /tmp/jt/nf4_table.json
+  run nf4-sweep env PYTHONPATH=. python3 benchmarks/kernels/nf4_matmul.py --ms 16,64 --dirs fwd --out /tmp/jt/nf4_table.json
+  run jaxtune-grpo-table env PYTHONPATH=. python3 benchmarks/rl/grpo_qlora.py /tmp/bnb4_8b --batches 8x8 --steps 3 --nf4-table /tmp/jt/nf4_table.json
+  run jaxtune-grpo-default env PYTHONPATH=. python3 benchmarks/rl/grpo_qlora.py /tmp/bnb4_8b --batches 8x8 --steps 3
+  run jaxtune-grpo-table-cap24 env PYTHONPATH=. python3 benchmarks/rl/grpo_qlora.py /tmp/bnb4_8b --batches 8x8 --steps 3 --cap-gib 23.5 --nf4-table /tmp/jt/nf4_table.json
 }
 gpu1() {
   export CUDA_VISIBLE_DEVICES=1
-  run qat-kernel env PYTHONPATH=. python3 benchmarks/qat_q4_0.py
+  run qat-kernel env PYTHONPATH=. python3 benchmarks/kernels/qat_q4_0.py
   jt jt-plain /tmp/bnb4_8b --batch 4 --remat selective --steps 4 --warmup 1
   jt jt-qat-kernel /tmp/bnb4_8b --batch 4 --remat selective --steps 4 --warmup 1 --qat q4_0 --qat-kernel
   jt jt-qat-xla /tmp/bnb4_8b --batch 4 --remat selective --steps 4 --warmup 1 --qat q4_0
-  run unsloth-grpo-8x8 env PYTHONPATH=$here/.site python3 benchmarks/unsloth_grpo.py /tmp/bnb4_8b 8 8 unsloth
+  run unsloth-grpo-8x8 env PYTHONPATH=$here/.site python3 benchmarks/rl/unsloth_grpo.py /tmp/bnb4_8b 8 8 unsloth
 }
 two_queues 1500
 cp /tmp/jt/nf4_table.json /tmp/jt/gpu_tests.log /tmp/jt/ 2>/dev/null

@@ -5,10 +5,10 @@
 # QAT over the last 100 (default kernels, float32): the recovered fraction per format.
 # bash benchmarks/drivers/poll.sh THIS 53 300
 set -u
-. benchmarks/lease_queue.sh
+. benchmarks/tools/lease_queue.sh
 qat() {  # qat GPU NAME LR BASE FORMAT: plain and QAT (last 100 of 300 steps), each exported and scored
   export CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=.:examples:benchmarks:$here/.gguf_site
-  run "$2" python3 benchmarks/qat_random_llama.py --steps 300 --words 512 --dtype float32 --lr "$3" --base "$4" \
+  run "$2" python3 benchmarks/accuracy/qat_random_llama.py --steps 300 --words 512 --dtype float32 --lr "$3" --base "$4" \
     --formats "$5" --qat-start-step 200 --out "/tmp/q53$1"
 }
 gpu0() { qat 0 q4_0-lr5e-4 5e-4 nf4 q4_0; }

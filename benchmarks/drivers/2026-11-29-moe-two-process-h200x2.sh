@@ -16,4 +16,4 @@ for i in 0 1; do
 done
 wait
 grep -h '^{' /tmp/moe2p/p0.out /tmp/moe2p/p1.out || tail -n 25 /tmp/moe2p/p0.err /tmp/moe2p/p1.err
-python3 benchmarks/multihost.py --work /tmp/multihost --cases a,e
+python3 benchmarks/ladders/multihost.py --work /tmp/multihost --cases a,e

@@ -15,7 +15,7 @@ from jaxtune.ops.dense import zero_cotangent
 from jaxtune.ops.nf4_linear import bf16_nf4_matmul
 from jaxtune.ops.sharded import per_batch_shard, per_batch_shard_with
 
-# output gradients in FP8: e4m3 (3 mantissa bits) measured more accurate than e5m2 (benchmarks/fp8_matmul.py);
+# output gradients in FP8: e4m3 (3 mantissa bits) measured more accurate than e5m2 (benchmarks/kernels/fp8_matmul.py);
 # power-of-two scales per row give e4m3 the range gradients need
 FP8_GRAD_FORMAT = "e4m3"
 
