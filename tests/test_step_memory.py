@@ -59,7 +59,9 @@ def test_the_concatenation_reading_finds_a_join_of_known_size(tmp_path):
 
 
 def test_the_plan_of_a_1b_step_compiled_from_shapes(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
+    # no compilation cache: a step an earlier run cached loads without being compiled, so XLA dumps nothing
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path),
+               JAX_ENABLE_COMPILATION_CACHE="false")
     out = subprocess.run([sys.executable, str(SCRIPT), "--model", "llama3.2-1b", "--seq", "1024", "--remat", "per-layer",
                           "none", "--top", "5"], check=True, env=env, cwd=ROOT, capture_output=True, text=True).stdout
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
