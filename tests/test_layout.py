@@ -87,3 +87,19 @@ def test_moved_modules_import_by_their_first_names():
     # and in a fresh interpreter, the old name first
     code = "import jaxtune.sharding as s, jaxtune.parallel.sharding as p; assert s is p"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_benchmarks_are_grouped_and_drivers_apart_from_results():
+    """Scripts in folders by what they measure, the lease drivers in drivers/, results/ only data and pages; every
+    benchmark script the README and the docs name exists where they say."""
+    import re
+
+    bench = ROOT / "benchmarks"
+    assert not list(bench.glob("*.py")) and not list(bench.glob("*.sh"))
+    assert not [p for p in (bench / "results").rglob("*") if p.suffix in (".py", ".sh")]
+    assert len(list((bench / "drivers").glob("*.sh"))) > 50
+    for group in ("kernels", "steps", "ladders", "rl", "moe", "accuracy", "tools"):
+        assert list((bench / group).glob("*.py")) or list((bench / group).glob("*.sh")), group
+    pages = [ROOT / "README.md", bench / "README.md", *(ROOT / "docs").glob("*.md")]
+    named = {m for page in pages for m in re.findall(r"benchmarks/[\w/.-]+\.(?:py|sh)", page.read_text())}
+    assert named and [n for n in sorted(named) if not (ROOT / n).exists()] == []
