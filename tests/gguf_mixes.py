@@ -33,7 +33,7 @@ def mix_model(case: str, vocab_size: int):
     rng = np.random.default_rng(0)
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         shape = var.get_value().shape
-        norm = "norm" in str(path[-2]) if len(path) > 1 else False
+        norm = "norm" in str(path[-2])  # every Param's path ends in its module, then "weight"
         value = 1.0 + 0.1 * rng.standard_normal(shape) if norm else 0.05 * rng.standard_normal(shape)
         var.set_value(np.asarray(value, np.float32))
     return model

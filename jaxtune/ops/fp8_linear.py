@@ -14,6 +14,7 @@ from jaxtune.ops.kernel_operands import dequantized, fp8_scales
 from jaxtune.ops.dense import zero_cotangent
 from jaxtune.ops.nf4_linear import bf16_nf4_matmul
 from jaxtune.ops.sharded import per_batch_shard, per_batch_shard_with
+from jaxtune.quant.nf4 import dequantize
 
 # output gradients in FP8: e4m3 (3 mantissa bits) measured more accurate than e5m2 (benchmarks/kernels/fp8_matmul.py);
 # power-of-two scales per row give e4m3 the range gradients need
@@ -24,7 +25,6 @@ def fp8_weight(weight, kernel: bool, interpret: bool) -> tuple[jax.Array, jax.Ar
     """(wq e4m3 [out, in], scale float32 [out]): W ≈ wq * scale per output row, the scale the power of two
     that brings the row's largest |w| (its largest NF4 absmax) to e4m3's range. One rounding of bnb's
     float32 value NF4[code] * absmax; on GPU by the Pallas NF4 dequant kernel writing e4m3 directly."""
-    from jaxtune.quant.nf4 import dequantize
     from pallas_kernels.fp8_quantize import E4M3
 
     scale = fp8_scales(weight, "rows")
@@ -40,7 +40,6 @@ def fp8_weight_t(weight, kernel: bool, interpret: bool) -> tuple[jax.Array, jax.
     the GEMM's output columns, so the output gradient is quantized as it is (no factor along the contraction).
     The values are those of the forward's `fp8_weight` (powers of two commute with the rounding) wherever
     both land in e4m3's normal range, i.e. for rows whose absmax is within ~2^10 of the block's largest."""
-    from jaxtune.quant.nf4 import dequantize
     from pallas_kernels.fp8_quantize import E4M3
 
     blocks = fp8_scales(weight, "blocks")

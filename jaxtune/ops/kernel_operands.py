@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jaxtune.ops import dispatch
 from jaxtune.ops.sharded import per_batch_shard_with, replicated
 from jaxtune.parallel.sharding import current_mesh, whole_on_every_device
+from jaxtune.quant.nf4 import dequantize_absmax
 
 
 class Fp8ScaleKind(NamedTuple):
@@ -39,8 +40,6 @@ def kernel_shaped(weight) -> bool:
 
 def kernel_absmax(weight) -> jax.Array:
     """The float32 scale of every 64-value block of this weight, [out, in / 64] (double quantization undone)."""
-    from jaxtune.quant.nf4 import dequantize_absmax
-
     n, k = weight.shape
     return dequantize_absmax(weight).reshape(n, k // 64)
 
@@ -67,8 +66,6 @@ def prepare_kernel_scales(weight, fp8: bool) -> tuple[jax.Array, jax.Array | Non
     [..., in / 64, out] (the kernels' layout) and, for FP8, each row's power-of-two scale [..., out] (W's, for
     the forward) and each input block's [..., in / 64] (Wᵀ's, for the input gradient). Inside the layer scan each
     is a small fusion (and a reduction) per projection, layer and pass, ~900 per 8B step."""
-    from jaxtune.quant.nf4 import dequantize_absmax
-
     n, k = weight.shape
     absmax = dequantize_absmax(weight).reshape(*jnp.shape(weight.codes)[:-2], n, k // 64)
     if not fp8:

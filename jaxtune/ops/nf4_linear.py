@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxtune.ops.context import barrier
 from jaxtune.ops.dense import input_gradient, linear, rows, zero_cotangent
 from jaxtune.ops.kernel_operands import dequantized, kernel_shaped, layer_on_every_device, with_codes
+from jaxtune.quant.nf4 import dequantize
 
 # decoding's few rows on the CUDA cores: (block_n, block_bytes, split, num_warps) by rows and by the weight's N (at
 # least), the fastest tile of each Llama-3-8B shape on the H200 (benchmarks/results/2026-11-24-decode-gemv-h200.md)
@@ -54,8 +55,6 @@ def kernel_tiles(m: int, direction: str, shape: tuple[int, int] | None = None, d
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _xla_nf4_matmul(x: jax.Array, weight, at_use: bool) -> jax.Array:
-    from jaxtune.quant.nf4 import dequantize
-
     x, weight = barrier(at_use, x, weight)
     return linear(x, dequantize(layer_on_every_device(weight), x.dtype))
 
@@ -65,8 +64,6 @@ def _xla_nf4_matmul_fwd(x, weight, at_use):
 
 
 def _xla_nf4_matmul_bwd(at_use, weight, dy):
-    from jaxtune.quant.nf4 import dequantize
-
     weight, dy = barrier(at_use, weight, dy)
     return input_gradient(dy, dequantize(layer_on_every_device(weight), dy.dtype)), jax.tree.map(zero_cotangent, weight)
 
@@ -116,7 +113,6 @@ def dense_nf4_weight(weight, dtype) -> jax.Array:
     """W [out, in] in dtype, dequantized as the projection's "dequantize, then dot" path dequantizes it (the Pallas
     kernel where the weight's shape suits it and kernels run, else XLA): the same bits, for a caller that reads the
     weight for many tokens (a sampler) and dequantizes it once."""
-    from jaxtune.quant.nf4 import dequantize
     from jaxtune.ops import dispatch
 
     if dispatch.nf4_dequant_impl() == "pallas" and kernel_shaped(weight):

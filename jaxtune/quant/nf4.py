@@ -196,9 +196,11 @@ def bnb_tensor_specs(shape: tuple[int, int]) -> dict[str, tuple[tuple[int, ...],
             "quant_state.bitsandbytes__nf4": ((QUANT_STATE_BYTES,), np.dtype(np.uint8))}
 
 
-def to_bnb_tensors(q: NF4Weight, *, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
-    """The six bnb tensors of one NF4 weight, by their serialized names (suffixes of `<module>.weight`)."""
-    shape = q.shape
+def to_bnb_tensors(q: NF4Weight, *, dtype: str = "bfloat16", shape: tuple[int, int] | None = None
+                   ) -> dict[str, np.ndarray]:
+    """The six bnb tensors of one NF4 weight, by their serialized names (suffixes of `<module>.weight`); `shape`:
+    the weight's own, recorded in the quant state, where `q` holds its flattened blocks (`to_bnb`)."""
+    shape = q.shape if shape is None else shape
     return {
         "weight": np.asarray(q.codes, np.uint8).reshape(-1, 1),
         "absmax": np.asarray(q.absmax_codes, np.uint8),
@@ -220,11 +222,7 @@ def to_bnb(w: np.ndarray | jax.Array, *, dtype: str = "bfloat16") -> dict[str, n
         return to_bnb_tensors(quantize(w), dtype=dtype)
     if (shape[0] * shape[1]) % BLOCK:
         raise CheckpointError(f"a weight of shape {shape} is not whole {BLOCK}-weight blocks; export it in 16 bits")
-    tensors = to_bnb_tensors(quantize(jnp.reshape(jnp.asarray(w), (-1, BLOCK))), dtype=dtype)
-    state = parse_quant_state(tensors["quant_state.bitsandbytes__nf4"])
-    tensors["quant_state.bitsandbytes__nf4"] = np.frombuffer(
-        _quant_state_json(shape, state["nested_offset"], dtype), np.uint8).copy()
-    return tensors
+    return to_bnb_tensors(quantize(jnp.reshape(jnp.asarray(w), (-1, BLOCK))), dtype=dtype, shape=shape)
 
 
 def parse_quant_state(raw: np.ndarray | bytes, where: str = "quant_state") -> dict:
@@ -249,8 +247,10 @@ def parse_quant_state(raw: np.ndarray | bytes, where: str = "quant_state") -> di
     return state
 
 
-def from_bnb_tensors(tensors: dict[str, np.ndarray], shape: tuple[int, int] | None = None, where: str = "weight") -> NF4Weight:
-    """NF4 arrays from bnb's serialized tensors (no requantization); checks maps and shapes."""
+def from_bnb_tensors(tensors: dict[str, np.ndarray], shape: tuple[int, int] | None = None, where: str = "weight",
+                     *, flat: bool = False) -> NF4Weight:
+    """NF4 arrays from bnb's serialized tensors (no requantization); checks maps and shapes. `flat`: a weight whose
+    rows are not whole blocks (bnb's blocks run on across rows), as the arrays of its flattened [size / 64, 64]."""
     missing = [k for k in BNB_TENSOR_NAMES if k not in tensors]
     if missing:
         raise CheckpointError(f"{where} lacks bnb tensor(s) {', '.join(missing)}; the bnb-4bit checkpoint is incomplete")
@@ -258,8 +258,11 @@ def from_bnb_tensors(tensors: dict[str, np.ndarray], shape: tuple[int, int] | No
     state_shape = tuple(int(s) for s in state["shape"])
     if shape is not None and tuple(shape) != state_shape:
         raise CheckpointError(f"{where} quant_state shape {state_shape} does not match the expected {tuple(shape)}")
-    _check_shape(state_shape)
-    out, inn = state_shape
+    if flat and (state_shape[0] * state_shape[1]) % BLOCK:
+        raise CheckpointError(f"{where} of shape {state_shape} is not whole {BLOCK}-weight blocks; jaxtune reads "
+                              "bnb-4bit weights of whole blocks only")
+    out, inn = (state_shape[0] * state_shape[1] // BLOCK, BLOCK) if flat else state_shape
+    _check_shape((out, inn))
     n_blocks = out * inn // BLOCK
     if not np.array_equal(np.asarray(tensors["quant_map"], np.float32), NF4_CODE):
         raise CheckpointError(f"{where}.quant_map is not the NF4 code book")
@@ -281,28 +284,9 @@ def quantizable(shape: tuple[int, ...]) -> bool:
 
 
 def dequantize_bnb_blocks(tensors: dict[str, np.ndarray], shape: tuple[int, int], where: str = "weight") -> np.ndarray:
-    """The float32 weight [out, in] of bnb's serialized NF4 tensors for any shape: the codes and double-quantized
-    absmax over the row-major flattened weight in blocks of 64 (the last one partial), as bnb quantizes a weight
-    whose rows are not whole blocks (jaxtune then keeps it 16-bit)."""
-    missing = [k for k in BNB_TENSOR_NAMES if k not in tensors]
-    if missing:
-        raise CheckpointError(f"{where} lacks bnb tensor(s) {', '.join(missing)}; the bnb-4bit checkpoint is incomplete")
-    state = parse_quant_state(tensors["quant_state.bitsandbytes__nf4"], f"{where}.quant_state")
-    if tuple(int(s) for s in state["shape"]) != tuple(shape):
-        raise CheckpointError(f"{where} quant_state shape {tuple(state['shape'])} does not match the expected "
-                              f"{tuple(shape)}")
-    n = shape[0] * shape[1]
-    blocks = -(-n // BLOCK)
-    packed = np.asarray(tensors["weight"], np.uint8).reshape(-1)
-    absmax_codes = np.asarray(tensors["absmax"], np.uint8).reshape(-1)
-    nested = np.asarray(tensors["nested_absmax"], np.float32).reshape(-1)
-    nested_map = np.asarray(tensors["nested_quant_map"], np.float32).reshape(-1)
-    if packed.size != -(-n // 2) or absmax_codes.size != blocks or nested.size != -(-blocks // NESTED_BLOCK) \
-            or nested_map.size != 256:
-        raise CheckpointError(f"{where} tensor sizes do not match its quant_state shape {tuple(shape)}")
-    absmax = nested_map[absmax_codes] * np.repeat(nested, NESTED_BLOCK)[:blocks] + np.float32(state["nested_offset"])
-    codes = np.stack([packed >> 4, packed & 15], axis=-1).reshape(-1)[:n]
-    return (NF4_CODE[codes] * np.repeat(absmax.astype(np.float32), BLOCK)[:n]).reshape(shape)
+    """The float32 weight [out, in] of bnb's serialized NF4 tensors of a weight whose rows are not whole blocks
+    (jaxtune keeps it 16-bit): bnb's blocks of 64 over the flattened weight, dequantized as bnb does."""
+    return np.asarray(dequantize(from_bnb_tensors(tensors, shape, where, flat=True))).reshape(shape)
 
 
 def from_bnb(tensors: dict[str, np.ndarray], shape: tuple[int, int]) -> np.ndarray:

@@ -37,6 +37,8 @@ def group_advantages(rewards_per_func: np.ndarray, weights: np.ndarray, num_gene
         r = rewards_per_func.astype(np.float32)
         w = weights.astype(np.float32)[None]
         unscorable = np.isnan(r).all(axis=1)
+        weighted = np.nansum(r * w, axis=1).astype(np.float32)  # what is logged, whatever the aggregation
+        weighted[unscorable] = np.nan
         if aggregation == "normalize_then_sum":
             grouped = r.reshape(-1, num_generations, r.shape[1])
             per_func = (grouped - np.nanmean(grouped, axis=1, keepdims=True)) / (
@@ -46,8 +48,7 @@ def group_advantages(rewards_per_func: np.ndarray, weights: np.ndarray, num_gene
             std = np.full_like(rewards, _nanstd(rewards))
             advantages = (rewards - np.nanmean(rewards)) / (std + np.float32(EPS))
         else:
-            rewards = np.nansum(r * w, axis=1).astype(np.float32)
-            rewards[unscorable] = np.nan
+            rewards = weighted
             grouped = rewards.reshape(-1, num_generations)
             mean = np.repeat(np.nanmean(grouped, axis=1), num_generations)
             if scale_rewards == "batch":
@@ -58,8 +59,6 @@ def group_advantages(rewards_per_func: np.ndarray, weights: np.ndarray, num_gene
             if scale_rewards != "none":
                 advantages = advantages / (std + np.float32(EPS))
         advantages = np.nan_to_num(advantages, nan=0.0).astype(np.float32)
-        logged = np.nansum(r * w, axis=1).astype(np.float32)  # the raw weighted reward, whatever the aggregation
-        logged[unscorable] = np.nan
-        metrics = {"reward": float(np.nanmean(logged)), "reward_std": float(_nanstd(logged)),
+        metrics = {"reward": float(np.nanmean(weighted)), "reward_std": float(_nanstd(weighted)),
                    "frac_reward_zero_std": float(np.mean(np.isclose(std, 0.0)))}
     return advantages, metrics
