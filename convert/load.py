@@ -27,6 +27,7 @@ from jaxtune.models.config import ModelConfig, load_hf_config
 from jaxtune.errors import CheckpointError
 from jaxtune.quant import nf4
 from jaxtune.models.causal_lm import CausalLM
+from jaxtune.models.layer_kinds import has_experts, layer_stacks, locate
 from jaxtune.qlora import quantize_layers
 
 _IGNORED_TENSORS = re.compile(r"rotary_emb\.inv_freq$")
@@ -106,6 +107,14 @@ def _plan(source, cfg: ModelConfig, slots: dict[Path, tuple[tuple[int, ...], boo
         layer, *expert = _indices(index) or (None,)
         if layer is not None and layer >= cfg.num_layers:
             raise CheckpointError(f"checkpoint has layer {layer} but config.json says num_hidden_layers={cfg.num_layers}")
+        if layer is not None:  # the decoder layer -> its place in the stack of its kind
+            stack, local = locate(cfg, layer)
+            path, index = (stack.attr, *path[1:]), (local, *expert) if expert else local
+            target = path, index
+            if path not in slots:
+                raise CheckpointError(
+                    f"checkpoint tensor {name!r} does not belong in layer {layer} of this {cfg.model_type} model "
+                    f"(a {stack.kind} layer); the weights and config.json do not match")
         if expert and expert[0] >= cfg.num_experts:
             raise CheckpointError(f"checkpoint has expert {expert[0]} but config.json says {cfg.num_experts} experts")
         shape = slots[path][0]
@@ -117,13 +126,17 @@ def _plan(source, cfg: ModelConfig, slots: dict[Path, tuple[tuple[int, ...], boo
             raise CheckpointError(f"tensor {name} has shape {tuple(got)} but config.json implies {tuple(want)}")
         plan[name] = target
         filled.add(target)
+    stacks = {stack.attr: stack for stack in layer_stacks(cfg)}
     for path in slots:
-        layers = range(cfg.num_layers) if path[0] == "layers" else [None]
-        experts = range(cfg.num_experts) if path[:2] == ("layers", "mlp") and path[2] != "router" and cfg.num_experts else None
+        stack = stacks.get(path[0])
+        layers = range(len(stack.layers)) if stack else [None]
+        experts = (range(cfg.num_experts) if stack and has_experts(cfg, stack) and path[1] == "mlp"
+                   and path[2] != "router" else None)
         for layer in layers:
             for index in [layer] if experts is None else [(layer, e) for e in experts]:
                 if (path, index) not in filled:
-                    where = f"model.layers.{layer}." if layer is not None else ("" if path[0] == "lm_head" else "model.")
+                    where = (f"model.layers.{stack.layers[layer]}." if layer is not None
+                             else ("" if path[0] == "lm_head" else "model."))
                     inner = path[1:] if layer is not None else path
                     if experts is not None:
                         inner = ("mlp", "experts", str(index[1]), *inner[1:])

@@ -18,6 +18,7 @@ from flax import nnx
 from jaxtune import ops
 from jaxtune.errors import ConfigError
 from jaxtune.models.causal_lm import CausalLM, Linear
+from jaxtune.models.layer_kinds import has_experts
 from jaxtune.moe.experts import ExpertLinear, LoRAExperts, NF4Experts
 from jaxtune.parallel.sharding import whole_on_every_device
 from jaxtune.quant import nf4
@@ -91,16 +92,18 @@ class LoRALinear(nnx.Module):
         return y if bias is None else (y.astype(jnp.float32) + bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def projection(model: CausalLM, name: str) -> nnx.Module:
-    """The stacked projection `name` (q_proj, ..., down_proj) of the decoder layers."""
-    return getattr(getattr(model.layers, PARENT_MODULE[name]), name)
+def projection(model: CausalLM, name: str, stack: str = "layers") -> nnx.Module:
+    """The stacked projection `name` (q_proj, ..., down_proj) of a stack of decoder layers (`layers`, or another
+    kind's: `model.layer_stacks()`)."""
+    return getattr(getattr(getattr(model, stack), PARENT_MODULE[name]), name)
 
 
 def _projections(model: CausalLM):
-    """(name, parent module, projection) for the 7 projections of the stacked decoder layers."""
-    for name in LORA_TARGETS:
-        parent = getattr(model.layers, PARENT_MODULE[name])
-        yield name, parent, getattr(parent, name)
+    """(name, parent module, projection, its LayerStack) for the 7 projections of every stack of decoder layers."""
+    for stack, layers in model.layer_stacks():
+        for name in LORA_TARGETS:
+            parent = getattr(layers, PARENT_MODULE[name])
+            yield name, parent, getattr(parent, name), stack
 
 
 # one compiled program per weight shape: run op by op, the vmapped quantizer compiled a dozen small programs per
@@ -117,7 +120,7 @@ def quantize_layers(model: CausalLM) -> CausalLM:
     (eval_shape).
     """
     kept = []
-    for name, parent, proj in _projections(model):
+    for name, parent, proj, _ in _projections(model):
         if not isinstance(proj, (Linear, ExpertLinear)):
             continue
         if not nf4.quantizable(proj.weight.shape):
@@ -156,25 +159,28 @@ def get_peft_model(
         raise ConfigError(f"lora_dropout must be in [0, 1), got {lora_dropout}; 0.0 to 0.1 is usual")
     cfg = model.config
     keys = jax.random.split(jax.random.key(seed), len(LORA_TARGETS))
-    for key, (name, parent, proj) in zip(keys, _projections(model)):
+    for n, (name, parent, proj, stack) in enumerate(_projections(model)):
         if name not in target_modules:
             continue
         if isinstance(proj, (LoRALinear, LoRAExperts)):
             raise ConfigError(f"{name} already has a LoRA adapter; call get_peft_model once per model")
-        out_f, in_f = _features(cfg, name)
+        key = keys[n % len(LORA_TARGETS)]
+        key = key if stack.attr == "layers" else jax.random.fold_in(key, n // len(LORA_TARGETS))
+        leading = (len(stack.layers),)
+        out_f, in_f = _features(cfg, name, has_experts(cfg, stack))
         if isinstance(proj, (ExpertLinear, NF4Experts)):  # an adapter per expert
             setattr(parent, name, LoRAExperts(proj, cfg.num_experts, in_f, out_f, r=r, alpha=lora_alpha,
-                                              use_rslora=use_rslora, key=key, leading=(cfg.num_layers,),
+                                              use_rslora=use_rslora, key=key, leading=leading,
                                               dropout=lora_dropout))
             continue
         setattr(parent, name, LoRALinear(proj, in_f, out_f, r=r, alpha=lora_alpha, use_rslora=use_rslora,
-                                         key=key, leading=(cfg.num_layers,), dropout=lora_dropout))
+                                         key=key, leading=leading, dropout=lora_dropout))
     return model
 
 
-def _features(cfg, name: str) -> tuple[int, int]:
+def _features(cfg, name: str, experts: bool) -> tuple[int, int]:
     h, d = cfg.hidden_size, cfg.head_dim
-    i = cfg.moe_intermediate_size if cfg.num_experts else cfg.intermediate_size
+    i = cfg.moe_intermediate_size if experts else cfg.intermediate_size
     return {
         "q_proj": (cfg.num_heads * d, h), "k_proj": (cfg.num_kv_heads * d, h), "v_proj": (cfg.num_kv_heads * d, h),
         "o_proj": (h, cfg.num_heads * d), "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i),

@@ -19,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtune import ops
 from jaxtune.models.config import ModelConfig
+from jaxtune.models.layer_kinds import DEFAULT, DENSE_MLP, LayerRun, LayerStack, layer_runs, layer_stacks
 from jaxtune.models.layer_loop import layer_loop
 from jaxtune.moe import balancing
 from jaxtune.moe.block import SparseMoE
@@ -189,11 +190,15 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    """Attention then the MLP, each pre-normed and added to the residual; of `kind` DENSE_MLP, a mixture of
+    experts' layer with a dense MLP."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, kind: str = DEFAULT):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = SparseMoE(cfg, dtype=dtype, rngs=rngs) if cfg.num_experts else MLP(cfg, dtype=dtype, rngs=rngs)
+        sparse = cfg.num_experts and kind != DENSE_MLP
+        self.mlp = SparseMoE(cfg, dtype=dtype, rngs=rngs) if sparse else MLP(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, cos, sin, segment_ids, cache=None, cache_segment_ids=None, cache_index=None, rng=None,
                  mlp_token_tile=None):
@@ -209,11 +214,12 @@ def fold_rng(rng: jax.Array | None, index: int) -> jax.Array | None:
     return None if rng is None else jax.random.fold_in(rng, index)
 
 
-def _stacked_layers(cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> DecoderLayer:
-    """num_layers DecoderLayers as one module whose arrays carry a leading layer axis."""
-    keys = jax.random.split(rngs.params(), cfg.num_layers)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: DecoderLayer(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
-    state = jax.vmap(lambda key: nnx.state(DecoderLayer(cfg, dtype=dtype, rngs=nnx.Rngs(key))))(keys)
+def _stacked_layers(cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, stack: LayerStack) -> DecoderLayer:
+    """The stack's DecoderLayers as one module whose arrays carry a leading layer axis."""
+    keys = jax.random.split(rngs.params(), len(stack.layers))
+    build = lambda key: DecoderLayer(cfg, dtype=dtype, rngs=nnx.Rngs(key), kind=stack.kind)  # noqa: E731
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: build(0)))
+    state = jax.vmap(lambda key: nnx.state(build(key)))(keys)
     return nnx.merge(graphdef, state)
 
 
@@ -238,7 +244,9 @@ class CausalLM(nnx.Module):
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = _stacked_layers(cfg, dtype, rngs)
+        # one stack per layer kind (`layer_kinds`): `layers`, and e.g. `dense_mlp_layers` beside it
+        for stack in layer_stacks(cfg):
+            setattr(self, stack.attr, _stacked_layers(cfg, dtype, rngs, stack))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = (
             None if cfg.tie_word_embeddings
@@ -359,20 +367,38 @@ class CausalLM(nnx.Module):
         if aux:
             h = (h, jnp.zeros(balancing.stats_size(self.config.num_experts), jnp.float32))
         cache_seg, cache_index = cache_args if cache_args is not None else (None, None)
-        offloading = self.remat_policy == "offload" and cache is None
-        group, on_device = (self.offload_group, self.offload_device_layers) if offloading else (1, 0)
+        layer_rngs = None if dropout_rng is None else jax.random.split(dropout_rng, self.config.num_layers)
+        # the layers run in order, a loop per run of one kind's consecutive layers (one run: every layer alike)
+        on_device = self.offload_device_layers if self.remat_policy == "offload" and cache is None else 0
+        k, v = (None, None) if cache is None else (cache.k, cache.v)
+        for run in layer_runs(self.config):
+            after = self.config.num_layers - run.first - run.count
+            rngs = None if layer_rngs is None else layer_rngs[run.first:run.first + run.count]
+            h, k, v = self._run_layers(run, h, k, v, (cos, sin, segment_ids), cache_seg, cache_index, rngs, aux,
+                                       tokens, min(run.count, max(0, on_device - after)))
+        if cache is None:
+            return self._final(h), None
+        return self.norm(h), LayerCache(k, v)
+
+    def _run_layers(self, run: LayerRun, h, k, v, constants, cache_seg, cache_index, layer_rngs, aux, tokens,
+                    on_device: int):
+        """h (and the KV cache k, v) after the run's layers: the loop that fits the call (training, remat offload,
+        a stacked or per-layer cache)."""
+        cache = k is not None
+        offloading = self.remat_policy == "offload" and not cache
+        group = self.offload_group if offloading and (run.count - on_device) % self.offload_group == 0 else 1
         # the prepared kernel scales of every layer (float32, ~6% of the NF4 weights' size: 4 GiB at 70B) live
         # through the step; training modes chosen to save memory compute each layer's own inside the scan instead
         # (~0.5% slower at 8B), as the grouped offload layout does
-        per_layer_scales = cache is None and self.remat_policy in ("full", "offload")
-        layers = self.layers if group > 1 or on_device or per_layer_scales else self._kernel_ready_layers()
+        per_layer_scales = not cache and self.remat_policy in ("full", "offload")
+        stack = getattr(self, run.stack.attr)
+        layers = stack if group > 1 or on_device or per_layer_scales else self._kernel_ready_layers(run.stack.attr)
+        whole_stack = run.start == 0 and run.count == len(run.stack.layers)
         graphdef, layer_state = nnx.split(layers)
-
-        layer_rngs = None if dropout_rng is None else jax.random.split(dropout_rng, self.config.num_layers)
         # long-context mode: with layer inputs offloaded, the MLP's [tokens, intermediate] tensors are the peak
         mlp_token_tile = offload_mlp_token_tile(self.config) if self.remat_policy == "offload" else None
 
-        def body(h, xs, constants=(cos, sin, segment_ids)):
+        def body(h, xs, constants=constants):
             state, layer_cache, rng = xs
             layer = nnx.merge(graphdef, state)
             h, stats = h if aux else (h, None)
@@ -383,21 +409,24 @@ class CausalLM(nnx.Module):
                 out, written = layer(h, *constants, layer_cache, cache_seg, cache_index, rng, mlp_token_tile)
             return ((out, stats + sum(counted)) if aux else out), written
 
+        def run_part(tree):  # the run's layers of its stack (a copy, where the run is not the whole stack)
+            return tree if whole_stack else jax.tree.map(lambda a: a[run.start:run.start + run.count], tree)
+
         if group > 1 or on_device:
-            return self._final(split_offload_scan(body, h, layer_state, layer_rngs, self.config.num_layers, group,
-                                                   on_device)), None
+            return split_offload_scan(body, h, run_part(layer_state), layer_rngs, run.count, group, on_device), k, v
         # the NF4 codes (and their prepared kernel scales) stay whole (constants of the scan) and each layer reads
         # its own in place: the kernels that dequantize them would otherwise get a copy of every layer's codes (a
         # custom call's operand is a buffer of its own, never a slice of one)
         whole = nnx.Any(*(nnx.PathContains(name) for name in WHOLE_IN_LAYER_SCAN))
         _, codes_state, sliced_state = nnx.split(layers, whole, ...)
+        sliced_state = run_part(sliced_state)
 
-        def stacked_body(h, xs, codes=codes_state, constants=(cos, sin, segment_ids)):
+        def stacked_body(h, xs, codes=codes_state, constants=constants):
             sliced, layer_cache, rng, index = xs
             with ops.stacked_layer(index):
                 return body(h, (nnx.merge_state(codes, sliced), layer_cache, rng), constants)
 
-        training = cache is None and self.remat_policy != "offload"
+        training = not cache and self.remat_policy != "offload"
         unrolled = training and self.unroll_layers
 
         def rematerialized(fn):
@@ -412,31 +441,32 @@ class CausalLM(nnx.Module):
                 (sliced, rng), (codes, *constants) = per_layer, invariant
                 return stacked_body(h, (sliced, None, rng, index), codes, tuple(constants))[0]
 
-            h = layer_loop(rematerialized(layer_fn), h, (sliced_state, layer_rngs),
-                           (codes_state, cos, sin, segment_ids), self.config.num_layers, unrolled=unrolled)
-            return self._final(h), None
-        layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-        if cache is None:  # remat "offload" on one group of layers: the plain loop, no cache
-            h, _ = jax.lax.scan(rematerialized(stacked_body), h, (sliced_state, None, layer_rngs, layers))
-            return self._final(h), None
+            h = layer_loop(rematerialized(layer_fn), h, (sliced_state, layer_rngs), (codes_state, *constants),
+                           run.count, unrolled=unrolled, first_index=run.start)
+            return h, k, v
+        indices = jnp.arange(run.start, run.start + run.count, dtype=jnp.int32)  # positions in the stack
+        if not cache:  # remat "offload" on one group of layers: the plain loop, no cache
+            h, _ = jax.lax.scan(rematerialized(stacked_body), h, (sliced_state, None, layer_rngs, indices))
+            return h, k, v
+        to_decoder = run.first - run.start  # a stack position + this: the decoder layer (the cache's index)
 
         def cached_body(carry, xs):  # the cache stacks ride in the carry: each layer updates them in place
             h, k, v = carry
             sliced, rng, index = xs
-            h, written = stacked_body(h, (sliced, LayerCache(k, v, index), rng, index))
+            h, written = stacked_body(h, (sliced, LayerCache(k, v, index + to_decoder), rng, index))
             return (h, written.k, written.v), None
 
-        if isinstance(cache.k, tuple):  # per-layer caches: one traced layer per decoder layer
-            k, v = list(cache.k), list(cache.v)
-            for i in range(self.config.num_layers):
-                sliced = jax.tree.map(lambda a, i=i: a[i], sliced_state)
-                with ops.static_layer(i):
-                    h, written = stacked_body(h, (sliced, LayerCache(k[i], v[i], None), None, jnp.int32(i)))
+        if isinstance(k, tuple):  # per-layer caches: one traced layer per decoder layer
+            k, v = list(k), list(v)
+            for j in range(run.count):
+                sliced = jax.tree.map(lambda a, j=j: a[j], sliced_state)
+                i = run.first + j
+                with ops.static_layer(run.start + j):
+                    h, written = stacked_body(h, (sliced, LayerCache(k[i], v[i], None), None, jnp.int32(run.start + j)))
                 k[i], v[i] = written.k, written.v
-            return self.norm(h), LayerCache(tuple(k), tuple(v))
-        (h, k, v), _ = jax.lax.scan(rematerialized(cached_body), (h, cache.k, cache.v),
-                                    (sliced_state, layer_rngs, layers))
-        return self.norm(h), LayerCache(k, v)
+            return h, tuple(k), tuple(v)
+        (h, k, v), _ = jax.lax.scan(rematerialized(cached_body), (h, k, v), (sliced_state, layer_rngs, indices))
+        return h, k, v
 
     def _final(self, h):
         """The final norm of the last layer's hidden states (and the load-balancing statistics as they are, where
@@ -445,15 +475,20 @@ class CausalLM(nnx.Module):
             return self.norm(h[0]), h[1]
         return self.norm(h)
 
-    def _kernel_ready_layers(self) -> nnx.Module:
-        """The decoder layers with every NF4 projection's kernel scales prepared for all layers at once (a copy
-        local to this trace) when Pallas kernels run; else the layers as they are."""
+    def layer_stacks(self) -> list[tuple[LayerStack, nnx.Module]]:
+        """(stack, its stacked DecoderLayer module) for each layer kind, `layers` first."""
+        return [(stack, getattr(self, stack.attr)) for stack in layer_stacks(self.config)]
+
+    def _kernel_ready_layers(self, attr: str = "layers") -> nnx.Module:
+        """A stack of decoder layers with every NF4 projection's kernel scales prepared for all its layers at once
+        (a copy local to this trace) when Pallas kernels run; else the layers as they are."""
         def projections(layers):
             return [m for _, m in nnx.iter_modules(layers) if hasattr(m, "prepare_kernel_scales")]
 
-        if not ops.kernels_read_prepared_scales() or all(m.kernel_absmax is not None for m in projections(self.layers)):
-            return self.layers
-        layers = nnx.clone(self.layers)
+        stack = getattr(self, attr)
+        if not ops.kernels_read_prepared_scales() or all(m.kernel_absmax is not None for m in projections(stack)):
+            return stack
+        layers = nnx.clone(stack)
         for module in projections(layers):
             module.prepare_kernel_scales(ops.frozen_compute_mode() == "fp8")
         return layers
@@ -463,14 +498,17 @@ class CausalLM(nnx.Module):
         layer, for decoding with per-layer caches (many tokens read the same weights: a bf16 copy read by the GEMMs
         instead of the 4-bit codes dequantized per token; the other layers keep decoding the codes). Only on a model
         local to a traced function, after `prepare_for_kernels`."""
-        for _, module in nnx.iter_modules(self.layers):
-            if hasattr(module, "prepare_dense"):
-                module.prepare_dense(self.dtype, layers)
+        for stack, module in self.layer_stacks():
+            count = None if layers is None else sum(i < layers for i in stack.layers)
+            for _, projection in nnx.iter_modules(module):
+                if hasattr(projection, "prepare_dense"):
+                    projection.prepare_dense(self.dtype, count)
 
     def prepare_for_kernels(self) -> None:
         """Prepares the kernel scales once for many calls (token by token decoding). Only on a model local to a
         traced function: the scales are arrays of that trace."""
-        self.layers = self._kernel_ready_layers()
+        for stack in layer_stacks(self.config):
+            setattr(self, stack.attr, self._kernel_ready_layers(stack.attr))
 
 
 # long-context mode: the MLP's [tokens, intermediate] tensors of one token tile at most this many elements (16,384

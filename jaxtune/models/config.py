@@ -52,6 +52,9 @@ class ModelConfig:
     norm_topk_prob: bool = True  # the top-k routing weights renormalized to sum to 1
     output_router_logits: bool = False  # transformers adds the load-balancing loss only when this is set
     router_aux_loss_coef: float = 0.0
+    # Qwen3-MoE's layers with a dense MLP of width `intermediate_size` among the sparse ones (transformers'
+    # `mlp_only_layers` and `decoder_sparse_step`, resolved to the layers they name)
+    dense_mlp_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -185,7 +188,8 @@ class ModelConfig:
             out.update(attention_bias=self.qkv_bias, use_sliding_window=False, sliding_window=None)
         if self.model_type == "qwen3_moe":
             out.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
-                       norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+                       norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1,
+                       mlp_only_layers=list(self.dense_mlp_layers))
         if self.model_type == "mixtral":
             out.update(num_local_experts=self.num_experts, sliding_window=self.sliding_window, router_jitter_noise=0.0)
         if self.num_experts:
@@ -202,12 +206,9 @@ def _moe_fields(model_type: str, hf: dict[str, Any], intermediate: int) -> dict[
         raise UnsupportedModelError(
             f"{model_type} config.json has num_experts={experts!r}, num_experts_per_tok={top_k!r}; a mixture of "
             "experts needs 1 <= num_experts_per_tok <= num_experts")
+    dense: tuple[int, ...] = ()
     if model_type == "qwen3_moe":
-        step, dense = hf.get("decoder_sparse_step") or 1, list(hf.get("mlp_only_layers") or [])
-        if step != 1 or dense:
-            raise UnsupportedModelError(
-                f"qwen3_moe with dense MLP layers among the sparse ones (decoder_sparse_step={step}, mlp_only_layers="
-                f"{dense}) is not supported yet; released Qwen3-MoE checkpoints have every layer sparse (1, [])")
+        dense = _dense_mlp_layers(hf)
         width, normalize = int(hf.get("moe_intermediate_size") or 0), bool(hf.get("norm_topk_prob", False))
     else:
         if float(hf.get("router_jitter_noise") or 0.0):
@@ -219,7 +220,25 @@ def _moe_fields(model_type: str, hf: dict[str, Any], intermediate: int) -> dict[
         raise UnsupportedModelError(f"{model_type} config.json lacks moe_intermediate_size; is it a complete config?")
     return dict(num_experts=int(experts), num_experts_per_tok=int(top_k), moe_intermediate_size=width,
                 norm_topk_prob=normalize, output_router_logits=bool(hf.get("output_router_logits", False)),
-                router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0))
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0), dense_mlp_layers=dense)
+
+
+def _dense_mlp_layers(hf: dict[str, Any]) -> tuple[int, ...]:
+    """The Qwen3-MoE layers whose MLP is dense, as transformers picks them: those in `mlp_only_layers`, and those
+    whose index + 1 is not a multiple of `decoder_sparse_step`."""
+    layers = int(hf.get("num_hidden_layers") or 0)
+    step, listed = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise UnsupportedModelError(f"qwen3_moe config.json has decoder_sparse_step={step!r}; it must be an integer >= 1")
+    if not isinstance(listed, list) or not all(isinstance(i, int) and 0 <= i < layers for i in listed):
+        raise UnsupportedModelError(
+            f"qwen3_moe config.json has mlp_only_layers={listed!r}; it must list layer indices below {layers}")
+    dense = tuple(i for i in range(layers) if i in listed or (i + 1) % step)
+    if len(dense) == layers:
+        raise UnsupportedModelError(
+            "qwen3_moe config.json makes every layer's MLP dense (mlp_only_layers / decoder_sparse_step); such a "
+            "model has no experts: save it as qwen3")
+    return dense
 
 
 def load_hf_config(model_dir: str | os.PathLike) -> ModelConfig:

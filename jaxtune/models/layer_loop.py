@@ -83,8 +83,8 @@ def _uninitialized(shape: tuple[int, ...], dtype) -> jax.Array:
 
 
 def layer_loop(layer_fn: LayerFn, h: jax.Array, per_layer: Any, invariant: Any, num_layers: int, *,
-               unrolled: bool = False) -> jax.Array:
-    """h after `num_layers` layers: layer i runs `layer_fn(h, per_layer[i], invariant, i)`.
+               unrolled: bool = False, first_index: int = 0) -> jax.Array:
+    """h after `num_layers` layers: layer i runs `layer_fn(h, per_layer[i], invariant, first_index + i)`.
 
     `per_layer` leaves carry a leading layer axis; `invariant` holds the loop's constants, which are never
     differentiated. The backward pass computes gradients for the `per_layer` leaves being differentiated only.
@@ -93,7 +93,7 @@ def layer_loop(layer_fn: LayerFn, h: jax.Array, per_layer: Any, invariant: Any, 
     """
     layer_leaves, layer_tree = jax.tree.flatten(per_layer)
     inv_leaves, inv_tree = jax.tree.flatten(invariant)
-    indices = jnp.arange(num_layers, dtype=jnp.int32)
+    indices = jnp.arange(first_index, first_index + num_layers, dtype=jnp.int32)
     traced: dict[str, Any] = {}  # what the forward rule learned for the backward rule: layout, trained leaves
 
     def call_layer(h, leaves_i, inv_leaves, i):
@@ -119,7 +119,7 @@ def layer_loop(layer_fn: LayerFn, h: jax.Array, per_layer: Any, invariant: Any, 
         """Layer i's leaves, its index tied to `h`: all a layer does (its weights' dequantization included,
         which reads the whole-stack codes at the index) waits for the layer before it, as in the loop; free,
         the compiler runs every layer's dequantization early and keeps the weights alive (+13 GiB at 70B)."""
-        h, index = jax.lax.optimization_barrier((h, jnp.int32(i)))
+        h, index = jax.lax.optimization_barrier((h, jnp.int32(first_index + i)))
         return h, [x[i] for x in t_stack], [x[i] for x in f_stack], index
 
     def split(leaves, trained):
@@ -156,7 +156,7 @@ def layer_loop(layer_fn: LayerFn, h: jax.Array, per_layer: Any, invariant: Any, 
                 raise RuntimeError("a decoder layer traced twice kept different residuals (a layer whose "
                                    "trace is not deterministic cannot run in the layer loop)")
             traced["layout"] = got  # the backward pass runs this trace's VJP (the probe's was of another trace)
-            stacks = [jax.lax.dynamic_update_index_in_dim(s, r, i, 0) for s, r in zip(stacks, stacked)]
+            stacks = [jax.lax.dynamic_update_index_in_dim(s, r, i - first_index, 0) for s, r in zip(stacks, stacked)]
             return (out, stacks, inv), None
 
         (out, stacks, _), _ = jax.lax.scan(body, (h, stacks, inv_leaves), (t_stack, f_stack, indices))

@@ -1,0 +1,83 @@
+"""Decoders whose layers are not all alike: one stack of layers per kind, run in the checkpoint's order.
+
+A stack holds every layer of one kind with a leading layer axis, so each kind's layer body compiles once. The
+model runs the layers as runs of consecutive layers of one kind, each run a loop over its part of its stack. A
+model whose layers are all of the default kind has one stack, `layers`, and one run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from jaxtune.models.config import ModelConfig
+
+DEFAULT = "decoder"  # the family's own block (attention + its MLP or mixture of experts)
+DENSE_MLP = "dense_mlp"  # a mixture-of-experts model's layer with a dense MLP (Qwen3-MoE's mlp_only_layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStack:
+    """The layers of one kind: the model attribute that holds them and their indices in the decoder, ascending."""
+
+    attr: str
+    kind: str
+    layers: tuple[int, ...]
+
+    def local(self, layer: int) -> int:
+        """The position of decoder layer `layer` in this stack."""
+        return self.layers.index(layer)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRun:
+    """Consecutive decoder layers [first, first + count) of one stack, at positions [start, start + count)."""
+
+    stack: LayerStack
+    start: int
+    count: int
+    first: int
+
+
+def layer_kind(cfg: ModelConfig, layer: int) -> str:
+    return DENSE_MLP if layer in cfg.dense_mlp_layers else DEFAULT
+
+
+def stack_attr(kind: str) -> str:
+    return "layers" if kind == DEFAULT else f"{kind}_layers"
+
+
+@functools.cache
+def layer_stacks(cfg: ModelConfig) -> tuple[LayerStack, ...]:
+    """The model's stacks, the default kind's (`layers`) first."""
+    kinds: dict[str, list[int]] = {DEFAULT: []}
+    for i in range(cfg.num_layers):
+        kinds.setdefault(layer_kind(cfg, i), []).append(i)
+    return tuple(LayerStack(stack_attr(kind), kind, tuple(layers)) for kind, layers in kinds.items() if layers)
+
+
+@functools.cache
+def layer_runs(cfg: ModelConfig) -> tuple[LayerRun, ...]:
+    """The decoder's layers in order, as runs of one stack's consecutive layers."""
+    where = {i: (s, s.local(i)) for s in layer_stacks(cfg) for i in s.layers}
+    runs: list[LayerRun] = []
+    for i in range(cfg.num_layers):
+        stack, local = where[i]
+        if runs and runs[-1].stack == stack and runs[-1].first + runs[-1].count == i:
+            runs[-1] = dataclasses.replace(runs[-1], count=runs[-1].count + 1)
+        else:
+            runs.append(LayerRun(stack, local, 1, i))
+    return tuple(runs)
+
+
+def locate(cfg: ModelConfig, layer: int) -> tuple[LayerStack, int]:
+    """(the stack holding decoder layer `layer`, its position there)."""
+    for stack in layer_stacks(cfg):
+        if layer in stack.layers:
+            return stack, stack.local(layer)
+    raise IndexError(f"layer {layer} is not one of the model's {cfg.num_layers}")
+
+
+def has_experts(cfg: ModelConfig, stack: LayerStack) -> bool:
+    """Whether the stack's layers route their MLP to experts."""
+    return bool(cfg.num_experts) and stack.kind == DEFAULT
