@@ -121,6 +121,10 @@ def check_gguf_model(cfg: ModelConfig) -> None:
         raise UnsupportedModelError(
             f"llama.cpp's {GGUF_ARCHITECTURES[cfg.model_type]} renormalizes each token's top-{cfg.num_experts_per_tok} "
             "routing weights, but this model's config has norm_topk_prob=false; export --merged instead")
+    if cfg.dense_mlp_layers:
+        raise UnsupportedModelError(
+            f"llama.cpp's {GGUF_ARCHITECTURES[cfg.model_type]} gives every layer experts, but layers "
+            f"{list(cfg.dense_mlp_layers)} of this model have a dense MLP; export --merged instead")
     if cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias:
         raise UnsupportedModelError("GGUF export covers Llama models without projection biases; export --merged instead")
     if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_position_embeddings:

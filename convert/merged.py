@@ -22,6 +22,7 @@ from convert.safetensors_source import SafetensorsSource
 from jaxtune.quant import nf4
 from jaxtune.errors import CheckpointError
 from jaxtune.models.causal_lm import CausalLM, Linear
+from jaxtune.models.layer_kinds import has_experts, locate
 from jaxtune.moe.experts import LoRAExperts, NF4Experts
 from jaxtune.qlora import LORA_TARGETS, PARENT_MODULE, LoRALinear, NF4Linear, projection
 
@@ -92,9 +93,6 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
             w = w + np.float32(proj.scale) * (b @ a)
         return w
 
-    norms = [(f"{norm}.weight", getattr(model.layers, norm)) for norm in ("input_layernorm", "post_attention_layernorm")]
-    if cfg.qk_norm:
-        norms += [(f"self_attn.{norm}.weight", getattr(model.layers.self_attn, norm)) for norm in ("q_norm", "k_norm")]
     dequantized: dict[tuple[str, int], np.ndarray] = {}  # the current layer's base experts, for its 3E tensors
 
     def merged_expert(key: str, name: str, i: int, e: int) -> np.ndarray:
@@ -115,29 +113,38 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
     parent, hub_names = expert_layout(cfg.model_type) if cfg.num_experts else (None, {})
     expert_shapes = {name: _weight_shape(projection(model, name)) for name in hub_names}
 
-    def experts(p: str, i: int) -> Iterator[MergedTensor]:
+    def experts(p: str, i: int) -> Iterator[MergedTensor]:  # i: the layer's position in the sparse stack
         yield layer(f"{p}.{parent}.gate.weight", model.layers.mlp.router.weight[...], i)
         for e in range(cfg.num_experts):
             for name, hub_name in hub_names.items():
                 key = f"{p}.{parent}.experts.{e}.{hub_name}.weight"
                 yield MergedTensor(key, expert_shapes[name], functools.partial(merged_expert, key, name, i, e))
 
+    def norms(stack: Any) -> list[tuple[str, Any]]:
+        names = [(f"{norm}.weight", getattr(stack, norm)) for norm in ("input_layernorm", "post_attention_layernorm")]
+        if cfg.qk_norm:
+            names += [(f"self_attn.{norm}.weight", getattr(stack.self_attn, norm)) for norm in ("q_norm", "k_norm")]
+        return names
+
     yield whole("model.embed_tokens.weight", model.embed_tokens.weight[...])
-    projections = [(name, projection(model, name)) for name in LORA_TARGETS
-                   if not (cfg.num_experts and PARENT_MODULE[name] == "mlp")]
     for i in range(cfg.num_layers):
+        kind, j = locate(cfg, i)  # the layer's stack and its position there
+        stack, sparse = getattr(model, kind.attr), has_experts(cfg, kind)
         p = f"model.layers.{i}"
-        for name, norm in norms:
-            yield layer(f"{p}.{name}", norm.weight[...], i)
-        if cfg.num_experts:
-            yield from experts(p, i)
-        for name, proj in projections:
+        for name, norm in norms(stack):
+            yield layer(f"{p}.{name}", norm.weight[...], j)
+        if sparse:
+            yield from experts(p, j)
+        for name in LORA_TARGETS:
+            if sparse and PARENT_MODULE[name] == "mlp":
+                continue
+            proj = projection(model, name, kind.attr)
             key = f"{p}.{PARENT_MODULE[name]}.{name}"
             yield MergedTensor(f"{key}.weight", _weight_shape(proj),
-                               functools.partial(merged_weight, f"{key}.weight", proj, i))
+                               functools.partial(merged_weight, f"{key}.weight", proj, j))
             bias = _base(proj).bias
             if bias is not None:
-                yield layer(f"{key}.bias", bias[...], i)
+                yield layer(f"{key}.bias", bias[...], j)
     yield whole("model.norm.weight", model.norm.weight[...])
     if model.lm_head is not None:
         yield whole("lm_head.weight", model.lm_head.weight[...])
@@ -159,7 +166,7 @@ def open_original(model: CausalLM, base: str | os.PathLike | None):
     """
     if base is None:
         if any(isinstance((p.base if isinstance(p, LoRALinear) else p), NF4Linear)
-               for p in (projection(model, n) for n in LORA_TARGETS)):
+               for stack, _ in model.layer_stacks() for p in (projection(model, n, stack.attr) for n in LORA_TARGETS)):
             warnings.warn("merging onto dequantized NF4 weights loses quality; pass base=<HF dir or .gguf of the "
                           "original weights> (--base) to merge onto them", stacklevel=3)
         return None

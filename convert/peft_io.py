@@ -17,6 +17,7 @@ from convert.safetensors_source import SafetensorsSource
 from jaxtune.errors import CheckpointError
 from jaxtune.io.jsonfile import read_json_file
 from jaxtune.models.causal_lm import CausalLM
+from jaxtune.models.layer_kinds import has_experts
 from jaxtune.moe.experts import LoRAExperts
 from jaxtune.qlora import LORA_TARGETS, PARENT_MODULE, LoRALinear, get_peft_model, projection
 
@@ -29,19 +30,34 @@ _KEY = re.compile(
 _EXPERT_KEY = re.compile(
     r"base_model\.model\.model\.layers\.(\d+)\.mlp\.experts((?:\.base_layer)*)\.lora_([AB])(?:\.default)?\.weight")
 _EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+_DENSE_PARAM = re.compile(r"(?:.*\.)?mlp\.(gate_proj|up_proj|down_proj)\.weight")
 
 
-def lora_modules(model: CausalLM) -> dict[str, LoRALinear]:
-    """The projections of the model that carry LoRA adapters, by name (q_proj, ...)."""
-    return {name: projection(model, name) for name in LORA_TARGETS if isinstance(projection(model, name), LoRALinear)}
+def lora_modules(model: CausalLM) -> dict[tuple[str, int], tuple[LoRALinear, int]]:
+    """(projection name, decoder layer) -> (the stacked projection carrying its LoRA adapter, the layer's position
+    in that stack), for every layer of every stack (layer kinds)."""
+    out = {}
+    for stack, _ in model.layer_stacks():
+        for name in LORA_TARGETS:
+            proj = projection(model, name, stack.attr)
+            if isinstance(proj, LoRALinear):
+                out.update({(name, layer): (proj, j) for j, layer in enumerate(stack.layers)})
+    return out
 
 
 def expert_lora_modules(model: CausalLM) -> dict[str, LoRAExperts]:
-    """The expert projections (gate_proj, up_proj, down_proj) of a mixture-of-experts model that carry LoRA."""
+    """The expert projections (gate_proj, up_proj, down_proj) of a mixture-of-experts model that carry LoRA (in
+    the stack of sparse layers, `layers`)."""
     if not model.config.num_experts:
         return {}
     return {name: projection(model, name) for name in ("gate_proj", "up_proj", "down_proj")
             if isinstance(projection(model, name), LoRAExperts)}
+
+
+def _module_layers(model: CausalLM, name: str) -> list[int]:
+    """The decoder layers where projection `name` is a module of its own (not a fused expert parameter)."""
+    return [layer for stack, _ in model.layer_stacks()
+            if PARENT_MODULE[name] != "mlp" or not has_experts(model.config, stack) for layer in stack.layers]
 
 
 def _expert_param_modules(params: list[str]) -> dict[str, str]:
@@ -50,7 +66,7 @@ def _expert_param_modules(params: list[str]) -> dict[str, str]:
     return {p: "experts" + ".base_layer" * (len(params) - 1 - k) for k, p in enumerate(params)}
 
 
-def _expert_tensors(experts: dict[str, LoRAExperts], layers: int) -> tuple[list[str], dict[str, np.ndarray]]:
+def _expert_tensors(experts: dict[str, LoRAExperts], layers: tuple[int, ...]) -> tuple[list[str], dict[str, np.ndarray]]:
     """(targeted parameters, tensors) of PEFT's LoRA on transformers' fused expert parameters
     (`target_parameters`): gate_up_proj [E, 2I, H] takes the gate and up adapters as one of rank 2r (A stacked,
     B block-diagonal; zeros for the one without LoRA), down_proj [E, H, I] its own. PEFT stores A as [E * r, in]
@@ -74,10 +90,10 @@ def _expert_tensors(experts: dict[str, LoRAExperts], layers: int) -> tuple[list[
     tensors = {}
     for param, module in _expert_param_modules(list(stacks)).items():
         a, b = stacks[param]
-        for i in range(layers):
+        for j, i in enumerate(layers):  # the stack's positions and the decoder layers they are
             prefix = f"base_model.model.model.layers.{i}.mlp.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, a.shape[-1]))
-            tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[i].transpose(1, 2, 0).reshape(b.shape[-2], -1))
+            tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[j].reshape(-1, a.shape[-1]))
+            tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[j].transpose(1, 2, 0).reshape(b.shape[-2], -1))
     return list(stacks), tensors
 
 
@@ -87,30 +103,37 @@ def save_peft(model: CausalLM, out_dir: str | os.PathLike, *, base_model_name_or
     modules, experts = lora_modules(model), expert_lora_modules(model)
     if not modules and not experts:
         raise CheckpointError("the model has no LoRA adapters to save; call jaxtune.get_peft_model first")
-    first = next(iter({**modules, **experts}.values()))
+    first = next(iter([*(m for m, _ in modules.values()), *experts.values()]))
     tensors: dict[str, np.ndarray] = {}
-    for name, proj in modules.items():
-        a = np.asarray(proj.lora_a[...], np.float32)
-        b = np.asarray(proj.lora_b[...], np.float32)
-        for i in range(a.shape[0]):
-            prefix = f"base_model.model.model.layers.{i}.{PARENT_MODULE[name]}.{name}"
-            tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[i])
-            tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[i])
+    host: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # each stacked projection's factors, read once
+    for (name, i), (proj, j) in sorted(modules.items(), key=lambda item: item[0][1]):
+        if id(proj) not in host:
+            host[id(proj)] = tuple(np.asarray(f[...], np.float32) for f in (proj.lora_a, proj.lora_b))
+        a, b = host[id(proj)]
+        prefix = f"base_model.model.model.layers.{i}.{PARENT_MODULE[name]}.{name}"
+        tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[j])
+        tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[j])
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.r, "lora_alpha": first.alpha,
-        "lora_dropout": first.dropout, "target_modules": sorted(modules), "bias": "none",
+        "lora_dropout": first.dropout, "target_modules": sorted({name for name, _ in modules}), "bias": "none",
         "use_rslora": first.use_rslora, "use_dora": False, "fan_in_fan_out": False, "inference_mode": True,
         "base_model_name_or_path": base_model_name_or_path, "modules_to_save": None, "init_lora_weights": True,
     }
+    if model.config.num_experts:
+        # peft reads target_modules gate/up/down_proj of a mixture of experts as its fused expert parameters, so a
+        # dense layer's MLP adapters are named as the parameters they adapt (peft's keys are those of its modules)
+        dense_mlp = sorted({name for name in config["target_modules"] if PARENT_MODULE[name] == "mlp"})
+        config["target_modules"] = [name for name in config["target_modules"] if name not in dense_mlp]
+        config["target_parameters"] = [f"mlp.{name}.weight" for name in dense_mlp]
     if experts:
-        params, expert_tensors = _expert_tensors(experts, model.config.num_layers)
+        params, expert_tensors = _expert_tensors(experts, model.layer_stacks()[0][0].layers)
         tensors.update(expert_tensors)
         # gate_up_proj's adapter has rank 2r; PEFT forbids rank patterns with rsLoRA, so the scale s = alpha / r
         # (or alpha / sqrt(r)) is written as a plain alpha for each rank
         doubled = {"gate_up_proj": 2 * first.r} if "gate_up_proj" in params else {}
         config.update(r=first.r, lora_alpha=first.scale * first.r, use_rslora=False, rank_pattern=doubled,
                       alpha_pattern={p: first.scale * r for p, r in doubled.items()},
-                      target_parameters=[f"mlp.experts.{p}" for p in params])
+                      target_parameters=[f"mlp.experts.{p}" for p in params] + config["target_parameters"])
     with atomic_directory(out_dir) as tmp:
         save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
@@ -129,14 +152,17 @@ def _read_adapter_config(adapter_dir: str) -> dict[str, Any]:
     if cfg.get("bias", "none") != "none":
         raise CheckpointError(f"adapters with bias={cfg['bias']!r} are not supported; only bias='none'")
     params = cfg.get("target_parameters") or []
-    if isinstance(params, str) or sorted({t.rpartition(".")[-1] for t in params} - set(_EXPERT_PARAMS)):
+    # a 2-D parameter of a projection (a dense layer's MLP beside experts): the projection's own LoRA
+    dense = [] if isinstance(params, str) else [m.group(1) for m in map(_DENSE_PARAM.fullmatch, params) if m]
+    fused = [] if isinstance(params, str) else [t for t in params if not _DENSE_PARAM.fullmatch(t)]
+    if isinstance(params, str) or sorted({t.rpartition(".")[-1] for t in fused} - set(_EXPERT_PARAMS)):
         raise CheckpointError(f"the adapter targets parameters {params!r}; jaxtune reads LoRA on a mixture of "
-                              f"experts' {' and '.join(_EXPERT_PARAMS)} only")
-    cfg["target_parameters"] = [p for p in _EXPERT_PARAMS if any(t.rpartition(".")[-1] == p for t in params)]
+                              f"experts' {' and '.join(_EXPERT_PARAMS)} and on projections' weights only")
+    cfg["target_parameters"] = [p for p in _EXPERT_PARAMS if any(t.rpartition(".")[-1] == p for t in fused)]
     targets = cfg.get("target_modules") or ([] if params else None)
     if isinstance(targets, str) or (not targets and not params):
         raise CheckpointError(f"target_modules={targets!r} is not a list of module names; jaxtune needs e.g. ['q_proj', 'v_proj']")
-    names = sorted({t.split(".")[-1] for t in targets})
+    names = sorted({t.split(".")[-1] for t in targets} | set(dense))
     unknown = [t for t in names if t not in LORA_TARGETS]
     if unknown:
         raise CheckpointError(f"adapter targets {', '.join(unknown)}, which jaxtune does not adapt; valid: {', '.join(LORA_TARGETS)}")
@@ -165,31 +191,38 @@ def _load_expert_peft(model: CausalLM, cfg: dict[str, Any], adapter_dir: str) ->
         raise CheckpointError("the adapter adapts mixture-of-experts parameters; this model has no experts")
     order = cfg["target_parameters"]
     module_of = {module: p for p, module in _expert_param_modules(order).items()}
+    sparse = model.layer_stacks()[0][0].layers  # the layers with experts
+    expected = {(n, i) for n in cfg["target_modules"] for i in _module_layers(model, n)}
+    expected |= {(p, i) for p in order for i in sparse}
     factors: dict[tuple[str, int, str], np.ndarray] = {}
     with SafetensorsSource(adapter_dir) as source:
         for key in source.names():
             m, e = _KEY.fullmatch(key), _EXPERT_KEY.fullmatch(key)
-            if m is not None and m.group(3) in cfg["target_modules"] and int(m.group(1)) < c.num_layers:
+            if m is not None and (m.group(3), int(m.group(1))) in expected:
                 factors[(m.group(3), int(m.group(1)), m.group(4))] = np.asarray(source.get(key), np.float32)
-            elif e is not None and f"experts{e.group(2)}" in module_of and int(e.group(1)) < c.num_layers:
+            elif e is not None and f"experts{e.group(2)}" in module_of and int(e.group(1)) in sparse:
                 factors[(module_of[f"experts{e.group(2)}"], int(e.group(1)), e.group(3))] = np.asarray(source.get(key),
                                                                                                       np.float32)
             else:
                 raise CheckpointError(f"adapter tensor {key} does not match this model ({c.num_layers} layers, "
                                       f"adapted: {', '.join([*cfg['target_modules'], *order])})")
-    names = [*cfg["target_modules"], *order]
-    missing = [(n, i, w) for n in names for i in range(c.num_layers) for w in "AB" if (n, i, w) not in factors]
+    missing = sorted((i, n, w) for n, i in expected for w in "AB" if (n, i, w) not in factors)
     if missing:
-        n, i, w = missing[0]
+        i, n, w = missing[0]
         raise CheckpointError(f"adapter lacks layers.{i} {n} lora_{w}; the adapter is incomplete")
     experts = c.num_experts
-    adapters: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}  # jaxtune name -> per layer (A, B scaled)
+    # jaxtune name -> {decoder layer: (A, B scaled)}
+    adapters: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
     for i in range(c.num_layers):
         for n in cfg["target_modules"]:
+            if (n, i) not in expected:
+                continue
             a, b = factors[(n, i, "A")], factors[(n, i, "B")]
             key = f"model.layers.{i}.{PARENT_MODULE[n]}.{n}"
-            adapters.setdefault(n, []).append((a, b * _peft_scale(cfg, key, a.shape[0])))
+            adapters.setdefault(n, {})[i] = (a, b * _peft_scale(cfg, key, a.shape[0]))
         for p in order:
+            if i not in sparse:
+                continue
             a, b = factors[(p, i, "A")], factors[(p, i, "B")]
             r = a.shape[0] // experts
             if a.shape[0] != r * experts or b.shape[1] != r * experts:
@@ -198,27 +231,31 @@ def _load_expert_peft(model: CausalLM, cfg: dict[str, Any], adapter_dir: str) ->
             a = a.reshape(experts, r, -1)  # PEFT: A [E * r, in] expert-major, B [out, r * E] rank-major
             b = b.reshape(b.shape[0], r, experts).transpose(2, 0, 1) * _peft_scale(cfg, f"model.layers.{i}.mlp.experts.{p}", r)
             if p == "down_proj":
-                adapters.setdefault("down_proj", []).append((a, b))
+                adapters.setdefault("down_proj", {})[i] = (a, b)
             else:
                 inter = b.shape[1] // 2
-                adapters.setdefault("gate_proj", []).append((a, b[:, :inter]))
-                adapters.setdefault("up_proj", []).append((a, b[:, inter:]))
-    rank = max(a.shape[-2] for layers in adapters.values() for a, _ in layers)
+                adapters.setdefault("gate_proj", {})[i] = (a, b[:, :inter])
+                adapters.setdefault("up_proj", {})[i] = (a, b[:, inter:])
+    rank = max(a.shape[-2] for layers in adapters.values() for a, _ in layers.values())
     get_peft_model(model, r=rank, lora_alpha=rank, lora_dropout=float(cfg.get("lora_dropout", 0.0)),
                    target_modules=list(adapters))
-    for name, layers in adapters.items():
-        proj = projection(model, name)
-        want_a, want_b = proj.lora_a[...].shape, proj.lora_b[...].shape
-        a_all, b_all = np.zeros(want_a, np.float32), np.zeros(want_b, np.float32)
-        for i, (a, b) in enumerate(layers):
-            if a.shape[-1] != want_a[-1] or b.shape[-2] != want_b[-2]:
-                raise CheckpointError(f"adapter of {name} in layer {i} has A {a.shape} and B {b.shape}, this model "
-                                      f"needs inputs of {want_a[-1]} and outputs of {want_b[-2]}: the adapter "
-                                      "belongs to another model shape")
-            a_all[i, ..., :a.shape[-2], :] = a
-            b_all[i, ..., :b.shape[-1]] = b
-        proj.lora_a.set_value(jnp.asarray(a_all))
-        proj.lora_b.set_value(jnp.asarray(b_all))
+    for stack, _ in model.layer_stacks():
+        for name, layers in adapters.items():
+            proj = projection(model, name, stack.attr)
+            want_a, want_b = proj.lora_a[...].shape, proj.lora_b[...].shape
+            a_all, b_all = np.zeros(want_a, np.float32), np.zeros(want_b, np.float32)
+            for j, i in enumerate(stack.layers):
+                if i not in layers:  # a projection the adapter leaves alone in this kind of layer
+                    continue
+                a, b = layers[i]
+                if a.shape[-1] != want_a[-1] or b.shape[-2] != want_b[-2]:
+                    raise CheckpointError(f"adapter of {name} in layer {i} has A {a.shape} and B {b.shape}, this model "
+                                          f"needs inputs of {want_a[-1]} and outputs of {want_b[-2]}: the adapter "
+                                          "belongs to another model shape")
+                a_all[j, ..., :a.shape[-2], :] = a
+                b_all[j, ..., :b.shape[-1]] = b
+            proj.lora_a.set_value(jnp.asarray(a_all))
+            proj.lora_b.set_value(jnp.asarray(b_all))
     return model
 
 
@@ -236,8 +273,9 @@ def load_peft(model: CausalLM, adapter_dir: str | os.PathLike) -> CausalLM:
     get_peft_model(model, r=r, lora_alpha=float(cfg.get("lora_alpha", 8)), lora_dropout=float(cfg.get("lora_dropout", 0.0)),
                    target_modules=cfg["target_modules"], use_rslora=bool(cfg.get("use_rslora", False)))
     modules = lora_modules(model)
-    a = {name: np.zeros(m.lora_a[...].shape, np.float32) for name, m in modules.items()}
-    b = {name: np.zeros(m.lora_b[...].shape, np.float32) for name, m in modules.items()}
+    arrays = {id(proj): (proj, np.zeros(proj.lora_a[...].shape, np.float32), np.zeros(proj.lora_b[...].shape, np.float32))
+              for proj, _ in modules.values()}
+    adapted = sorted({name for name, _ in modules})
     seen = set()
     with SafetensorsSource(adapter_dir) as source:
         for key in source.names():
@@ -245,21 +283,22 @@ def load_peft(model: CausalLM, adapter_dir: str | os.PathLike) -> CausalLM:
             if m is None:
                 raise CheckpointError(f"adapter tensor {key!r} is not a LoRA A/B weight of a Llama-family layer")
             layer, _, name, which = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-            if name not in modules or layer >= c.num_layers:
+            if (name, layer) not in modules:
                 raise CheckpointError(f"adapter tensor {key} does not match this model ({c.num_layers} layers, "
-                                      f"adapted: {', '.join(modules)})")
-            target = a if which == "A" else b
+                                      f"adapted: {', '.join(adapted)})")
+            proj, j = modules[(name, layer)]
+            target = arrays[id(proj)][1 if which == "A" else 2]
             value = np.asarray(source.get(key), np.float32)
-            if value.shape != target[name].shape[1:]:
+            if value.shape != target.shape[1:]:
                 raise CheckpointError(f"adapter tensor {key} has shape {value.shape}, this model needs "
-                                      f"{target[name].shape[1:]}: the adapter belongs to another model shape")
-            target[name][layer] = value
+                                      f"{target.shape[1:]}: the adapter belongs to another model shape")
+            target[j] = value
             seen.add((layer, name, which))
-    missing = [(i, n, w) for n in modules for i in range(c.num_layers) for w in "AB" if (i, n, w) not in seen]
+    missing = sorted((i, n, w) for n, i in modules for w in "AB" if (i, n, w) not in seen)
     if missing:
         i, n, w = missing[0]
         raise CheckpointError(f"adapter lacks layers.{i}.{PARENT_MODULE[n]}.{n}.lora_{w}.weight; the adapter is incomplete")
-    for name, proj in modules.items():
-        proj.lora_a.set_value(jnp.asarray(a[name]))
-        proj.lora_b.set_value(jnp.asarray(b[name]))
+    for proj, a, b in arrays.values():
+        proj.lora_a.set_value(jnp.asarray(a))
+        proj.lora_b.set_value(jnp.asarray(b))
     return model

@@ -241,8 +241,6 @@ def test_a_qwen3_moe_qlora_run_trains_the_expert_adapters(tmp_path, tiny_tokeniz
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"mlp_only_layers": [0]}, "dense MLP layers among the sparse ones"),
-    ({"decoder_sparse_step": 2}, "dense MLP layers among the sparse ones"),
     ({"num_experts_per_tok": 9}, "1 <= num_experts_per_tok <= num_experts"),
 ])
 def test_unsupported_routing_options_are_refused_in_one_line_before_loading(tmp_path, change, words):
