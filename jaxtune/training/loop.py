@@ -71,11 +71,13 @@ def flops_per_token(model: CausalLM, seq_len: int) -> float:
     """LoRA training FLOPs per token: forward + input gradient of every matmul (no weight gradient for frozen
     weights) and causal attention forward + backward."""
     c = model.config
-    per_layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
-    # a mixture of experts runs each token through its top-k experts only (plus the router)
-    mlp_width = c.num_experts_per_tok * c.moe_intermediate_size if c.num_experts else c.intermediate_size
-    per_layer += 3 * c.hidden_size * mlp_width + c.hidden_size * c.num_experts
-    matmul = c.num_layers * per_layer + c.hidden_size * c.vocab_size
+    attention = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
+    # a mixture of experts runs each token through its top-k experts only (plus the router); its dense layers
+    # (dense_mlp_layers) through their MLP
+    sparse = c.num_layers - len(c.dense_mlp_layers) if c.num_experts else 0
+    expert_mlp = 3 * c.hidden_size * c.num_experts_per_tok * c.moe_intermediate_size + c.hidden_size * c.num_experts
+    mlp = sparse * expert_mlp + (c.num_layers - sparse) * 3 * c.hidden_size * c.intermediate_size
+    matmul = c.num_layers * attention + mlp + c.hidden_size * c.vocab_size
     return 4.0 * matmul + 6.0 * seq_len * c.head_dim * c.num_heads * c.num_layers
 
 
