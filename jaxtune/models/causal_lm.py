@@ -18,6 +18,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtune import ops
+from jaxtune.models import input_stats
 from jaxtune.models.config import ModelConfig
 from jaxtune.models.layer_kinds import DEFAULT, DENSE_MLP, LayerRun, LayerStack, layer_runs, layer_stacks
 from jaxtune.models.layer_loop import layer_loop
@@ -118,6 +119,7 @@ class Attention(nnx.Module):
         rng: jax.Array | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
         b, t, _ = x.shape
+        input_stats.observe(("q_proj", "k_proj", "v_proj"), x)
         # q and k never run their forward in FP8: their product is the exponent of the softmax, which turns FP8's
         # ~4% error into a measurably worse loss (the other projections in FP8 leave it unchanged;
         # benchmarks/results). Their input gradient adds into the residual stream's like every other projection's,
@@ -148,7 +150,9 @@ class Attention(nnx.Module):
                 q, layer_k.astype(q.dtype), layer_v.astype(q.dtype), q_segment_ids=segment_ids,
                 kv_segment_ids=cache_segment_ids, q_offset=cache_index, sliding_window=self.sliding_window,
             )
-        out = self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim), fold_rng(rng, 3))
+        out = out.reshape(b, t, self.num_heads * self.head_dim)
+        input_stats.observe(("o_proj",), out)
+        out = self.o_proj(out, fold_rng(rng, 3))
         return checkpoint_name(out, "o_proj"), cache
 
 
@@ -180,12 +184,14 @@ class MLP(nnx.Module):
         return out.reshape(tiles * token_tile, hidden)[:n].reshape(b, t, hidden)
 
     def _swiglu(self, x: jax.Array, rng: jax.Array | None) -> jax.Array:
+        input_stats.observe(("gate_proj", "up_proj"), x)
         gate = checkpoint_name(self.gate_proj(x, fold_rng(rng, 4)), "gate_proj")
         # gate and up read the same input, so dequantizing at use alone lets XLA dequantize both weights before
         # either GEMM; up's input waiting for gate's output keeps one alive at a time (gate's value itself does
         # not pass the barrier, so no rounding moves: the same gradients)
         x_up, _ = ops.barrier(ops.dequantizing_at_use(), x, gate)
         h = jax.nn.silu(gate) * checkpoint_name(self.up_proj(x_up, fold_rng(rng, 5)), "up_proj")
+        input_stats.observe(("down_proj",), h)
         return self.down_proj(h, fold_rng(rng, 6))
 
 

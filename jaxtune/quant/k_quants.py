@@ -73,14 +73,14 @@ def _scale_and_min(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta:
     return np.where(flat, f32(0), scale), -mn, codes
 
 
-def _symmetric_scale(x: np.ndarray, nmax: int):
+def _symmetric_scale(x: np.ndarray, nmax: int, w: np.ndarray | None = None):
     """ggml's make_qx_quants with rmse_type 1 over the columns of x [n, B]: (scale, codes + nmax) of the grid
-    scale * q, q in -nmax..nmax-1, the best of 19 trial scales by the x^2-weighted error."""
+    scale * q, q in -nmax..nmax-1, the best of 19 trial scales by the error weighted by w (default x^2)."""
     first = np.argmax(np.abs(x), axis=0)
     peak = np.take_along_axis(x, first[None], axis=0)[0]
     zero = np.abs(peak) < _EPS
     peak = np.where(zero, f32(1), peak)
-    w = x * x
+    w = x * x if w is None else w
 
     def trial(iscale):
         q = np.clip(_nearest(iscale * x), -nmax, nmax - 1)
@@ -137,11 +137,19 @@ def _asymmetric_blocks(x: np.ndarray, nmax: int, rmin: float, nstep: int):
     ls = np.minimum(_nearest(inv_scale[:, None] * scales) & 0xFF, 63).astype(np.uint8)  # a uint8 store, then MIN
     lm = np.minimum(_nearest(inv_min[:, None] * mins) & 0xFF, 63).astype(np.uint8)
     d, dmin = _f16(max_scale / f32(63)), _f16(max_min / f32(63))
-    packed = np.zeros((len(x), 12), np.uint8)
+    return _packed_scales(blocks, ls, lm, d, dmin, codes, nmax)
+
+
+def _packed_scales(blocks: np.ndarray, ls: np.ndarray, lm: np.ndarray, d: np.ndarray, dmin: np.ndarray,
+                   codes: np.ndarray, nmax: int):
+    """The 6-bit scales ls and minimums lm [n, 8] packed into q4_K's / q5_K's 12 bytes, and each block's codes
+    recomputed from the stored scale and minimum (kept where the stored scale is zero): (d, dmin, packed, codes)."""
+    packed = np.zeros((len(blocks), 12), np.uint8)
     packed[:, 0:4], packed[:, 4:8] = ls[:, :4], lm[:, :4]
     packed[:, 8:12] = (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)
     packed[:, 0:4] |= (ls[:, 4:] >> 4) << 6
     packed[:, 4:8] |= (lm[:, 4:] >> 4) << 6
+    ls, lm = ls & 63, lm & 63  # what the stored 6 bits read back as
     step = d.astype(f32)[:, None] * ls.astype(f32)
     offset = dmin.astype(f32)[:, None] * lm.astype(f32)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -172,8 +180,11 @@ def _q5_k_blocks(x: np.ndarray) -> np.ndarray:
                           axis=1)
 
 
-def _q6_k_blocks(x: np.ndarray) -> np.ndarray:
-    scales, codes = _symmetric_scale(np.ascontiguousarray(x.reshape(-1, 16).T), 32)
+def _q6_k_blocks(x: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+    """q6_K super-blocks of x [n, 256]; `weights` [n, 256]: an importance matrix's, as ggml's quantize_q6_K takes
+    them (None: the reference quantizer's x^2)."""
+    columns = lambda a: np.ascontiguousarray(a.reshape(-1, 16).T)  # noqa: E731
+    scales, codes = _symmetric_scale(columns(x), 32, None if weights is None else columns(weights))
     scales, codes = scales.reshape(-1, 16), codes.T.reshape(-1, 16, 16)
     first = np.argmax(np.abs(scales), axis=-1)
     max_scale = np.take_along_axis(scales, first[:, None], axis=-1)[:, 0]
