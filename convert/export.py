@@ -20,6 +20,15 @@ def _read_run(run_dir: str) -> tuple[str, dict[str, Any]]:
     return path, saved
 
 
+def run_data_settings(run_dir: str | os.PathLike) -> tuple[str, int]:
+    """(data format, sequence length) the run trained with: how a data file of the same kind is read."""
+    from jaxtune.training.config import TrainConfig
+
+    path, saved = _read_run(os.fspath(run_dir))
+    cfg = TrainConfig.from_dict(saved["train"], where=path)
+    return cfg.format, cfg.seq_len
+
+
 def check_run_exportable(run_dir: str | os.PathLike, *, gguf: bool, merged_dtype: str | None) -> None:
     """Refuses, before any weight is read, an export the run's model cannot make (a GGUF of an architecture
     llama.cpp's writer here does not cover, a mixture of experts' NF4 merged checkpoint): only its config is opened."""

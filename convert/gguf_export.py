@@ -32,6 +32,7 @@ from jaxtune.models.config import ModelConfig
 from jaxtune.errors import CheckpointError, UnsupportedModelError
 from jaxtune.models.causal_lm import CausalLM
 from jaxtune.quant import quantize_q4_0, quantize_q4_k, quantize_q5_k, quantize_q6_k
+from jaxtune.quant.weighted import WEIGHTED_FORMATS, quantize_weighted
 from jaxtune.models.rope import inverse_frequencies, unscaled_inverse_frequencies
 
 GGUF_TYPES = ("bf16", "f16", "q8_0", "q6_k", "q4_k_m", "q4_0", "f32")
@@ -101,6 +102,39 @@ def check_gguf_output(out_path: str | os.PathLike) -> str:
         raise CheckpointError(f"{out_path} already exists; choose a new output file or delete it first")
     check_writable(out_path, "GGUF file")
     return out_path
+
+
+IMATRIX_TYPES = ("q4_0", "q4_k_m", "q6_k")  # the exported types whose quantizers an importance matrix weights
+
+
+def _importance(model: CausalLM, gguf_type: str, imatrix: Any):
+    """The importance matrix `imatrix` names (read from llama.cpp's file where it is a path), checked against the
+    export; None without one."""
+    if imatrix is None:
+        return None
+    from convert.imatrix import ImportanceMatrix, check_importance_model
+
+    if gguf_type not in IMATRIX_TYPES:
+        raise CheckpointError(f"an importance matrix weights the {', '.join(IMATRIX_TYPES)} quantizers; "
+                              f"--gguf-type {gguf_type} does not use one (drop --gguf-imatrix or pick one of those)")
+    check_importance_model(model)
+    return imatrix if isinstance(imatrix, ImportanceMatrix) else ImportanceMatrix.load(imatrix)
+
+
+def _importance_weights(importance, tensors: list[MergedTensor]) -> dict[str, np.ndarray]:
+    """Each GGUF tensor's error weights from the importance matrix, checked: one per input column."""
+    if importance is None:
+        return {}
+    weights = {}
+    for t in tensors:
+        w = importance.weights(t.name)
+        if w is None:
+            continue
+        if w.shape != (t.shape[-1],):
+            raise CheckpointError(f"the importance matrix has {w.shape[0]} weights for {t.name}, whose rows have "
+                                  f"{t.shape[-1]}: it was computed for another model")
+        weights[t.name] = w
+    return weights
 
 
 def _check_exportable(model: CausalLM, gguf_type: str) -> ModelConfig:
@@ -197,6 +231,7 @@ class TensorMix:
     layers: int
     experts: int = 0
     llama_70b: bool = False
+    imatrix: bool = False  # quantized with an importance matrix (llama-quantize --imatrix)
 
     @classmethod
     def of(cls, cfg: ModelConfig, gguf_type: str, tied: bool) -> "TensorMix":
@@ -216,6 +251,8 @@ def _mix_type(name: str, mix: TensorMix) -> str:
     kind = name.split(".")[-2].removesuffix("_exps") if name.startswith("blk.") else ""
     if kind in ("attn_k", "attn_v") and mix.experts == 8:
         return "q8_0"
+    if mix.gguf_type == "q4_0" and mix.imatrix and kind == "ffn_down" and int(name.split(".")[1]) < mix.layers // 8:
+        return "q4_1"  # llama-quantize's guard for the first ffn_down layers, taken with an importance matrix only
     if mix.gguf_type != "q4_k_m":
         return base
     if kind == "attn_v":
@@ -247,7 +284,7 @@ def _encoding(name: str, shape: tuple[int, ...], mix: TensorMix) -> tuple[Any, A
         kind = _mix_type(name, mix)
         if kind in _FALLBACK and shape[-1] % 256:
             kind = _FALLBACK[kind]
-    raws = {"q8_0": q.Q8_0, "q4_0": q.Q4_0, "q5_0": q.Q5_0, "q5_1": q.Q5_1, "q4_k": q.Q4_K, "q5_k": q.Q5_K,
+    raws = {"q8_0": q.Q8_0, "q4_0": q.Q4_0, "q4_1": q.Q4_1, "q5_0": q.Q5_0, "q5_1": q.Q5_1, "q4_k": q.Q4_K, "q5_k": q.Q5_K,
             "q6_k": q.Q6_K}
     if kind in raws:
         if shape[-1] % gguf.GGML_QUANT_SIZES[raws[kind]][0] == 0:
@@ -268,12 +305,17 @@ def _stored_info(name: str, shape: tuple[int, ...], mix: TensorMix) -> tuple[tup
     return stored, dtype, int(np.prod(stored, dtype=np.int64)) * np.dtype(dtype).itemsize, raw
 
 
-def _encode(name: str, w: np.ndarray, mix: TensorMix) -> np.ndarray:
+def _encode(name: str, w: np.ndarray, mix: TensorMix, importance: np.ndarray | None = None) -> np.ndarray:
     """The stored array of one float32 tensor (see `_encoding`): q4_0, q4_K, q5_K and q6_K by jaxtune's
-    quantizers (byte-equal to ggml's reference ones), the other types by the `gguf` package's."""
+    quantizers (byte-equal to ggml's reference ones), the other types by the `gguf` package's; with the tensor's
+    `importance` (an importance matrix's weights, one per input column) the 4- to 6-bit types by ggml's weighted
+    quantizers (jaxtune/quant/weighted.py)."""
     import gguf
 
     raw, dtype = _encoding(name, w.shape, mix)
+    weighted = {gguf.GGMLQuantizationType[fmt.upper()]: fmt for fmt in WEIGHTED_FORMATS}
+    if importance is not None and raw in weighted:
+        return quantize_weighted(w, importance, weighted[raw])
     own = {gguf.GGMLQuantizationType.Q4_0: quantize_q4_0, gguf.GGMLQuantizationType.Q4_K: quantize_q4_k,
            gguf.GGMLQuantizationType.Q5_K: quantize_q5_k, gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
     if raw in own:
@@ -289,16 +331,21 @@ def save_gguf(
     base: str | os.PathLike | None = None,
     gguf_type: str = "bf16",
     name: str | None = None,
+    imatrix: Any = None,
 ) -> None:
     """Writes the merged model as a llama.cpp GGUF file (`gguf_type`: bf16, f16, q8_0, q6_k, q4_k_m, q4_0 or f32);
     a model without adapters is written as it is (a 4-bit GGUF of a base model).
 
     With `base` (the HF directory or .gguf of the ORIGINAL weights) the adapters are added onto those; without it,
     onto the dequantized NF4 weights (a warning says so), exactly as `save_merged`.
+
+    `imatrix` (q4_0, q4_k_m, q6_k): an `ImportanceMatrix` or the path of llama.cpp's imatrix .gguf; each weight
+    with an entry is then quantized as `llama-quantize --imatrix` does it (convert/imatrix.py).
     """
     import gguf
 
     cfg = _check_exportable(model, gguf_type)
+    importance = _importance(model, gguf_type, imatrix)
     if tokenizer is None:
         raise CheckpointError("GGUF export needs the model's tokenizer (llama.cpp reads it from the file)")
     out_path = check_gguf_output(out_path)
@@ -320,7 +367,9 @@ def save_gguf(
         if rope is not None:
             writer.add_tensor_info("rope_freqs.weight", rope.shape, rope.dtype, rope.nbytes)
         tensors = _gguf_tensors(list(merged_tensors(model, source)))
-        mix = TensorMix.of(cfg, gguf_type, tied=not any(t.name == "output.weight" for t in tensors))
+        mix = dataclasses.replace(TensorMix.of(cfg, gguf_type, tied=not any(t.name == "output.weight" for t in tensors)),
+                                  imatrix=importance is not None)
+        weights = _importance_weights(importance, tensors)
         for t in tensors:  # the whole tensor table first; the data then follows one tensor at a time
             stored, dtype, nbytes, raw = _stored_info(t.name, t.shape, mix)
             writer.add_tensor_info(t.name, stored, np.dtype(dtype), nbytes, raw_dtype=raw)
@@ -335,7 +384,7 @@ def save_gguf(
                 w = permute_qk(w, cfg.num_heads)
             elif interleaved_rope and t.name.endswith("attn_k.weight"):
                 w = permute_qk(w, cfg.num_kv_heads)
-            writer.write_tensor_data(_encode(t.name, w, mix))
+            writer.write_tensor_data(_encode(t.name, w, mix, weights.get(t.name)))
         writer.close()
         plain_permissions(tmp)
         os.replace(tmp, out_path)

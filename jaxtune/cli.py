@@ -76,6 +76,8 @@ def _export(args: argparse.Namespace) -> None:
         from convert.gguf_export import check_gguf_output
 
         check_gguf_output(args.gguf)
+    if args.gguf_imatrix is not None:
+        _check_imatrix_args(args)
     merged_dtype = args.dtype if args.merged else None
     if args.model is not None:
         from jaxtune.io.bundled import check_model_reference
@@ -101,8 +103,32 @@ def _export(args: argparse.Namespace) -> None:
     if args.gguf:
         from convert.gguf_export import save_gguf
 
-        save_gguf(model, args.gguf, tokenizer=tokenizer, base=base, gguf_type=args.gguf_type)
-        print(f"wrote GGUF {args.gguf} ({args.gguf_type}, {onto})")
+        imatrix = None
+        if args.gguf_imatrix is not None:
+            from convert.export import run_data_settings
+            from convert.imatrix import importance_from
+
+            fmt, seq_len = run_data_settings(args.run) if args.run is not None else ("text", 512)
+            imatrix = importance_from(model, tokenizer, args.gguf_imatrix, fmt=args.gguf_imatrix_format or fmt,
+                                      seq_len=seq_len)
+        save_gguf(model, args.gguf, tokenizer=tokenizer, base=base, gguf_type=args.gguf_type, imatrix=imatrix)
+        weighted = f", weighted by the importance matrix of {args.gguf_imatrix}" if imatrix is not None else ""
+        print(f"wrote GGUF {args.gguf} ({args.gguf_type}, {onto}{weighted})")
+
+
+def _check_imatrix_args(args: argparse.Namespace) -> None:
+    """Refuses a --gguf-imatrix the export cannot use before anything is loaded."""
+    from convert.gguf_export import IMATRIX_TYPES
+    from jaxtune.errors import CheckpointError
+
+    if not args.gguf:
+        raise CheckpointError("--gguf-imatrix weights a GGUF's quantizers: pass --gguf OUT.gguf too")
+    if args.gguf_type not in IMATRIX_TYPES:
+        raise CheckpointError(f"an importance matrix weights the {', '.join(IMATRIX_TYPES)} quantizers; "
+                              f"--gguf-type {args.gguf_type} does not use one")
+    if not os.path.isfile(args.gguf_imatrix):
+        raise CheckpointError(f"--gguf-imatrix {args.gguf_imatrix} does not exist; pass llama-imatrix's .gguf or "
+                              "a data file")
 
 
 _TRAIN_OVERRIDES = {  # CLI flag -> TrainConfig field
@@ -390,6 +416,13 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--gguf-type", default="bf16", choices=["bf16", "f16", "q8_0", "q6_k", "q4_k_m", "q4_0", "f32"],
                     help="tensor type of the GGUF's matrices (norms stay f32); q4_k_m and q6_k mix block types per "
                          "tensor as llama-quantize does")
+    ex.add_argument("--gguf-imatrix", metavar="PATH",
+                    help="quantize --gguf-type q4_0 / q4_k_m / q6_k with an importance matrix, as llama-quantize "
+                         "--imatrix does: llama-imatrix's .gguf, or a data file (e.g. the training data) that the "
+                         "model itself is run on to compute one")
+    ex.add_argument("--gguf-imatrix-format", choices=["chat", "alpaca", "completion", "text"], default=None,
+                    help="format of the --gguf-imatrix data file (default: the run's training format; text for "
+                         "--model)")
     ex.add_argument("--base", help="HF directory or .gguf of the original weights to merge onto (default: the run's "
                                    "base model, or the checkpoint it was converted from, when those are unquantized)")
     ex.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "nf4"],
