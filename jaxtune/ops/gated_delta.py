@@ -1,0 +1,126 @@
+"""The gated delta rule (Gated DeltaNet's linear attention), token by token and in chunks, in XLA.
+
+Per head, with a state S [dk, dv] that starts at zero (or `initial_state`) and restarts at every segment start:
+
+    S_t = exp(g_t) S_{t-1};  S_t = S_t + k_t (beta_t (v_t - k_t^T S_t))^T;  o_t = S_t^T q_t / sqrt(dk)
+
+(q and k L2-normalised by the caller's choice, g_t <= 0 the log decay, beta_t in (0, 1) the step). The chunked form
+computes C tokens at a time with the WY representation: within a chunk the delta rule's corrections are one
+unit-lower-triangular solve, and only the state crosses chunks (a `jax.lax.scan` carrying S in float32), so the
+work is matmuls of [C, C] and [C, d]. Packed rows (segment ids) cut every interaction across a segment start:
+within a chunk by a same-segment mask, across chunks by reading and carrying the state only inside one segment.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+CHUNK = 64
+
+
+def _prepare(q, k, v, g, beta):
+    """[B, T, H, d] inputs in float32, grouped q/k heads repeated to the value heads, q scaled by 1/sqrt(dk)."""
+    hk, hv = q.shape[2], v.shape[2]
+    if hv != hk:
+        q, k = (jnp.repeat(x, hv // hk, axis=2) for x in (q, k))
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    q, k, v, g, beta = map(f32, (q, k, v, g, beta))
+    return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+def _starts(segment_ids: jax.Array | None, shape: tuple[int, int]) -> jax.Array:
+    """[B, T] True where a segment starts (the state restarts there); all False but padding edges without ids."""
+    if segment_ids is None:
+        return jnp.zeros(shape, bool)
+    first = jnp.ones_like(segment_ids[:, :1], bool)
+    return jnp.concatenate([first, segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+
+
+def gated_delta_rule_recurrent(q, k, v, g, beta, *, segment_ids=None, initial_state=None):
+    """(o [B, T, Hv, dv] in q's dtype, final state [B, Hv, dk, dv] float32), one token at a time (decode steps, and
+    the reference the chunked form is checked against). q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g, beta [B, T, Hv]."""
+    out_dtype = q.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    state = jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+    if segment_ids is not None:
+        restart = _starts(segment_ids, (b, t))
+        if initial_state is not None:  # a given state carries into the first token's segment
+            restart = restart.at[:, 0].set(False)
+    else:
+        restart = jnp.zeros((b, t), bool)
+
+    def step(s, xs):
+        qt, kt, vt, gt, bt, rt = xs
+        s = jnp.where(rt[:, None, None, None], 0.0, s) * jnp.exp(gt)[..., None, None]
+        kv = jnp.einsum("bhkv,bhk->bhv", s, kt)
+        delta = (vt - kv) * bt[..., None]
+        s = s + kt[..., :, None] * delta[..., None, :]
+        return s, jnp.einsum("bhkv,bhk->bhv", s, qt)
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta, restart))
+    state, out = jax.lax.scan(step, state, xs)
+    return jnp.moveaxis(out, 0, 1).astype(out_dtype), state
+
+
+def gated_delta_rule_chunked(q, k, v, g, beta, *, segment_ids=None, initial_state=None, chunk: int = CHUNK):
+    """The same as `gated_delta_rule_recurrent`, `chunk` tokens at a time (training and prefill)."""
+    out_dtype = q.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    pad = -t % chunk
+    restart = _starts(segment_ids, (b, t))
+    if initial_state is not None:
+        restart = restart.at[:, 0].set(False)
+    seg = jnp.cumsum(restart.astype(jnp.int32), axis=1)  # a running segment index per row
+    if pad:
+        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+        q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
+        g, beta = (jnp.pad(x, widths[:3]) for x in (g, beta))
+        seg = jnp.pad(seg, ((0, 0), (0, pad)), mode="edge")
+        restart = jnp.pad(restart, ((0, 0), (0, pad)))
+    n = (t + pad) // chunk
+
+    def chunks(x):  # [B, T, H, ...] -> [N, B, H, C, ...]
+        x = x.reshape(b, n, chunk, *x.shape[2:])
+        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 3, 2) if x.ndim == 5 else jnp.moveaxis(x, 1, 0).swapaxes(2, 3)
+
+    qc, kc, vc, gc, bc = (chunks(x) for x in (q, k, v, g, beta))  # [N, B, H, C, d] and [N, B, H, C]
+    sc = jnp.moveaxis(seg.reshape(b, n, chunk), 1, 0)  # [N, B, C]
+    rc = jnp.moveaxis(restart.reshape(b, n, chunk), 1, 0)
+    lower = jnp.tril(jnp.ones((chunk, chunk), bool))
+    eye = jnp.eye(chunk, dtype=jnp.float32)
+    state = jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+
+    def one_chunk(s, xs):
+        qi, ki, vi, gi, bi, si, ri = xs
+        cum = jnp.cumsum(gi, axis=-1)  # [B, H, C]
+        same = (si[:, :, None] == si[:, None, :]) & lower  # [B, C, C]: j <= i within one segment
+        decay = jnp.where(same[:, None], jnp.exp(jnp.where(same[:, None], cum[..., :, None] - cum[..., None, :], 0.0)),
+                          0.0)
+        # tokens that still see the carried state: no segment start in the chunk up to them
+        reads = (jnp.cumsum(ri.astype(jnp.int32), axis=-1) == 0)[:, None, :]  # [B, 1, C]
+        from_state = jnp.where(reads, jnp.exp(cum), 0.0)  # [B, H, C]
+        kb, vb = ki * bi[..., None], vi * bi[..., None]
+        strict = decay * (1.0 - eye)
+        system = eye + jnp.einsum("bhik,bhjk->bhij", kb, ki) * strict  # (I + strictly-lower A)
+        inv_rhs = jnp.concatenate([vb, kb * from_state[..., None]], axis=-1)
+        solved = jax.scipy.linalg.solve_triangular(system, inv_rhs, lower=True, unit_diagonal=True)
+        u, w = solved[..., :dv], solved[..., dv:]  # new values, and the decayed keys that read the state
+        v_new = u - jnp.einsum("bhik,bhkv->bhiv", w, s)
+        attn = jnp.einsum("bhik,bhjk->bhij", qi, ki) * decay
+        out = jnp.einsum("bhik,bhkv->bhiv", qi * from_state[..., None], s) + jnp.einsum("bhij,bhjv->bhiv", attn, v_new)
+        # the state after the chunk: the last token's segment only
+        last = cum[..., -1:]
+        tail = (si == si[:, -1:])[:, None, :]  # [B, 1, C]
+        to_end = jnp.where(tail, jnp.exp(jnp.where(tail, last - cum, 0.0)), 0.0)
+        keep = jnp.where(jnp.any(ri, axis=-1)[:, None, None, None], 0.0, jnp.exp(last)[..., None])
+        s = s * keep + jnp.einsum("bhik,bhiv->bhkv", ki * to_end[..., None], v_new)
+        return s, out
+
+    state, out = jax.lax.scan(one_chunk, state, (qc, kc, vc, gc, bc, sc, rc))  # out [N, B, H, C, dv]
+    out = jnp.moveaxis(out, 0, 1).swapaxes(2, 3).reshape(b, n * chunk, h, dv)[:, :t]
+    return out.astype(out_dtype), state
