@@ -98,7 +98,7 @@ def _plan(source, cfg: ModelConfig, slots: dict[Path, tuple[tuple[int, ...], boo
                 raise CheckpointError(f"bnb tensor {name} has no packed weight beside it; the checkpoint is incomplete")
             continue
         target = hf_name_to_path(name)
-        if target is None or target[0] not in slots:
+        if target is None or (target[1] is None and target[0] not in slots):
             raise CheckpointError(
                 f"checkpoint tensor {name!r} has no place in a {cfg.model_type} model with this config; "
                 "the weights and config.json do not match"

@@ -20,7 +20,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtune import ops
 from jaxtune.models import input_stats
 from jaxtune.models.config import ModelConfig
-from jaxtune.models.layer_kinds import DEFAULT, DENSE_MLP, LayerRun, LayerStack, layer_runs, layer_stacks
+from jaxtune.models.blocks.gated_deltanet import GatedDeltaNet
+from jaxtune.models.layer_kinds import (DEFAULT, DENSE_MLP, GATED_DELTANET, LayerRun, LayerStack, layer_runs,
+                                        layer_stacks)
 from jaxtune.models.layer_loop import layer_loop
 from jaxtune.moe import balancing
 from jaxtune.moe.block import SparseMoE
@@ -42,13 +44,17 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.eps = eps
+    """x / rms(x) times the weight; with `offset` (Qwen3.5's zero-centred weights) times 1 + weight, in float32."""
+
+    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype, offset: bool = False):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype) if offset else jnp.ones((dim,), dtype))
+        self.eps, self.offset = eps, offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
         normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * normed.astype(x.dtype)
 
 
@@ -97,15 +103,19 @@ class KVCache(NamedTuple):
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        # with an output gate (Qwen3.5), q_proj yields each head's query then its gate
+        self.output_gate = cfg.attn_output_gate
+        self.q_proj = Linear(h, cfg.num_heads * d * (2 if self.output_gate else 1), bias=cfg.qkv_bias, dtype=dtype,
+                             rngs=rngs)
         self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.sliding_window = cfg.sliding_window
         # Qwen3: per-head RMSNorm on q and k (weights [head_dim], shared by the heads), before RoPE
-        self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
+        norm = lambda: RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)  # noqa: E731
+        self.q_norm = norm() if cfg.qk_norm else None
+        self.k_norm = norm() if cfg.qk_norm else None
 
     def __call__(
         self,
@@ -125,7 +135,11 @@ class Attention(nnx.Module):
         # benchmarks/results). Their input gradient adds into the residual stream's like every other projection's,
         # so under "fp8" it is an FP8 GEMM too.
         with ops.frozen_compute("fp8-dx" if ops.frozen_compute_mode() == "fp8" else "bf16"):
-            q = checkpoint_name(self.q_proj(x, fold_rng(rng, 0)), "q_proj").reshape(b, t, self.num_heads, self.head_dim)
+            q = checkpoint_name(self.q_proj(x, fold_rng(rng, 0)), "q_proj")
+            if self.output_gate:
+                q = q.reshape(b, t, self.num_heads, 2 * self.head_dim)
+                q, gate = q[..., :self.head_dim], q[..., self.head_dim:].reshape(b, t, -1)
+            q = q.reshape(b, t, self.num_heads, self.head_dim)
             k = checkpoint_name(self.k_proj(x, fold_rng(rng, 1)), "k_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
         v = checkpoint_name(self.v_proj(x, fold_rng(rng, 2)), "v_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -151,6 +165,8 @@ class Attention(nnx.Module):
                 kv_segment_ids=cache_segment_ids, q_offset=cache_index, sliding_window=self.sliding_window,
             )
         out = out.reshape(b, t, self.num_heads * self.head_dim)
+        if self.output_gate:
+            out = (out.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(out.dtype)
         input_stats.observe(("o_proj",), out)
         out = self.o_proj(out, fold_rng(rng, 3))
         return checkpoint_name(out, "o_proj"), cache
@@ -200,17 +216,28 @@ class DecoderLayer(nnx.Module):
     experts' layer with a dense MLP."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, kind: str = DEFAULT):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        norm = lambda: RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)  # noqa: E731
+        self.input_layernorm = norm()
+        # the token mixer: attention, or a hybrid decoder's Gated DeltaNet linear attention
+        self.linear = kind == GATED_DELTANET
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg, Linear, dtype=dtype, rngs=rngs)
+        else:
+            self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = norm()
         sparse = cfg.num_experts and kind != DENSE_MLP
         self.mlp = SparseMoE(cfg, dtype=dtype, rngs=rngs) if sparse else MLP(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, cos, sin, segment_ids, cache=None, cache_segment_ids=None, cache_index=None, rng=None,
                  mlp_token_tile=None):
-        attn, cache = self.self_attn(
-            self.input_layernorm(x), cos, sin, segment_ids, cache, cache_segment_ids, cache_index, rng
-        )
+        if self.linear:
+            if cache is not None:
+                raise NotImplementedError("decoding with a KV cache through Gated DeltaNet layers")
+            attn = self.linear_attn(self.input_layernorm(x), segment_ids, rng)
+        else:
+            attn, cache = self.self_attn(
+                self.input_layernorm(x), cos, sin, segment_ids, cache, cache_segment_ids, cache_index, rng
+            )
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x), rng, mlp_token_tile), cache
 
@@ -253,7 +280,7 @@ class CausalLM(nnx.Module):
         # one stack per layer kind (`layer_kinds`): `layers`, and e.g. `dense_mlp_layers` beside it
         for stack in layer_stacks(cfg):
             setattr(self, stack.attr, _stacked_layers(cfg, dtype, rngs, stack))
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)
         self.lm_head = (
             None if cfg.tie_word_embeddings
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)

@@ -8,7 +8,7 @@ from typing import Any
 
 from jaxtune.errors import CheckpointError, UnsupportedModelError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen3_5", "qwen3_5_text")
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -55,6 +55,17 @@ class ModelConfig:
     # Qwen3-MoE's layers with a dense MLP of width `intermediate_size` among the sparse ones (transformers'
     # `mlp_only_layers` and `decoder_sparse_step`, resolved to the layers they name)
     dense_mlp_layers: tuple[int, ...] = ()
+    # hybrid decoders (Qwen3.5): each layer's token mixer, "full_attention" or "linear_attention" (Gated DeltaNet);
+    # empty: every layer full attention
+    layer_types: tuple[str, ...] = ()
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * this of each q/k head, the rest as it is
+    attn_output_gate: bool = False  # the q projection also yields a per-head sigmoid gate on attention's output
+    norm_offset: bool = False  # RMSNorm scales by 1 + weight (zero-centred weights)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -77,6 +88,9 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
         """Builds a config from a transformers `config.json` dict (transformers 4.x and 5.x layouts)."""
+        from jaxtune.models.families import qwen3_5
+
+        hf = qwen3_5.text_config(hf)
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
@@ -114,6 +128,8 @@ class ModelConfig:
         attention_bias = bool(hf.get("attention_bias", False))
         eos = hf.get("eos_token_id")
         moe = _moe_fields(model_type, hf, inter) if model_type in MOE_MODEL_TYPES else {}
+        if model_type in qwen3_5.MODEL_TYPES:
+            moe = qwen3_5.fields(hf, layers)
         if model_type == "mixtral":
             sliding_window = hf.get("sliding_window")
         return cls(
@@ -135,9 +151,9 @@ class ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type in ("llama", "qwen3", "qwen3_moe") and attention_bias,
+            o_bias=model_type in ("llama", "qwen3", "qwen3_moe", *qwen3_5.MODEL_TYPES) and attention_bias,
             mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", *qwen3_5.MODEL_TYPES),
             sliding_window=int(sliding_window) if sliding_window else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
@@ -157,7 +173,8 @@ class ModelConfig:
                 original_max_position_embeddings=self.rope_original_max_position,
             )
         arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
         out: dict[str, Any] = {
             "architectures": [arch[self.model_type]],
             "model_type": self.model_type,
@@ -192,6 +209,11 @@ class ModelConfig:
                        mlp_only_layers=list(self.dense_mlp_layers))
         if self.model_type == "mixtral":
             out.update(num_local_experts=self.num_experts, sliding_window=self.sliding_window, router_jitter_noise=0.0)
+        if self.model_type in ("qwen3_5", "qwen3_5_text"):  # written as the text-only layout transformers loads
+            from jaxtune.models.families import qwen3_5
+
+            rope["partial_rotary_factor"] = self.partial_rotary_factor
+            out.update(model_type="qwen3_5_text", rope_parameters=rope, **qwen3_5.hf_fields(self))
         if self.num_experts:
             out.update(num_experts_per_tok=self.num_experts_per_tok, output_router_logits=self.output_router_logits,
                        router_aux_loss_coef=self.router_aux_loss_coef)

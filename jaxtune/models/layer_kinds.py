@@ -14,6 +14,7 @@ from jaxtune.models.config import ModelConfig
 
 DEFAULT = "decoder"  # the family's own block (attention + its MLP or mixture of experts)
 DENSE_MLP = "dense_mlp"  # a mixture-of-experts model's layer with a dense MLP (Qwen3-MoE's mlp_only_layers)
+GATED_DELTANET = "gated_deltanet"  # a hybrid decoder's linear-attention layer (Qwen3.5's `linear_attention`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,8 @@ class LayerRun:
 
 
 def layer_kind(cfg: ModelConfig, layer: int) -> str:
+    if cfg.layer_types and cfg.layer_types[layer] == "linear_attention":
+        return GATED_DELTANET
     return DENSE_MLP if layer in cfg.dense_mlp_layers else DEFAULT
 
 

@@ -28,9 +28,14 @@ def llama3_inverse_frequencies(inv: np.ndarray, factor: float, low_freq_factor: 
     return np.where(medium, smoothed, scaled)
 
 
+def rotary_dim(cfg: ModelConfig) -> int:
+    """How many of each head's dims RoPE rotates (the first ones; all but where `partial_rotary_factor` < 1)."""
+    return int(cfg.head_dim * cfg.partial_rotary_factor)
+
+
 def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """Per-pair inverse frequencies [head_dim // 2] in float64, with linear or llama3 scaling applied."""
-    inv = unscaled_inverse_frequencies(cfg.rope_theta, cfg.head_dim)
+    """Per-pair inverse frequencies [rotary_dim // 2] in float64, with linear or llama3 scaling applied."""
+    inv = unscaled_inverse_frequencies(cfg.rope_theta, rotary_dim(cfg))
     if cfg.rope_type == "linear":
         return inv / cfg.rope_factor
     if cfg.rope_type == "llama3":
@@ -40,7 +45,7 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
 
 
 def rope_tables(cfg: ModelConfig, positions: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """cos and sin [..., head_dim] in float32 for integer positions [...]."""
+    """cos and sin [..., rotary_dim] in float32 for integer positions [...]."""
     inv = jnp.asarray(inverse_frequencies(cfg), dtype=jnp.float32)
     angles = positions.astype(jnp.float32)[..., None] * inv
     angles = jnp.concatenate([angles, angles], axis=-1)
@@ -52,7 +57,11 @@ def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarra
 
     Each half is rotated on its own and the halves joined once, in x's dtype: a rotate_half copy of x (a float32
     concatenation that XLA runs as its own kernel, fed to the multiply-add) is never formed. The tables' halves are
-    equal (`rope_tables`), so the first half of each is used for both."""
+    equal (`rope_tables`), so the first half of each is used for both. Tables narrower than the head (partial
+    RoPE) rotate its first dims and pass the rest through."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], axis=-1)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     c, s = cos[:, :, None, :half], sin[:, :, None, :half]

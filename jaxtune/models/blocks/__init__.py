@@ -1,0 +1,1 @@
+"""Token mixers other than the Llama block's attention, one module each."""

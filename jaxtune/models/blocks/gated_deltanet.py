@@ -1,0 +1,100 @@
+"""Gated DeltaNet linear attention (Qwen3.5's `linear_attention` layers), as transformers computes it.
+
+    qkv = in_proj_qkv(x) -> causal depthwise conv1d (kernel linear_conv_kernel_dim) -> SiLU -> q, k, v heads
+    q, k L2-normalised; beta = sigmoid(in_proj_b(x)); g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)
+    o = gated delta rule(q, k, v, g, beta)   (jaxtune/ops/gated_delta.py: chunks of 64, the state in float32)
+    out_proj(RMSNorm(o) * silu(in_proj_z(x)))  per value head
+
+Packed rows restart both the convolution's window and the recurrent state at every segment start. The four input
+projections and out_proj are frozen linears like any other (NF4 + LoRA); A_log, dt_bias, the conv and norm weights
+stay as the checkpoint has them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtune.models.config import ModelConfig
+from jaxtune.ops.gated_delta import gated_delta_rule_chunked
+
+PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+
+
+class DepthwiseConv(nnx.Module):
+    """The causal depthwise convolution's weight [channels, 1, kernel], as the checkpoint stores it."""
+
+    def __init__(self, channels: int, kernel: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(0.02 * jax.random.normal(rngs.params(), (channels, 1, kernel), dtype))
+
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+        """x [B, T, C] -> causal conv over T (zeros before each segment's first token), float32."""
+        w = self.weight[...][:, 0, :].astype(jnp.float32)  # [C, K]
+        kernel, t = w.shape[-1], x.shape[1]
+        xf = x.astype(jnp.float32)
+        out = jnp.zeros_like(xf)
+        for shift in range(kernel):  # out[t] = sum_s w[K - 1 - s] * x[t - s], within the segment of t
+            shifted = jnp.pad(xf, ((0, 0), (shift, 0), (0, 0)))[:, :t]
+            if segment_ids is not None and shift:
+                seg = jnp.pad(segment_ids, ((0, 0), (shift, 0)), constant_values=-1)[:, :t]
+                shifted = jnp.where((seg == segment_ids)[..., None], shifted, 0.0)
+            out = out + shifted * w[:, kernel - 1 - shift]
+        return out
+
+
+class GatedRMSNorm(nnx.Module):
+    """RMSNorm of each value head's output, times silu(gate)."""
+
+    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
+        out = self.weight[...] * normed
+        return (out.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+
+
+def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+class GatedDeltaNet(nnx.Module):
+    def __init__(self, cfg: ModelConfig, linear, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        h = cfg.hidden_size
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        key_dim, value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
+        self.in_proj_qkv = linear(h, 2 * key_dim + value_dim, bias=False, dtype=dtype, rngs=rngs)
+        self.in_proj_z = linear(h, value_dim, bias=False, dtype=dtype, rngs=rngs)
+        self.in_proj_b = linear(h, self.num_v_heads, bias=False, dtype=dtype, rngs=rngs)
+        self.in_proj_a = linear(h, self.num_v_heads, bias=False, dtype=dtype, rngs=rngs)
+        self.out_proj = linear(value_dim, h, bias=False, dtype=dtype, rngs=rngs)
+        self.conv1d = DepthwiseConv(2 * key_dim + value_dim, cfg.linear_conv_kernel_dim, dtype=dtype, rngs=rngs)
+        self.A_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, self.num_v_heads)).astype(dtype))
+        self.dt_bias = nnx.Param(jnp.ones((self.num_v_heads,), dtype))
+        self.norm = GatedRMSNorm(self.head_v_dim, eps=cfg.rms_norm_eps, dtype=dtype)
+
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None, rng: jax.Array | None = None) -> jax.Array:
+        from jaxtune.models.causal_lm import fold_rng
+        from jaxtune.models import input_stats
+
+        b, t, _ = x.shape
+        input_stats.observe(PROJECTIONS[:4], x)
+        key_dim = self.num_k_heads * self.head_k_dim
+        mixed = jax.nn.silu(self.conv1d(self.in_proj_qkv(x, fold_rng(rng, 10)), segment_ids)).astype(x.dtype)
+        z = self.in_proj_z(x, fold_rng(rng, 11)).reshape(b, t, self.num_v_heads, self.head_v_dim)
+        beta = jax.nn.sigmoid(self.in_proj_b(x, fold_rng(rng, 12)).astype(jnp.float32))
+        a = self.in_proj_a(x, fold_rng(rng, 13)).astype(jnp.float32)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
+        q = mixed[..., :key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
+        k = mixed[..., key_dim:2 * key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
+        v = mixed[..., 2 * key_dim:].reshape(b, t, self.num_v_heads, self.head_v_dim)
+        out, _ = gated_delta_rule_chunked(_l2norm(q), _l2norm(k), v.astype(jnp.float32), g, beta,
+                                          segment_ids=segment_ids)
+        out = self.norm(out.astype(x.dtype), z).reshape(b, t, -1)
+        input_stats.observe(("out_proj",), out)
+        return self.out_proj(out, fold_rng(rng, 14))
