@@ -160,7 +160,8 @@ BAD_FLAGS = {
                  "--load-in-4bit": None},
     "convert": {"--quantize": "int3", "--dtype": "int4"},
     "export": {"--peft": "exists", "--merged": "exists", "--gguf": "out.txt", "--gguf-type": "q4_k",
-               "--base": "missing-base", "--dtype": "int4", "--model": "missing-model"},
+               "--base": "missing-base", "--dtype": "int4", "--model": "missing-model",
+               "--gguf-imatrix": "missing-imatrix.gguf", "--gguf-imatrix-format": "xml"},
 }
 
 

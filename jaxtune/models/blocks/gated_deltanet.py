@@ -16,10 +16,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtune.models import input_stats
 from jaxtune.models.config import ModelConfig
 from jaxtune.ops.gated_delta import gated_delta_rule_chunked
 
 PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+
+
+def fold_rng(rng: jax.Array | None, index: int) -> jax.Array | None:
+    """A distinct dropout key per projection (None stays None)."""
+    return None if rng is None else jax.random.fold_in(rng, index)
 
 
 class DepthwiseConv(nnx.Module):
@@ -79,9 +85,6 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, eps=cfg.rms_norm_eps, dtype=dtype)
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None, rng: jax.Array | None = None) -> jax.Array:
-        from jaxtune.models.causal_lm import fold_rng
-        from jaxtune.models import input_stats
-
         b, t, _ = x.shape
         input_stats.observe(PROJECTIONS[:4], x)
         key_dim = self.num_k_heads * self.head_k_dim
