@@ -31,6 +31,8 @@ from jaxtune.models.layer_kinds import has_experts, layer_stacks, locate
 from jaxtune.qlora import quantize_layers
 
 _IGNORED_TENSORS = re.compile(r"rotary_emb\.inv_freq$")
+# a multimodal checkpoint's parts beside its language model (Qwen3.5's vision tower and multi-token-prediction head)
+_OTHER_TOWERS = re.compile(r"(model\.visual|visual|mtp)\.")
 _BNB_COMPANION = re.compile(r"\.weight\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\.bitsandbytes__nf4)$")
 
 
@@ -41,6 +43,8 @@ Index = int | tuple[int, int] | None  # a layer, (layer, expert) for an expert's
 def hf_name_to_path(name: str) -> tuple[Path, Index] | None:
     """HF tensor name -> (path in the model's state, layer index for stacked layers or (layer, expert) for an
     expert's weight), or None if foreign."""
+    if name.startswith("model.language_model."):  # a multimodal checkpoint's language model
+        name = "model." + name[len("model.language_model."):]
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
     if m:
         layer, rest = int(m.group(1)), m.group(2)
@@ -90,8 +94,14 @@ def _plan(source, cfg: ModelConfig, slots: dict[Path, tuple[tuple[int, ...], boo
     plan: dict[str, tuple[Path, Index]] = {}
     filled: set[tuple[Path, Index]] = set()
     names = set(source.names())
+    towers = sorted(name for name in names if _OTHER_TOWERS.match(name))
+    if towers:
+        parts = sorted({name.split(".")[1] if name.startswith("model.") else name.split(".")[0] for name in towers})
+        warnings.warn(f"skipped {len(towers)} tensors of the checkpoint's {' and '.join(parts)} (jaxtune fine-tunes "
+                      "the language model; the rest stays in the original checkpoint)", stacklevel=4)
     for name in names:
-        if _IGNORED_TENSORS.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+        if (_IGNORED_TENSORS.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings)
+                or _OTHER_TOWERS.match(name)):
             continue
         if _BNB_COMPANION.search(name):
             if name.split(".weight.")[0] + ".weight" not in names:

@@ -205,6 +205,7 @@ def save_merged(
     """
     if dtype not in MERGED_DTYPES:
         raise CheckpointError(f"unknown dtype {dtype!r}; choose one of: {', '.join(MERGED_DTYPES)}")
+    model.config.require_attention_only("merged export")
     if in_nf4 := dtype == "nf4":
         model.config.require_dense("exporting a merged NF4 checkpoint (use a 16-bit dtype)")
     source = open_original(model, base)

@@ -100,6 +100,7 @@ def _expert_tensors(experts: dict[str, LoRAExperts], layers: tuple[int, ...]) ->
 def save_peft(model: CausalLM, out_dir: str | os.PathLike, *, base_model_name_or_path: str | None = None) -> None:
     """Writes the model's LoRA adapters as a PEFT LoRA adapter directory (atomically). A mixture-of-experts model's
     expert adapters go on transformers' fused expert parameters (`target_parameters`, see `_expert_tensors`)."""
+    model.config.require_attention_only("PEFT export")
     modules, experts = lora_modules(model), expert_lora_modules(model)
     if not modules and not experts:
         raise CheckpointError("the model has no LoRA adapters to save; call jaxtune.get_peft_model first")

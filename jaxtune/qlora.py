@@ -25,8 +25,12 @@ from jaxtune.quant import nf4
 from jaxtune.quant.weights import DenseWeights, KernelScales, NF4Linear, QuantizedWeight  # noqa: F401 (public here too)
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# a hybrid decoder's Gated DeltaNet layers (Qwen3.5) hold these instead of q/k/v/o
+LINEAR_ATTENTION_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+ALL_TARGETS = LORA_TARGETS + LINEAR_ATTENTION_TARGETS
 PARENT_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-                 "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+                 "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+                 **{name: "linear_attn" for name in LINEAR_ATTENTION_TARGETS}}
 
 
 class LoRALinear(nnx.Module):
@@ -99,11 +103,13 @@ def projection(model: CausalLM, name: str, stack: str = "layers") -> nnx.Module:
 
 
 def _projections(model: CausalLM):
-    """(name, parent module, projection, its LayerStack) for the 7 projections of every stack of decoder layers."""
+    """(name, parent module, projection, its LayerStack) for the projections of every stack of decoder layers (the
+    7 of attention and the MLP; a Gated DeltaNet layer's 5 in place of attention's 4)."""
     for stack, layers in model.layer_stacks():
-        for name in LORA_TARGETS:
-            parent = getattr(layers, PARENT_MODULE[name])
-            yield name, parent, getattr(parent, name), stack
+        for name in ALL_TARGETS:
+            parent = getattr(layers, PARENT_MODULE[name], None)
+            if parent is not None:
+                yield name, parent, getattr(parent, name), stack
 
 
 # one compiled program per weight shape: run op by op, the vmapped quantizer compiled a dozen small programs per
@@ -147,10 +153,14 @@ def get_peft_model(
     use_rslora: bool = False,
     seed: int = 0,
 ) -> CausalLM:
-    """Wraps the target projections with LoRA adapters (in place; returns model). Only LoRA params train."""
-    unknown = sorted(set(target_modules) - set(LORA_TARGETS))
+    """Wraps the target projections with LoRA adapters (in place; returns model). Only LoRA params train. Names a
+    model does not have are skipped (a Gated DeltaNet layer's projections in a Llama), as long as one matches."""
+    unknown = sorted(set(target_modules) - set(ALL_TARGETS))
     if unknown:
-        raise ConfigError(f"unknown target module(s) {', '.join(unknown)}; valid: {', '.join(LORA_TARGETS)}")
+        raise ConfigError(f"unknown target module(s) {', '.join(unknown)}; valid: {', '.join(ALL_TARGETS)}")
+    if not {name for name, *_ in _projections(model)} & set(target_modules):
+        raise ConfigError(f"none of the target modules {', '.join(target_modules)} is in this model; it has "
+                          f"{', '.join(dict.fromkeys(name for name, *_ in _projections(model)))}")
     if r < 1:
         raise ConfigError(f"LoRA rank r must be >= 1, got {r}")
     if not lora_alpha > 0:
@@ -158,14 +168,17 @@ def get_peft_model(
     if not 0.0 <= lora_dropout < 1.0:
         raise ConfigError(f"lora_dropout must be in [0, 1), got {lora_dropout}; 0.0 to 0.1 is usual")
     cfg = model.config
-    keys = jax.random.split(jax.random.key(seed), len(LORA_TARGETS))
-    for n, (name, parent, proj, stack) in enumerate(_projections(model)):
+    root = jax.random.key(seed)
+    keys = {**dict(zip(LORA_TARGETS, jax.random.split(root, len(LORA_TARGETS)))),
+            **dict(zip(LINEAR_ATTENTION_TARGETS, jax.random.split(jax.random.fold_in(root, 1),
+                                                                   len(LINEAR_ATTENTION_TARGETS))))}
+    stack_index = {stack.attr: k for k, (stack, _) in enumerate(model.layer_stacks())}
+    for name, parent, proj, stack in _projections(model):
         if name not in target_modules:
             continue
         if isinstance(proj, (LoRALinear, LoRAExperts)):
             raise ConfigError(f"{name} already has a LoRA adapter; call get_peft_model once per model")
-        key = keys[n % len(LORA_TARGETS)]
-        key = key if stack.attr == "layers" else jax.random.fold_in(key, n // len(LORA_TARGETS))
+        key = keys[name] if stack.attr == "layers" else jax.random.fold_in(keys[name], stack_index[stack.attr])
         leading = (len(stack.layers),)
         out_f, in_f = _features(cfg, name, has_experts(cfg, stack))
         if isinstance(proj, (ExpertLinear, NF4Experts)):  # an adapter per expert
@@ -181,7 +194,11 @@ def get_peft_model(
 def _features(cfg, name: str, experts: bool) -> tuple[int, int]:
     h, d = cfg.hidden_size, cfg.head_dim
     i = cfg.moe_intermediate_size if experts else cfg.intermediate_size
+    key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    value = cfg.linear_num_value_heads * cfg.linear_value_head_dim
     return {
-        "q_proj": (cfg.num_heads * d, h), "k_proj": (cfg.num_kv_heads * d, h), "v_proj": (cfg.num_kv_heads * d, h),
+        "in_proj_qkv": (2 * key + value, h), "in_proj_z": (value, h), "in_proj_b": (cfg.linear_num_value_heads, h),
+        "in_proj_a": (cfg.linear_num_value_heads, h), "out_proj": (h, value),
+        "q_proj": (cfg.num_heads * d * (2 if cfg.attn_output_gate else 1), h), "k_proj": (cfg.num_kv_heads * d, h), "v_proj": (cfg.num_kv_heads * d, h),
         "o_proj": (h, cfg.num_heads * d), "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i),
     }[name]

@@ -11,7 +11,7 @@ from typing import Any
 from jaxtune.data.formats import FORMATS
 from jaxtune.errors import ConfigError
 from jaxtune.ops.context import COMPUTE_MODES
-from jaxtune.qlora import LORA_TARGETS
+from jaxtune.qlora import ALL_TARGETS
 
 SCHEDULES = ("constant", "linear", "cosine")
 REMAT = ("auto", "none", "selective", "per-layer", "offload")
@@ -413,9 +413,9 @@ def _names(name: str, value: Any, allowed: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _target_modules(value: Any) -> tuple[str, ...]:
-    names = _names("target_modules", value, LORA_TARGETS)
+    names = _names("target_modules", value, ALL_TARGETS)
     if not names:
-        raise ConfigError(f"target_modules is empty: LoRA needs at least one of {', '.join(LORA_TARGETS)}",
+        raise ConfigError(f"target_modules is empty: LoRA needs at least one of {', '.join(ALL_TARGETS)}",
                           field="target_modules")
     return names
 

@@ -1,0 +1,122 @@
+"""Qwen3.5 (hybrid Gated DeltaNet + gated attention): logits against transformers in float32 on rows longer than one
+chunk, from the text-only and the published multimodal layout (vision tower and MTP head skipped with a note);
+packed rows equal each sample alone; NF4 QLoRA on every projection trains; what is not built yet is refused in one
+line."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen3_5TextConfig
+
+import jaxtune
+from conftest import build_hf_model
+from jaxtune.errors import UnsupportedModelError
+
+SHAPES = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=32, intermediate_size=96, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=8)
+
+
+def _logits(model, ids, **kw) -> np.ndarray:
+    with jax.default_matmul_precision("highest"):
+        return np.asarray(model(jnp.asarray(ids), **kw))
+
+
+def _assert_close(got, want, tol=1e-4):
+    assert np.abs(got - want).max() < tol * max(1.0, np.abs(want).max()), np.abs(got - want).max()
+
+
+def _multimodal_layout(text_dir, out_dir):
+    """The published layout: the language model under model.language_model, a vision tower and an MTP head beside
+    it, the text settings under text_config."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(text_dir / "model.safetensors")
+    renamed = {("lm_head.weight" if k == "lm_head.weight" else "model.language_model." + k[len("model."):]): v
+               for k, v in tensors.items()}
+    renamed["model.visual.patch_embed.proj.weight"] = np.zeros((8, 3, 2, 2, 2), np.float32)
+    renamed["mtp.fc.weight"] = np.zeros((64, 128), np.float32)
+    out_dir.mkdir()
+    save_file(renamed, out_dir / "model.safetensors", metadata={"format": "pt"})
+    text = json.loads((text_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "architectures": [
+        "Qwen3_5ForConditionalGeneration"], "text_config": text, "tie_word_embeddings": False}))
+
+
+@pytest.mark.parametrize("layout", ["text", "multimodal"])
+def test_logits_equal_transformers_over_several_chunks(tmp_path, layout):
+    hf = build_hf_model(Qwen3_5TextConfig(**SHAPES), tmp_path / "text")
+    path = tmp_path / "text"
+    if layout == "multimodal":
+        _multimodal_layout(tmp_path / "text", tmp_path / "mm")
+        path = tmp_path / "mm"
+        with pytest.warns(UserWarning, match="skipped 2 tensors of the checkpoint's mtp and visual"):
+            model, _ = jaxtune.from_pretrained(path, dtype="float32")
+    else:
+        model, _ = jaxtune.from_pretrained(path, dtype="float32")
+    cfg = model.config
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",) and cfg.partial_rotary_factor == 0.25
+    assert model.gated_deltanet_layers.linear_attn.conv1d.weight.shape == (3, 96, 1, 4)  # 2 x 2 x 16 + 4 x 8
+    ids = np.random.default_rng(0).integers(0, 128, (2, 150))  # 150 tokens: three chunks of 64, the last ragged
+    with torch.no_grad():
+        want = hf(torch.as_tensor(ids)).logits.numpy()
+    _assert_close(_logits(model, ids), want)
+
+
+def test_packed_rows_give_each_sample_its_own_logits(tmp_path):
+    """Two samples packed in one row: the convolution's window and the recurrent state restart at the second, so
+    its logits are those of the sample alone (transformers on it), and so are the first's."""
+    hf = build_hf_model(Qwen3_5TextConfig(**SHAPES), tmp_path)
+    model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32")
+    rng = np.random.default_rng(1)
+    a, b = rng.integers(0, 128, 70), rng.integers(0, 128, 50)
+    row = np.concatenate([a, b])[None]
+    segments = np.concatenate([np.ones(70, np.int32), np.full(50, 2, np.int32)])[None]
+    got = _logits(model, row, segment_ids=jnp.asarray(segments))
+    with torch.no_grad():
+        for sample, part in ((a, got[0, :70]), (b, got[0, 70:])):
+            _assert_close(part, hf(torch.as_tensor(sample[None])).logits.numpy()[0])
+
+
+def test_a_4bit_run_adapts_every_projection_and_trains(tmp_path, tiny_tokenizer):
+    """NF4 codes for the Gated DeltaNet projections too, LoRA on them (`in_proj_qkv`, ..., `out_proj`) beside
+    attention's and the MLP's; the loss falls and every adapter moves."""
+    build_hf_model(Qwen3_5TextConfig(**{**SHAPES, "vocab_size": len(tiny_tokenizer)}), tmp_path / "base")
+    model, tok = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=True)
+    linear = model.gated_deltanet_layers.linear_attn
+    assert type(linear.in_proj_qkv).__name__ == "NF4Linear"
+    rows = [{"text": f"row {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 3)} for i in range(16)]
+    targets = ("q_proj", "o_proj", "gate_proj", "down_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "out_proj")
+    cfg = jaxtune.TrainConfig(format="text", seq_len=96, micro_batch_size=4, max_steps=6, learning_rate=1e-2,
+                              warmup_steps=0, lora_r=4, save_steps=0, target_modules=targets)
+    result = jaxtune.train(model, tiny_tokenizer, rows, cfg, progress=False)
+    assert result.losses[-1] < result.losses[0] - 0.1, result.losses
+    for proj in (linear.in_proj_qkv, linear.in_proj_a, linear.out_proj, model.layers.self_attn.q_proj,
+                 model.gated_deltanet_layers.mlp.down_proj):
+        assert np.abs(np.asarray(proj.lora_b[...])).max() > 0
+    for what in (lambda: jaxtune.generate(model, tiny_tokenizer, "hello", max_new_tokens=2),
+                 lambda: jaxtune.save_peft(model, tmp_path / "peft"),
+                 lambda: jaxtune.save_merged(model, tmp_path / "merged")):
+        with pytest.raises(UnsupportedModelError, match="Gated DeltaNet layers") as e:
+            what()
+        assert "\n" not in str(e.value)
+    assert not (tmp_path / "peft").exists() and not (tmp_path / "merged").exists()
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"layer_types": ["linear_attention", "sliding_attention", "full_attention", "full_attention"]}, "layer_types"),
+    ({"linear_num_value_heads": 3}, "not a multiple of linear_num_key_heads"),
+])
+def test_configs_that_name_no_model_are_refused_in_one_line(tmp_path, change, words):
+    build_hf_model(Qwen3_5TextConfig(**SHAPES), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(UnsupportedModelError, match=words) as e:
+        jaxtune.from_pretrained(tmp_path)
+    assert "\n" not in str(e.value)
