@@ -43,7 +43,6 @@ def check_model_exportable(model: str, *, gguf: bool, merged_dtype: str | None) 
 
     cfg, source, _ = open_checkpoint(resolve_model_path(model))
     source.close()
-    cfg.require_attention_only("export")
     if gguf:
         from convert.gguf_export import check_gguf_model
 

@@ -24,7 +24,7 @@ from jaxtune.errors import CheckpointError
 from jaxtune.models.causal_lm import CausalLM, Linear
 from jaxtune.models.layer_kinds import has_experts, locate
 from jaxtune.moe.experts import LoRAExperts, NF4Experts
-from jaxtune.qlora import LORA_TARGETS, PARENT_MODULE, LoRALinear, NF4Linear, projection
+from jaxtune.qlora import ALL_TARGETS, PARENT_MODULE, LoRALinear, NF4Linear, projection
 
 _DTYPES = {"bfloat16": jax.numpy.bfloat16, "float16": np.float16, "float32": np.float32}
 MERGED_DTYPES = (*_DTYPES, "nf4")  # nf4: the projections re-quantized as bitsandbytes stores them, the rest bf16
@@ -121,9 +121,15 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
                 yield MergedTensor(key, expert_shapes[name], functools.partial(merged_expert, key, name, i, e))
 
     def norms(stack: Any) -> list[tuple[str, Any]]:
-        names = [(f"{norm}.weight", getattr(stack, norm)) for norm in ("input_layernorm", "post_attention_layernorm")]
-        if cfg.qk_norm:
-            names += [(f"self_attn.{norm}.weight", getattr(stack.self_attn, norm)) for norm in ("q_norm", "k_norm")]
+        """The layer's tensors beside its projections (norms; a Gated DeltaNet layer's conv, decay and norm)."""
+        names = [(f"{norm}.weight", getattr(stack, norm).weight) for norm in ("input_layernorm",
+                                                                             "post_attention_layernorm")]
+        if cfg.qk_norm and hasattr(stack, "self_attn"):
+            names += [(f"self_attn.{norm}.weight", getattr(stack.self_attn, norm).weight) for norm in ("q_norm", "k_norm")]
+        if hasattr(stack, "linear_attn"):
+            gdn = stack.linear_attn
+            names += [("linear_attn.conv1d.weight", gdn.conv1d.weight), ("linear_attn.A_log", gdn.A_log),
+                      ("linear_attn.dt_bias", gdn.dt_bias), ("linear_attn.norm.weight", gdn.norm.weight)]
         return names
 
     yield whole("model.embed_tokens.weight", model.embed_tokens.weight[...])
@@ -131,12 +137,12 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
         kind, j = locate(cfg, i)  # the layer's stack and its position there
         stack, sparse = getattr(model, kind.attr), has_experts(cfg, kind)
         p = f"model.layers.{i}"
-        for name, norm in norms(stack):
-            yield layer(f"{p}.{name}", norm.weight[...], j)
+        for name, param in norms(stack):
+            yield layer(f"{p}.{name}", param[...], j)
         if sparse:
             yield from experts(p, j)
-        for name in LORA_TARGETS:
-            if sparse and PARENT_MODULE[name] == "mlp":
+        for name in ALL_TARGETS:
+            if (sparse and PARENT_MODULE[name] == "mlp") or not hasattr(stack, PARENT_MODULE[name]):
                 continue
             proj = projection(model, name, kind.attr)
             key = f"{p}.{PARENT_MODULE[name]}.{name}"
@@ -151,7 +157,7 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
 
 
 def _is_projection_weight(name: str) -> bool:
-    return name.startswith("model.layers.") and name.rsplit(".", 2)[-2] in LORA_TARGETS and name.endswith(".weight")
+    return name.startswith("model.layers.") and name.rsplit(".", 2)[-2] in ALL_TARGETS and name.endswith(".weight")
 
 
 def _bnb_name(weight_name: str, suffix: str) -> str:
@@ -166,7 +172,8 @@ def open_original(model: CausalLM, base: str | os.PathLike | None):
     """
     if base is None:
         if any(isinstance((p.base if isinstance(p, LoRALinear) else p), NF4Linear)
-               for stack, _ in model.layer_stacks() for p in (projection(model, n, stack.attr) for n in LORA_TARGETS)):
+               for stack, layers in model.layer_stacks()
+               for p in (projection(model, n, stack.attr) for n in ALL_TARGETS if hasattr(layers, PARENT_MODULE[n]))):
             warnings.warn("merging onto dequantized NF4 weights loses quality; pass base=<HF dir or .gguf of the "
                           "original weights> (--base) to merge onto them", stacklevel=3)
         return None
@@ -205,7 +212,6 @@ def save_merged(
     """
     if dtype not in MERGED_DTYPES:
         raise CheckpointError(f"unknown dtype {dtype!r}; choose one of: {', '.join(MERGED_DTYPES)}")
-    model.config.require_attention_only("merged export")
     if in_nf4 := dtype == "nf4":
         model.config.require_dense("exporting a merged NF4 checkpoint (use a 16-bit dtype)")
     source = open_original(model, base)

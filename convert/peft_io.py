@@ -19,12 +19,12 @@ from jaxtune.io.jsonfile import read_json_file
 from jaxtune.models.causal_lm import CausalLM
 from jaxtune.models.layer_kinds import has_experts
 from jaxtune.moe.experts import LoRAExperts
-from jaxtune.qlora import LORA_TARGETS, PARENT_MODULE, LoRALinear, get_peft_model, projection
+from jaxtune.qlora import ALL_TARGETS, PARENT_MODULE, LoRALinear, get_peft_model, projection
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _KEY = re.compile(
-    r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.default)?\.weight"
+    r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp|linear_attn)\.(\w+)\.lora_([AB])(?:\.default)?\.weight"
 )
 # PEFT's LoRA on transformers' fused expert parameters, wrapped in parameter order (the first innermost)
 _EXPERT_KEY = re.compile(
@@ -37,8 +37,10 @@ def lora_modules(model: CausalLM) -> dict[tuple[str, int], tuple[LoRALinear, int
     """(projection name, decoder layer) -> (the stacked projection carrying its LoRA adapter, the layer's position
     in that stack), for every layer of every stack (layer kinds)."""
     out = {}
-    for stack, _ in model.layer_stacks():
-        for name in LORA_TARGETS:
+    for stack, layers in model.layer_stacks():
+        for name in ALL_TARGETS:
+            if not hasattr(layers, PARENT_MODULE[name]):
+                continue
             proj = projection(model, name, stack.attr)
             if isinstance(proj, LoRALinear):
                 out.update({(name, layer): (proj, j) for j, layer in enumerate(stack.layers)})
@@ -56,8 +58,9 @@ def expert_lora_modules(model: CausalLM) -> dict[str, LoRAExperts]:
 
 def _module_layers(model: CausalLM, name: str) -> list[int]:
     """The decoder layers where projection `name` is a module of its own (not a fused expert parameter)."""
-    return [layer for stack, _ in model.layer_stacks()
-            if PARENT_MODULE[name] != "mlp" or not has_experts(model.config, stack) for layer in stack.layers]
+    return [layer for stack, layers in model.layer_stacks()
+            if hasattr(layers, PARENT_MODULE[name]) and (PARENT_MODULE[name] != "mlp" or not has_experts(model.config, stack))
+            for layer in stack.layers]
 
 
 def _expert_param_modules(params: list[str]) -> dict[str, str]:
@@ -100,7 +103,6 @@ def _expert_tensors(experts: dict[str, LoRAExperts], layers: tuple[int, ...]) ->
 def save_peft(model: CausalLM, out_dir: str | os.PathLike, *, base_model_name_or_path: str | None = None) -> None:
     """Writes the model's LoRA adapters as a PEFT LoRA adapter directory (atomically). A mixture-of-experts model's
     expert adapters go on transformers' fused expert parameters (`target_parameters`, see `_expert_tensors`)."""
-    model.config.require_attention_only("PEFT export")
     modules, experts = lora_modules(model), expert_lora_modules(model)
     if not modules and not experts:
         raise CheckpointError("the model has no LoRA adapters to save; call jaxtune.get_peft_model first")
@@ -164,9 +166,9 @@ def _read_adapter_config(adapter_dir: str) -> dict[str, Any]:
     if isinstance(targets, str) or (not targets and not params):
         raise CheckpointError(f"target_modules={targets!r} is not a list of module names; jaxtune needs e.g. ['q_proj', 'v_proj']")
     names = sorted({t.split(".")[-1] for t in targets} | set(dense))
-    unknown = [t for t in names if t not in LORA_TARGETS]
+    unknown = [t for t in names if t not in ALL_TARGETS]
     if unknown:
-        raise CheckpointError(f"adapter targets {', '.join(unknown)}, which jaxtune does not adapt; valid: {', '.join(LORA_TARGETS)}")
+        raise CheckpointError(f"adapter targets {', '.join(unknown)}, which jaxtune does not adapt; valid: {', '.join(ALL_TARGETS)}")
     cfg["target_modules"] = names
     return cfg
 

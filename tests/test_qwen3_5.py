@@ -100,13 +100,40 @@ def test_a_4bit_run_adapts_every_projection_and_trains(tmp_path, tiny_tokenizer)
     for proj in (linear.in_proj_qkv, linear.in_proj_a, linear.out_proj, model.layers.self_attn.q_proj,
                  model.gated_deltanet_layers.mlp.down_proj):
         assert np.abs(np.asarray(proj.lora_b[...])).max() > 0
-    for what in (lambda: jaxtune.generate(model, tiny_tokenizer, "hello", max_new_tokens=2),
-                 lambda: jaxtune.save_peft(model, tmp_path / "peft"),
-                 lambda: jaxtune.save_merged(model, tmp_path / "merged")):
-        with pytest.raises(UnsupportedModelError, match="Gated DeltaNet layers") as e:
-            what()
-        assert "\n" not in str(e.value)
-    assert not (tmp_path / "peft").exists() and not (tmp_path / "merged").exists()
+    with pytest.raises(UnsupportedModelError, match="Gated DeltaNet layers") as e:
+        jaxtune.generate(model, tiny_tokenizer, "hello", max_new_tokens=2)
+    assert "\n" not in str(e.value)
+
+
+def test_peft_and_merged_exports_load_in_transformers_with_jaxtunes_logits(tmp_path):
+    """Adapters on every projection (the Gated DeltaNet ones included): peft on transformers, and the merged
+    checkpoint (written in the text-only layout), give jaxtune's logits; the adapter reads back into jaxtune."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from conftest import set_random_lora
+    from jaxtune.qlora import ALL_TARGETS
+
+    build_hf_model(Qwen3_5TextConfig(**SHAPES), tmp_path / "base")
+    model, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32")
+    jaxtune.get_peft_model(model, r=4, lora_alpha=8, seed=1, target_modules=ALL_TARGETS)
+    set_random_lora(model, seed=2)
+    ids = np.random.default_rng(3).integers(0, 128, (2, 80))
+    ours = _logits(model, ids)
+    jaxtune.save_peft(model, tmp_path / "peft")
+    jaxtune.save_merged(model, tmp_path / "merged", dtype="float32")
+    assert "in_proj_qkv" in json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["target_modules"]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf, tmp_path / "peft").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        _assert_close(ours, peft_model(torch.as_tensor(ids)).logits.numpy())
+        _assert_close(ours, merged(torch.as_tensor(ids)).logits.numpy())
+        with peft_model.disable_adapter():
+            assert np.abs(peft_model(torch.as_tensor(ids)).logits.numpy() - ours).max() > 1e-2
+    fresh, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32")
+    jaxtune.load_peft(fresh, tmp_path / "peft")
+    _assert_close(_logits(fresh, ids), ours, tol=1e-5)
 
 
 @pytest.mark.parametrize("change, words", [

@@ -85,8 +85,8 @@ class ModelConfig:
         """Refuses, in one line, what a hybrid decoder's Gated DeltaNet layers cannot do yet."""
         if "linear_attention" in self.layer_types:
             raise UnsupportedModelError(
-                f"{what} is not supported yet for {self.model_type}'s Gated DeltaNet layers (training, evaluation "
-                "and jaxtune's own checkpoints are); the run directory keeps the trained adapters")
+                f"{what} is not supported yet for {self.model_type}'s Gated DeltaNet layers (training, evaluation, "
+                "PEFT and merged export are); export --merged and generate with transformers")
 
     @property
     def q_per_kv(self) -> int:
