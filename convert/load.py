@@ -141,7 +141,7 @@ def _plan(source, cfg: ModelConfig, slots: dict[Path, tuple[tuple[int, ...], boo
         stack = stacks.get(path[0])
         layers = range(len(stack.layers)) if stack else [None]
         experts = (range(cfg.num_experts) if stack and has_experts(cfg, stack) and path[1] == "mlp"
-                   and path[2] != "router" else None)
+                   and path[2] in ("gate_proj", "up_proj", "down_proj") else None)
         for layer in layers:
             for index in [layer] if experts is None else [(layer, e) for e in experts]:
                 if (path, index) not in filled:

@@ -110,6 +110,10 @@ def _projections(model: CausalLM):
             parent = getattr(layers, PARENT_MODULE[name], None)
             if parent is not None:
                 yield name, parent, getattr(parent, name), stack
+        shared = getattr(getattr(layers, "mlp", None), "shared_expert", None)
+        if shared is not None:  # a shared expert's projections take the MLP's names (gate_proj, ...)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                yield name, shared, getattr(shared, name), stack
 
 
 # one compiled program per weight shape: run op by op, the vmapped quantizer compiled a dozen small programs per
@@ -181,6 +185,9 @@ def get_peft_model(
         key = keys[name] if stack.attr == "layers" else jax.random.fold_in(keys[name], stack_index[stack.attr])
         leading = (len(stack.layers),)
         out_f, in_f = _features(cfg, name, has_experts(cfg, stack))
+        if parent is getattr(getattr(getattr(model, stack.attr), "mlp", None), "shared_expert", None):
+            h, s = cfg.hidden_size, cfg.shared_expert_intermediate_size
+            out_f, in_f = (h, s) if name == "down_proj" else (s, h)
         if isinstance(proj, (ExpertLinear, NF4Experts)):  # an adapter per expert
             setattr(parent, name, LoRAExperts(proj, cfg.num_experts, in_f, out_f, r=r, alpha=lora_alpha,
                                               use_rslora=use_rslora, key=key, leading=leading,

@@ -147,3 +147,44 @@ def test_configs_that_name_no_model_are_refused_in_one_line(tmp_path, change, wo
     with pytest.raises(UnsupportedModelError, match=words) as e:
         jaxtune.from_pretrained(tmp_path)
     assert "\n" not in str(e.value)
+
+
+MOE_SHAPES = {**{k: v for k, v in SHAPES.items() if k != "intermediate_size"}, "moe_intermediate_size": 64,
+              "shared_expert_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2}
+
+
+def test_the_moe_variants_logits_equal_transformers(tmp_path):
+    """Qwen3.5-MoE: every layer (linear and full attention alike) routes to its top-k experts, renormalized, and
+    adds its shared expert scaled by sigmoid(shared_expert_gate)."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    hf = build_hf_model(Qwen3_5MoeTextConfig(**MOE_SHAPES), tmp_path)
+    model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32")
+    assert model.config.shared_expert_intermediate_size == 64 and model.config.norm_topk_prob
+    assert model.gated_deltanet_layers.mlp.shared_expert.up_proj.weight.shape == (3, 64, 64)
+    ids = np.random.default_rng(0).integers(0, 128, (2, 100))
+    with torch.no_grad():
+        want = hf(torch.as_tensor(ids)).logits.numpy()
+    _assert_close(_logits(model, ids), want)
+
+
+def test_a_4bit_moe_run_trains_the_routed_and_shared_experts(tmp_path, tiny_tokenizer):
+    from transformers import Qwen3_5MoeTextConfig
+
+    build_hf_model(Qwen3_5MoeTextConfig(**{**MOE_SHAPES, "vocab_size": len(tiny_tokenizer)}), tmp_path / "base")
+    model, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=True)
+    shared = model.layers.mlp.shared_expert
+    assert type(shared.gate_proj).__name__ == "NF4Linear" and type(model.layers.mlp.gate_proj).__name__ == "NF4Experts"
+    rows = [{"text": f"row {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 3)} for i in range(16)]
+    cfg = jaxtune.TrainConfig(format="text", seq_len=96, micro_batch_size=4, max_steps=6, learning_rate=1e-2,
+                              warmup_steps=0, lora_r=4, save_steps=0)
+    result = jaxtune.train(model, tiny_tokenizer, rows, cfg, progress=False)
+    assert result.losses[-1] < result.losses[0] - 0.1, result.losses
+    for proj in (shared.down_proj, model.gated_deltanet_layers.mlp.shared_expert.up_proj,
+                 model.gated_deltanet_layers.mlp.down_proj):
+        assert np.abs(np.asarray(proj.lora_b[...])).max() > 0
+    for export in (lambda: jaxtune.save_peft(model, tmp_path / "peft"),
+                   lambda: jaxtune.save_merged(model, tmp_path / "merged")):
+        with pytest.raises(jaxtune.CheckpointError, match="shared experts is not supported yet") as e:
+            export()
+        assert "\n" not in str(e.value)

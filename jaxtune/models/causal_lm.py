@@ -173,8 +173,8 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        h, i = cfg.hidden_size, cfg.intermediate_size
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, width: int | None = None):
+        h, i = cfg.hidden_size, width or cfg.intermediate_size
         self.gate_proj = Linear(h, i, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(h, i, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(i, h, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
@@ -226,7 +226,12 @@ class DecoderLayer(nnx.Module):
             self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = norm()
         sparse = cfg.num_experts and kind != DENSE_MLP
-        self.mlp = SparseMoE(cfg, dtype=dtype, rngs=rngs) if sparse else MLP(cfg, dtype=dtype, rngs=rngs)
+        if sparse and cfg.shared_expert_intermediate_size:
+            self.mlp = SparseMoE(cfg, dtype=dtype, rngs=rngs,
+                                 shared_expert=MLP(cfg, dtype=dtype, rngs=rngs, width=cfg.shared_expert_intermediate_size),
+                                 shared_expert_gate=Linear(cfg.hidden_size, 1, bias=False, dtype=dtype, rngs=rngs))
+        else:
+            self.mlp = SparseMoE(cfg, dtype=dtype, rngs=rngs) if sparse else MLP(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, cos, sin, segment_ids, cache=None, cache_segment_ids=None, cache_index=None, rng=None,
                  mlp_token_tile=None):

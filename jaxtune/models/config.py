@@ -8,8 +8,9 @@ from typing import Any
 
 from jaxtune.errors import CheckpointError, UnsupportedModelError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen3_5", "qwen3_5_text")
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen3_5", "qwen3_5_text",
+                         "qwen3_5_moe", "qwen3_5_moe_text")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe", "qwen3_5_moe_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -55,6 +56,9 @@ class ModelConfig:
     # Qwen3-MoE's layers with a dense MLP of width `intermediate_size` among the sparse ones (transformers'
     # `mlp_only_layers` and `decoder_sparse_step`, resolved to the layers they name)
     dense_mlp_layers: tuple[int, ...] = ()
+    # Qwen3.5-MoE: a shared expert (a SwiGLU MLP of this width, its output scaled by a sigmoid gate) beside the
+    # routed ones in every sparse layer; 0: none
+    shared_expert_intermediate_size: int = 0
     # hybrid decoders (Qwen3.5): each layer's token mixer, "full_attention" or "linear_attention" (Gated DeltaNet);
     # empty: every layer full attention
     layer_types: tuple[str, ...] = ()
@@ -110,7 +114,8 @@ class ModelConfig:
             hidden = int(hf["hidden_size"])
             heads = int(hf["num_attention_heads"])
             layers = int(hf["num_hidden_layers"])
-            inter = int(hf["intermediate_size"])
+            inter = int(hf["intermediate_size"] if "intermediate_size" in hf or model_type not in qwen3_5.MODEL_TYPES
+                        else hf.get("moe_intermediate_size", 0))
             vocab = int(hf["vocab_size"])
         except KeyError as e:
             raise CheckpointError(f"config.json lacks required key {e.args[0]!r}; is this a complete HF checkpoint?") from None
@@ -136,7 +141,7 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         moe = _moe_fields(model_type, hf, inter) if model_type in MOE_MODEL_TYPES else {}
         if model_type in qwen3_5.MODEL_TYPES:
-            moe = qwen3_5.fields(hf, layers)
+            moe = {**moe, **qwen3_5.fields(hf, layers)}
         if model_type == "mixtral":
             sliding_window = hf.get("sliding_window")
         return cls(
@@ -181,7 +186,8 @@ class ModelConfig:
             )
         arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
+                "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+                "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
         out: dict[str, Any] = {
             "architectures": [arch[self.model_type]],
             "model_type": self.model_type,
@@ -216,11 +222,15 @@ class ModelConfig:
                        mlp_only_layers=list(self.dense_mlp_layers))
         if self.model_type == "mixtral":
             out.update(num_local_experts=self.num_experts, sliding_window=self.sliding_window, router_jitter_noise=0.0)
-        if self.model_type in ("qwen3_5", "qwen3_5_text"):  # written as the text-only layout transformers loads
+        if self.model_type.startswith("qwen3_5"):  # written as the text-only layout transformers loads
             from jaxtune.models.families import qwen3_5
 
             rope["partial_rotary_factor"] = self.partial_rotary_factor
-            out.update(model_type="qwen3_5_text", rope_parameters=rope, **qwen3_5.hf_fields(self))
+            out.update(model_type=self.model_type.removesuffix("_text") + "_text", rope_parameters=rope,
+                       **qwen3_5.hf_fields(self))
+            if self.num_experts:
+                out.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
+                           shared_expert_intermediate_size=self.shared_expert_intermediate_size)
         if self.num_experts:
             out.update(num_experts_per_tok=self.num_experts_per_tok, output_router_logits=self.output_router_logits,
                        router_aux_loss_coef=self.router_aux_loss_coef)
@@ -236,9 +246,16 @@ def _moe_fields(model_type: str, hf: dict[str, Any], intermediate: int) -> dict[
             f"{model_type} config.json has num_experts={experts!r}, num_experts_per_tok={top_k!r}; a mixture of "
             "experts needs 1 <= num_experts_per_tok <= num_experts")
     dense: tuple[int, ...] = ()
+    shared = 0
     if model_type == "qwen3_moe":
         dense = _dense_mlp_layers(hf)
         width, normalize = int(hf.get("moe_intermediate_size") or 0), bool(hf.get("norm_topk_prob", False))
+    elif model_type.startswith("qwen3_5_moe"):  # the router always renormalizes the top k; a shared expert
+        width, normalize = int(hf.get("moe_intermediate_size") or 0), True
+        shared = int(hf.get("shared_expert_intermediate_size") or 0)
+        if shared <= 0:
+            raise UnsupportedModelError(f"{model_type} config.json lacks shared_expert_intermediate_size; is it "
+                                        "a complete config?")
     else:
         if float(hf.get("router_jitter_noise") or 0.0):
             raise UnsupportedModelError(
@@ -249,7 +266,8 @@ def _moe_fields(model_type: str, hf: dict[str, Any], intermediate: int) -> dict[
         raise UnsupportedModelError(f"{model_type} config.json lacks moe_intermediate_size; is it a complete config?")
     return dict(num_experts=int(experts), num_experts_per_tok=int(top_k), moe_intermediate_size=width,
                 norm_topk_prob=normalize, output_router_logits=bool(hf.get("output_router_logits", False)),
-                router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0), dense_mlp_layers=dense)
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0), dense_mlp_layers=dense,
+                shared_expert_intermediate_size=shared)
 
 
 def _dense_mlp_layers(hf: dict[str, Any]) -> tuple[int, ...]:

@@ -83,4 +83,4 @@ def locate(cfg: ModelConfig, layer: int) -> tuple[LayerStack, int]:
 
 def has_experts(cfg: ModelConfig, stack: LayerStack) -> bool:
     """Whether the stack's layers route their MLP to experts."""
-    return bool(cfg.num_experts) and stack.kind == DEFAULT
+    return bool(cfg.num_experts) and stack.kind != DENSE_MLP

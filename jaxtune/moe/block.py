@@ -24,15 +24,19 @@ class Router(nnx.Module):
 
 
 class SparseMoE(nnx.Module):
-    """Qwen3-MoE's / Mixtral's sparse MLP in HF's per-expert layout (`experts` stacks gate/up/down as [E, ...])."""
+    """Qwen3-MoE's / Mixtral's sparse MLP in HF's per-expert layout (`experts` stacks gate/up/down as [E, ...]);
+    with `shared_expert` (Qwen3.5-MoE) a dense MLP every token runs beside its routed experts, its output scaled by
+    sigmoid(`shared_expert_gate`(x)) and added."""
 
-    def __init__(self, cfg, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, dtype: jnp.dtype, rngs: nnx.Rngs, shared_expert: nnx.Module | None = None,
+                 shared_expert_gate: nnx.Module | None = None):
         h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         self.num_experts, self.top_k, self.normalize = e, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.router = Router(e, h, dtype=dtype, rngs=rngs)
         self.gate_proj = ExpertLinear(e, h, i, dtype=dtype, rngs=rngs)
         self.up_proj = ExpertLinear(e, h, i, dtype=dtype, rngs=rngs)
         self.down_proj = ExpertLinear(e, i, h, dtype=dtype, rngs=rngs)
+        self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
 
     def __call__(self, x: jax.Array, rng: jax.Array | None = None, token_tile: int | None = None) -> jax.Array:
         b, t, _ = x.shape
@@ -44,6 +48,9 @@ class SparseMoE(nnx.Module):
             out, stats = _per_batch_shard(self, x, mask, rng)
         if stats is not None:
             balancing.add(stats)
+        if self.shared_expert is not None:  # one dense GEMM per projection beside the routed ones
+            gate = jax.nn.sigmoid(self.shared_expert_gate(x, None).astype(jnp.float32)).astype(x.dtype)
+            out = out + gate * self.shared_expert(x, None if rng is None else jax.random.fold_in(rng, 7))
         return out
 
     def routed(self, x: jax.Array, mask: jax.Array | None, rng: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:

@@ -13,18 +13,18 @@ from typing import Any
 
 from jaxtune.errors import UnsupportedModelError
 
-MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 def text_config(hf: dict[str, Any]) -> dict[str, Any]:
     """The language model's settings: `text_config` of the published multimodal layout, or the dict itself."""
-    if hf.get("model_type") != "qwen3_5":
+    if hf.get("model_type") not in ("qwen3_5", "qwen3_5_moe"):
         return hf
     text = hf.get("text_config")
     if not isinstance(text, dict):
-        raise UnsupportedModelError("qwen3_5 config.json has no text_config; is it a complete Qwen3.5 config?")
-    out = {**text, "model_type": "qwen3_5"}
+        raise UnsupportedModelError(f"{hf['model_type']} config.json has no text_config; is it a complete config?")
+    out = {**text, "model_type": hf["model_type"]}
     if "tie_word_embeddings" in hf:
         out.setdefault("tie_word_embeddings", hf["tie_word_embeddings"])
     return out
