@@ -173,7 +173,6 @@ def generate_tokens(
     """New token ids per prompt (EOS excluded), prompts of any lengths batched with left padding."""
     if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
         raise ConfigError("every prompt needs at least one token; pass non-empty prompts")
-    model.config.require_attention_only("generation")
     check_sampling(max_new_tokens, temperature, top_p)
     ids, pad = left_padded(prompt_ids, pad_id)
     graphdef, state = nnx.split(model)

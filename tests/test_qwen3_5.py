@@ -101,8 +101,37 @@ def test_a_4bit_run_adapts_every_projection_and_trains(tmp_path, tiny_tokenizer)
                  model.gated_deltanet_layers.mlp.down_proj):
         assert np.abs(np.asarray(proj.lora_b[...])).max() > 0
     with pytest.raises(UnsupportedModelError, match="Gated DeltaNet layers") as e:
-        jaxtune.generate(model, tiny_tokenizer, "hello", max_new_tokens=2)
+        jaxtune.train(model, tiny_tokenizer, [{"prompt": "a"}] * 4, jaxtune.TrainConfig(
+            objective="grpo", format="text", seq_len=64, max_completion_length=8, max_steps=1), progress=False,
+            reward_funcs=[lambda **k: 0])
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_greedy_generation_equals_transformers(tmp_path, moe, monkeypatch):
+    """Prompts of different lengths (left padding): the prefill runs the chunked rule from an empty state and
+    leaves each layer's conv window and recurrent state, the steps run the one-token recurrence; with the stacked
+    caches and with one per layer, the tokens transformers' greedy `generate` picks."""
+    import importlib
+
+    from transformers import Qwen3_5MoeTextConfig
+
+    decoding = importlib.import_module("jaxtune.generate")
+    config = Qwen3_5MoeTextConfig(**MOE_SHAPES) if moe else Qwen3_5TextConfig(**SHAPES)
+    hf = build_hf_model(config, tmp_path)
+    model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32")
+    prompts = [list(np.random.default_rng(5).integers(0, 128, 70)), [7, 8]]  # a prompt longer than one chunk
+    runs = []
+    for per_layer in (False, True):
+        monkeypatch.setattr(decoding, "PER_LAYER_CACHE", per_layer)
+        with jax.default_matmul_precision("highest"):
+            runs.append(decoding.generate_tokens(model, prompts, max_new_tokens=8))
+    assert runs[1] == runs[0]
+    for prompt, got in zip(prompts, runs[0]):
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+        assert got == want[0, len(prompt):].tolist()
 
 
 def test_peft_and_merged_exports_load_in_transformers_with_jaxtunes_logits(tmp_path):

@@ -20,9 +20,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtune import ops
 from jaxtune.models import input_stats
 from jaxtune.models.config import ModelConfig
-from jaxtune.models.blocks.gated_deltanet import GatedDeltaNet
-from jaxtune.models.layer_kinds import (DEFAULT, DENSE_MLP, GATED_DELTANET, LayerRun, LayerStack, layer_runs,
-                                        layer_stacks)
+from jaxtune.models.blocks.gated_deltanet import GatedDeltaNet, LinearCache
+from jaxtune.models.layer_kinds import (DEFAULT, DENSE_MLP, GATED_DELTANET, LayerRun, LayerStack, attention_layers,
+                                        attention_position, layer_runs, layer_stacks)
 from jaxtune.models.layer_loop import layer_loop
 from jaxtune.moe import balancing
 from jaxtune.moe.block import SparseMoE
@@ -90,14 +90,20 @@ class KVCache(NamedTuple):
     k: jax.Array | tuple[jax.Array, ...]
     v: jax.Array | tuple[jax.Array, ...]
     segment_ids: jax.Array
+    # a hybrid decoder's Gated DeltaNet layers: their conv windows and recurrent states (the KV stacks then hold
+    # the attention layers only)
+    linear: LinearCache | None = None
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, length: int, dtype: jnp.dtype, per_layer: bool = False) -> "KVCache":
         shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
         segments = jnp.zeros((batch, length), jnp.int32)
+        layers = attention_layers(cfg)
+        linear = cfg.num_layers - layers
+        linear = LinearCache.empty(cfg, linear, batch, dtype) if linear else None
         if per_layer:
-            return cls(*(tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)) for _ in "kv"), segments)
-        return cls(jnp.zeros((cfg.num_layers, *shape), dtype), jnp.zeros((cfg.num_layers, *shape), dtype), segments)
+            return cls(*(tuple(jnp.zeros(shape, dtype) for _ in range(layers)) for _ in "kv"), segments, linear)
+        return cls(jnp.zeros((layers, *shape), dtype), jnp.zeros((layers, *shape), dtype), segments, linear)
 
 
 class Attention(nnx.Module):
@@ -235,10 +241,8 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, cos, sin, segment_ids, cache=None, cache_segment_ids=None, cache_index=None, rng=None,
                  mlp_token_tile=None):
-        if self.linear:
-            if cache is not None:
-                raise NotImplementedError("decoding with a KV cache through Gated DeltaNet layers")
-            attn = self.linear_attn(self.input_layernorm(x), segment_ids, rng)
+        if self.linear:  # its cache: the Gated DeltaNet layers' windows and states (LinearCache), or none
+            attn, cache = self.linear_attn(self.input_layernorm(x), segment_ids, rng, cache)
         else:
             attn, cache = self.self_attn(
                 self.input_layernorm(x), cos, sin, segment_ids, cache, cache_segment_ids, cache_index, rng
@@ -392,8 +396,9 @@ class CausalLM(nnx.Module):
         `last_only`: logits of the last token only ([B, 1, V]; a prefill needs no more, and all T positions' float32
         logits would be the largest array of a sampled batch's prefill)."""
         seg = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids.astype(jnp.int32), (0, cache_index))
-        h, written = self._decode(input_ids, positions, segment_ids, LayerCache(cache.k, cache.v), (seg, cache_index))
-        return self.logits(h[:, -1:] if last_only else h), KVCache(written.k, written.v, seg)
+        h, (written, linear) = self._decode(input_ids, positions, segment_ids, (LayerCache(cache.k, cache.v),
+                                                                              cache.linear), (seg, cache_index))
+        return self.logits(h[:, -1:] if last_only else h), KVCache(written.k, written.v, seg, linear)
 
     def _decode(self, input_ids, positions, segment_ids, cache, cache_args, dropout_rng=None, tokens=None):
         cos, sin = rope_tables(self.config, positions)
@@ -408,20 +413,21 @@ class CausalLM(nnx.Module):
         layer_rngs = None if dropout_rng is None else jax.random.split(dropout_rng, self.config.num_layers)
         # the layers run in order, a loop per run of one kind's consecutive layers (one run: every layer alike)
         on_device = self.offload_device_layers if self.remat_policy == "offload" and cache is None else 0
+        cache, linear = (None, None) if cache is None else cache
         k, v = (None, None) if cache is None else (cache.k, cache.v)
         for run in layer_runs(self.config):
             after = self.config.num_layers - run.first - run.count
             rngs = None if layer_rngs is None else layer_rngs[run.first:run.first + run.count]
-            h, k, v = self._run_layers(run, h, k, v, (cos, sin, segment_ids), cache_seg, cache_index, rngs, aux,
-                                       tokens, min(run.count, max(0, on_device - after)))
+            h, k, v, linear = self._run_layers(run, h, k, v, linear, (cos, sin, segment_ids), cache_seg, cache_index,
+                                               rngs, aux, tokens, min(run.count, max(0, on_device - after)))
         if cache is None:
             return self._final(h), None
-        return self.norm(h), LayerCache(k, v)
+        return self.norm(h), (LayerCache(k, v), linear)
 
-    def _run_layers(self, run: LayerRun, h, k, v, constants, cache_seg, cache_index, layer_rngs, aux, tokens,
+    def _run_layers(self, run: LayerRun, h, k, v, linear, constants, cache_seg, cache_index, layer_rngs, aux, tokens,
                     on_device: int):
-        """h (and the KV cache k, v) after the run's layers: the loop that fits the call (training, remat offload,
-        a stacked or per-layer cache)."""
+        """h (and the KV cache k, v, and the Gated DeltaNet layers' `linear` cache) after the run's layers: the loop
+        that fits the call (training, remat offload, a stacked or per-layer cache)."""
         cache = k is not None
         offloading = self.remat_policy == "offload" and not cache
         group = self.offload_group if offloading and (run.count - on_device) % self.offload_group == 0 else 1
@@ -451,7 +457,8 @@ class CausalLM(nnx.Module):
             return tree if whole_stack else jax.tree.map(lambda a: a[run.start:run.start + run.count], tree)
 
         if group > 1 or on_device:
-            return split_offload_scan(body, h, run_part(layer_state), layer_rngs, run.count, group, on_device), k, v
+            return (split_offload_scan(body, h, run_part(layer_state), layer_rngs, run.count, group, on_device), k, v,
+                    linear)
         # the NF4 codes (and their prepared kernel scales) stay whole (constants of the scan) and each layer reads
         # its own in place: the kernels that dequantize them would otherwise get a copy of every layer's codes (a
         # custom call's operand is a buffer of its own, never a slice of one)
@@ -481,12 +488,30 @@ class CausalLM(nnx.Module):
 
             h = layer_loop(rematerialized(layer_fn), h, (sliced_state, layer_rngs), (codes_state, *constants),
                            run.count, unrolled=unrolled, first_index=run.start)
-            return h, k, v
+            return h, k, v, linear
         indices = jnp.arange(run.start, run.start + run.count, dtype=jnp.int32)  # positions in the stack
         if not cache:  # remat "offload" on one group of layers: the plain loop, no cache
             h, _ = jax.lax.scan(rematerialized(stacked_body), h, (sliced_state, None, layer_rngs, indices))
-            return h, k, v
-        to_decoder = run.first - run.start  # a stack position + this: the decoder layer (the cache's index)
+            return h, k, v, linear
+        if run.stack.kind == GATED_DELTANET:  # the stack's positions index the windows and states
+            def linear_body(carry, xs):
+                h, conv, state = carry
+                sliced, rng, index = xs
+                h, written = stacked_body(h, (sliced, LinearCache(conv, state, index), rng, index))
+                return (h, written.conv, written.state), None
+
+            if isinstance(k, tuple):  # per-layer decoding: one traced layer per layer here too
+                conv, state = linear.conv, linear.state
+                for j in range(run.count):
+                    sliced = jax.tree.map(lambda a, j=j: a[j], sliced_state)
+                    with ops.static_layer(run.start + j):
+                        (h, conv, state), _ = linear_body((h, conv, state), (sliced, None, jnp.int32(run.start + j)))
+            else:
+                (h, conv, state), _ = jax.lax.scan(linear_body, (h, linear.conv, linear.state),
+                                                   (sliced_state, layer_rngs, indices))
+            return h, k, v, LinearCache(conv, state)
+        # a stack position + this: the KV cache's index (the decoder layer's place among those that attend)
+        to_decoder = attention_position(self.config, run.first) - run.start
 
         def cached_body(carry, xs):  # the cache stacks ride in the carry: each layer updates them in place
             h, k, v = carry
@@ -498,13 +523,13 @@ class CausalLM(nnx.Module):
             k, v = list(k), list(v)
             for j in range(run.count):
                 sliced = jax.tree.map(lambda a, j=j: a[j], sliced_state)
-                i = run.first + j
+                i = run.start + j + to_decoder
                 with ops.static_layer(run.start + j):
                     h, written = stacked_body(h, (sliced, LayerCache(k[i], v[i], None), None, jnp.int32(run.start + j)))
                 k[i], v[i] = written.k, written.v
-            return h, tuple(k), tuple(v)
+            return h, tuple(k), tuple(v), linear
         (h, k, v), _ = jax.lax.scan(rematerialized(cached_body), (h, k, v), (sliced_state, layer_rngs, indices))
-        return h, k, v
+        return h, k, v, linear
 
     def _final(self, h):
         """The final norm of the last layer's hidden states (and the load-balancing statistics as they are, where

@@ -81,6 +81,16 @@ def locate(cfg: ModelConfig, layer: int) -> tuple[LayerStack, int]:
     raise IndexError(f"layer {layer} is not one of the model's {cfg.num_layers}")
 
 
+def attention_layers(cfg: ModelConfig) -> int:
+    """How many layers attend (and hold a KV cache): all but a hybrid decoder's linear-attention layers."""
+    return sum(layer_kind(cfg, i) != GATED_DELTANET for i in range(cfg.num_layers))
+
+
+def attention_position(cfg: ModelConfig, layer: int) -> int:
+    """Decoder layer `layer`'s place among the layers that attend: its KV cache's index."""
+    return sum(layer_kind(cfg, i) != GATED_DELTANET for i in range(layer))
+
+
 def has_experts(cfg: ModelConfig, stack: LayerStack) -> bool:
     """Whether the stack's layers route their MLP to experts."""
     return bool(cfg.num_experts) and stack.kind != DENSE_MLP

@@ -12,13 +12,15 @@ stay as the checkpoint has them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxtune.models import input_stats
 from jaxtune.models.config import ModelConfig
-from jaxtune.ops.gated_delta import gated_delta_rule_chunked
+from jaxtune.ops.gated_delta import gated_delta_rule_chunked, gated_delta_rule_recurrent
 
 PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
@@ -28,16 +30,41 @@ def fold_rng(rng: jax.Array | None, index: int) -> jax.Array | None:
     return None if rng is None else jax.random.fold_in(rng, index)
 
 
+class LinearCache(NamedTuple):
+    """What decoding carries for the Gated DeltaNet layers, stacked over them: the conv window (the last K - 1
+    inputs of the row's segment) [L, B, K - 1, C] and the recurrent state [L, B, Hv, dk, dv] (float32); `layer`
+    this layer's index in the stacks."""
+
+    conv: jax.Array
+    state: jax.Array
+    layer: jax.Array | int = 0
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, layers: int, batch: int, dtype: jnp.dtype) -> "LinearCache":
+        key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        channels = 2 * key + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        return cls(jnp.zeros((layers, batch, cfg.linear_conv_kernel_dim - 1, channels), dtype),
+                   jnp.zeros((layers, batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                              cfg.linear_value_head_dim), jnp.float32))
+
+
 class DepthwiseConv(nnx.Module):
     """The causal depthwise convolution's weight [channels, 1, kernel], as the checkpoint stores it."""
 
     def __init__(self, channels: int, kernel: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.weight = nnx.Param(0.02 * jax.random.normal(rngs.params(), (channels, 1, kernel), dtype))
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
-        """x [B, T, C] -> causal conv over T (zeros before each segment's first token), float32."""
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None, window: jax.Array | None = None) -> jax.Array:
+        """x [B, T, C] -> causal conv over T (zeros before each segment's first token), float32; `window`
+        [B, K - 1, C]: the inputs before x (decoding), of the first token's segment."""
         w = self.weight[...][:, 0, :].astype(jnp.float32)  # [C, K]
         kernel, t = w.shape[-1], x.shape[1]
+        if window is not None:  # the window's tokens precede x, in its first token's segment
+            x = jnp.concatenate([window.astype(x.dtype), x], axis=1)
+            if segment_ids is not None:
+                segment_ids = jnp.concatenate(
+                    [jnp.broadcast_to(segment_ids[:, :1], (x.shape[0], kernel - 1)), segment_ids], axis=1)
+            return self(x, segment_ids)[:, kernel - 1:]
         xf = x.astype(jnp.float32)
         out = jnp.zeros_like(xf)
         for shift in range(kernel):  # out[t] = sum_s w[K - 1 - s] * x[t - s], within the segment of t
@@ -84,11 +111,19 @@ class GatedDeltaNet(nnx.Module):
         self.dt_bias = nnx.Param(jnp.ones((self.num_v_heads,), dtype))
         self.norm = GatedRMSNorm(self.head_v_dim, eps=cfg.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array | None, rng: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None, rng: jax.Array | None = None,
+                 cache: LinearCache | None = None) -> tuple[jax.Array, LinearCache | None]:
+        """(out, the cache with this layer's window and state written) for x [B, T, H]; without a cache the
+        state starts at zero (training, scoring)."""
         b, t, _ = x.shape
         input_stats.observe(PROJECTIONS[:4], x)
         key_dim = self.num_k_heads * self.head_k_dim
-        mixed = jax.nn.silu(self.conv1d(self.in_proj_qkv(x, fold_rng(rng, 10)), segment_ids)).astype(x.dtype)
+        qkv = self.in_proj_qkv(x, fold_rng(rng, 10))
+        window = state = None
+        if cache is not None:
+            window = jax.lax.dynamic_index_in_dim(cache.conv, cache.layer, 0, keepdims=False)
+            state = jax.lax.dynamic_index_in_dim(cache.state, cache.layer, 0, keepdims=False)
+        mixed = jax.nn.silu(self.conv1d(qkv, segment_ids, window)).astype(x.dtype)
         z = self.in_proj_z(x, fold_rng(rng, 11)).reshape(b, t, self.num_v_heads, self.head_v_dim)
         beta = jax.nn.sigmoid(self.in_proj_b(x, fold_rng(rng, 12)).astype(jnp.float32))
         a = self.in_proj_a(x, fold_rng(rng, 13)).astype(jnp.float32)
@@ -96,8 +131,24 @@ class GatedDeltaNet(nnx.Module):
         q = mixed[..., :key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
         k = mixed[..., key_dim:2 * key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
         v = mixed[..., 2 * key_dim:].reshape(b, t, self.num_v_heads, self.head_v_dim)
-        out, _ = gated_delta_rule_chunked(_l2norm(q), _l2norm(k), v.astype(jnp.float32), g, beta,
-                                          segment_ids=segment_ids)
+        rule = gated_delta_rule_recurrent if cache is not None and t == 1 else gated_delta_rule_chunked
+        out, state = rule(_l2norm(q), _l2norm(k), v.astype(jnp.float32), g, beta, segment_ids=segment_ids,
+                          initial_state=state)
+        if cache is not None:
+            cache = self._written(cache, qkv, segment_ids, window, state)
         out = self.norm(out.astype(x.dtype), z).reshape(b, t, -1)
         input_stats.observe(("out_proj",), out)
-        return self.out_proj(out, fold_rng(rng, 14))
+        return self.out_proj(out, fold_rng(rng, 14)), cache
+
+    @staticmethod
+    def _written(cache: LinearCache, qkv, segment_ids, window, state) -> LinearCache:
+        """The cache with the new window (the last K - 1 inputs, zero where they are not the last token's segment)
+        and state at this layer."""
+        keep = window.shape[1]
+        full = jnp.concatenate([window.astype(qkv.dtype), qkv], axis=1)[:, -keep:]
+        if segment_ids is not None:
+            seg = jnp.concatenate([jnp.broadcast_to(segment_ids[:, :1], (qkv.shape[0], keep)), segment_ids], 1)[:, -keep:]
+            full = jnp.where((seg == segment_ids[:, -1:])[..., None], full, 0)
+        conv = jax.lax.dynamic_update_index_in_dim(cache.conv, full.astype(cache.conv.dtype), cache.layer, 0)
+        states = jax.lax.dynamic_update_index_in_dim(cache.state, state.astype(jnp.float32), cache.layer, 0)
+        return LinearCache(conv, states, cache.layer)
