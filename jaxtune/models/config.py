@@ -85,13 +85,6 @@ class ModelConfig:
                 f"{what} is not supported yet for mixture-of-experts models ({self.model_type}); the run directory's "
                 "checkpoint keeps the trained adapters (jaxtune train --resume continues from it)")
 
-    def require_attention_only(self, what: str) -> None:
-        """Refuses, in one line, what a hybrid decoder's Gated DeltaNet layers cannot do yet."""
-        if "linear_attention" in self.layer_types:
-            raise UnsupportedModelError(
-                f"{what} is not supported yet for {self.model_type}'s Gated DeltaNet layers (training, evaluation, "
-                "PEFT and merged export are); export --merged and generate with transformers")
-
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads

@@ -216,8 +216,6 @@ def _set_up(model: CausalLM, tokenizer: Any, data, cfg: TrainConfig, out_dir, re
     if jax.process_index() == 0:
         check_reporters(cfg.report_to, run_dir)
     moe = model.config
-    if cfg.objective == "grpo":  # its rollouts decode with a cache
-        moe.require_attention_only("GRPO")
     # a mixture of experts whose config asks for the routers' load-balancing loss (transformers adds it then)
     aux_coef = moe.router_aux_loss_coef if moe.num_experts and moe.output_router_logits else 0.0
     if aux_coef and cfg.objective != "sft":
