@@ -95,32 +95,34 @@ def gated_delta_rule_chunked(q, k, v, g, beta, *, segment_ids=None, initial_stat
     eye = jnp.eye(chunk, dtype=jnp.float32)
     state = jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
 
-    def one_chunk(s, xs):
-        qi, ki, vi, gi, bi, si, ri = xs
-        cum = jnp.cumsum(gi, axis=-1)  # [B, H, C]
-        same = (si[:, :, None] == si[:, None, :]) & lower  # [B, C, C]: j <= i within one segment
-        decay = jnp.where(same[:, None], jnp.exp(jnp.where(same[:, None], cum[..., :, None] - cum[..., None, :], 0.0)),
-                          0.0)
-        # tokens that still see the carried state: no segment start in the chunk up to them
-        reads = (jnp.cumsum(ri.astype(jnp.int32), axis=-1) == 0)[:, None, :]  # [B, 1, C]
-        from_state = jnp.where(reads, jnp.exp(cum), 0.0)  # [B, H, C]
-        kb, vb = ki * bi[..., None], vi * bi[..., None]
-        strict = decay * (1.0 - eye)
-        system = eye + jnp.einsum("bhik,bhjk->bhij", kb, ki) * strict  # (I + strictly-lower A)
-        inv_rhs = jnp.concatenate([vb, kb * from_state[..., None]], axis=-1)
-        solved = jax.scipy.linalg.solve_triangular(system, inv_rhs, lower=True, unit_diagonal=True)
-        u, w = solved[..., :dv], solved[..., dv:]  # new values, and the decayed keys that read the state
-        v_new = u - jnp.einsum("bhik,bhkv->bhiv", w, s)
-        attn = jnp.einsum("bhik,bhjk->bhij", qi, ki) * decay
-        out = jnp.einsum("bhik,bhkv->bhiv", qi * from_state[..., None], s) + jnp.einsum("bhij,bhjv->bhiv", attn, v_new)
-        # the state after the chunk: the last token's segment only
-        last = cum[..., -1:]
-        tail = (si == si[:, -1:])[:, None, :]  # [B, 1, C]
-        to_end = jnp.where(tail, jnp.exp(jnp.where(tail, last - cum, 0.0)), 0.0)
-        keep = jnp.where(jnp.any(ri, axis=-1)[:, None, None, None], 0.0, jnp.exp(last)[..., None])
-        s = s * keep + jnp.einsum("bhik,bhiv->bhkv", ki * to_end[..., None], v_new)
-        return s, out
+    # everything that does not read the state, for every chunk at once (batched matmuls and solves); the scan
+    # below carries the state only
+    cum = jnp.cumsum(gc, axis=-1)  # [N, B, H, C]
+    same = (sc[..., :, None] == sc[..., None, :]) & lower  # [N, B, C, C]: j <= i within one segment
+    decay = jnp.where(same[:, :, None], jnp.exp(jnp.where(same[:, :, None], cum[..., :, None] - cum[..., None, :],
+                                                          0.0)), 0.0)
+    # tokens that still see the carried state: no segment start in the chunk up to them
+    reads = (jnp.cumsum(rc.astype(jnp.int32), axis=-1) == 0)[:, :, None, :]  # [N, B, 1, C]
+    from_state = jnp.where(reads, jnp.exp(cum), 0.0)  # [N, B, H, C]
+    kb, vb = kc * bc[..., None], vc * bc[..., None]
+    system = eye + jnp.einsum("nbhik,nbhjk->nbhij", kb, kc) * (decay * (1.0 - eye))  # (I + strictly-lower A)
+    solved = jax.scipy.linalg.solve_triangular(system, jnp.concatenate([vb, kb * from_state[..., None]], axis=-1),
+                                               lower=True, unit_diagonal=True)
+    u, w = solved[..., :dv], solved[..., dv:]  # new values, and the decayed keys that read the state
+    attn = jnp.einsum("nbhik,nbhjk->nbhij", qc, kc) * decay
+    q_state = qc * from_state[..., None]
+    # the state after a chunk: the last token's segment only
+    last = cum[..., -1:]
+    tail = (sc == sc[..., -1:])[:, :, None, :]  # [N, B, 1, C]
+    k_end = kc * jnp.where(tail, jnp.exp(jnp.where(tail, last - cum, 0.0)), 0.0)[..., None]
+    keep = jnp.where(jnp.any(rc, axis=-1)[:, :, None, None, None], 0.0, jnp.exp(last)[..., None])  # [N, B, H, 1, 1]
 
-    state, out = jax.lax.scan(one_chunk, state, (qc, kc, vc, gc, bc, sc, rc))  # out [N, B, H, C, dv]
+    def one_chunk(s, xs):
+        u, w, attn, q_state, k_end, keep = xs
+        v_new = u - jnp.einsum("bhik,bhkv->bhiv", w, s)
+        out = jnp.einsum("bhik,bhkv->bhiv", q_state, s) + jnp.einsum("bhij,bhjv->bhiv", attn, v_new)
+        return s * keep + jnp.einsum("bhik,bhiv->bhkv", k_end, v_new), out
+
+    state, out = jax.lax.scan(one_chunk, state, (u, w, attn, q_state, k_end, keep))  # out [N, B, H, C, dv]
     out = jnp.moveaxis(out, 0, 1).swapaxes(2, 3).reshape(b, n * chunk, h, dv)[:, :t]
     return out.astype(out_dtype), state
