@@ -326,3 +326,26 @@ def cuda_export():
         return exported.mlir_module()
 
     return export
+
+
+def assert_greedy_tokens_are_transformers(model, hf_model, prompts, monkeypatch, max_new_tokens: int = 8) -> None:
+    """jaxtune's greedy tokens for left-padded prompts, with the stacked KV cache and with one cache per layer (as
+    GRPO's rollouts decode on a GPU), equal each other and transformers' greedy `generate` on each prompt alone."""
+    import importlib
+
+    import jax
+    import torch
+
+    decoding = importlib.import_module("jaxtune.generate")
+    runs = []
+    for per_layer in (False, True):
+        monkeypatch.setattr(decoding, "PER_LAYER_CACHE", per_layer)
+        with jax.default_matmul_precision("highest"):
+            runs.append(decoding.generate_tokens(model, prompts, max_new_tokens=max_new_tokens))
+    assert runs[1] == runs[0]
+    for prompt, got in zip(prompts, runs[0]):
+        with torch.no_grad():
+            ids = torch.tensor([list(prompt)])
+            want = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                     do_sample=False)
+        assert got == want[0, len(prompt):].tolist()

@@ -391,21 +391,8 @@ def test_a_converted_moe_checkpoint_loads_the_same_nf4_experts(tmp_path):
 def test_greedy_generation_equals_transformers(tmp_path, family, monkeypatch):
     """Batched prompts of different lengths (left padding, KV cache, stacked or one per layer as GRPO's rollouts
     decode on a GPU): the tokens transformers' greedy `generate` picks."""
-    import importlib
+    from conftest import assert_greedy_tokens_are_transformers
 
-    decoding = importlib.import_module("jaxtune.generate")
     hf = build_hf_model(CONFIGS[family](), tmp_path)
     model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32")
-    prompts = [[5, 9, 17, 33], [7, 8]]
-    runs = []
-    for per_layer in (False, True):
-        monkeypatch.setattr(decoding, "PER_LAYER_CACHE", per_layer)
-        with jax.default_matmul_precision("highest"):
-            runs.append(decoding.generate_tokens(model, prompts, max_new_tokens=10))
-    ours = runs[0]
-    assert runs[1] == ours
-    for prompt, got in zip(prompts, ours):
-        with torch.no_grad():
-            ids = torch.tensor([prompt])
-            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
-        assert got == want[0, len(prompt):].tolist()
+    assert_greedy_tokens_are_transformers(model, hf, [[5, 9, 17, 33], [7, 8]], monkeypatch, max_new_tokens=10)

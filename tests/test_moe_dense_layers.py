@@ -14,7 +14,7 @@ import torch
 from transformers import Qwen3MoeConfig
 
 import jaxtune
-from conftest import build_hf_model, set_random_lora
+from conftest import assert_greedy_tokens_are_transformers, build_hf_model, set_random_lora
 from jaxtune.errors import UnsupportedModelError
 from jaxtune.models.layer_kinds import layer_runs
 
@@ -58,23 +58,9 @@ def test_logits_equal_transformers(tmp_path, layout, dense):
 @pytest.mark.parametrize("layout", ["first-dense", "every-second-sparse"])
 def test_greedy_generation_equals_transformers(tmp_path, layout, monkeypatch):
     """Prompts of different lengths, with the stacked KV cache and with one cache per layer."""
-    import importlib
-
-    decoding = importlib.import_module("jaxtune.generate")
     hf = build_hf_model(_config(layout), tmp_path)
     model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32")
-    prompts = [[5, 9, 17, 33], [7, 8]]
-    runs = []
-    for per_layer in (False, True):
-        monkeypatch.setattr(decoding, "PER_LAYER_CACHE", per_layer)
-        with jax.default_matmul_precision("highest"):
-            runs.append(decoding.generate_tokens(model, prompts, max_new_tokens=8))
-    assert runs[1] == runs[0]
-    for prompt, got in zip(prompts, runs[0]):
-        with torch.no_grad():
-            ids = torch.tensor([prompt])
-            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
-        assert got == want[0, len(prompt):].tolist()
+    assert_greedy_tokens_are_transformers(model, hf, [[5, 9, 17, 33], [7, 8]], monkeypatch)
 
 
 @pytest.mark.parametrize("remat, options", [("selective", {}), ("selective", {"unroll": True}), ("offload", {}),

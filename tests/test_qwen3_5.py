@@ -126,26 +126,15 @@ def test_greedy_generation_equals_transformers(tmp_path, moe, monkeypatch):
     """Prompts of different lengths (left padding): the prefill runs the chunked rule from an empty state and
     leaves each layer's conv window and recurrent state, the steps run the one-token recurrence; with the stacked
     caches and with one per layer, the tokens transformers' greedy `generate` picks."""
-    import importlib
-
     from transformers import Qwen3_5MoeTextConfig
 
-    decoding = importlib.import_module("jaxtune.generate")
+    from conftest import assert_greedy_tokens_are_transformers
+
     config = Qwen3_5MoeTextConfig(**MOE_SHAPES) if moe else Qwen3_5TextConfig(**SHAPES)
     hf = build_hf_model(config, tmp_path)
     model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32")
-    prompts = [list(np.random.default_rng(5).integers(0, 128, 70)), [7, 8]]  # a prompt longer than one chunk
-    runs = []
-    for per_layer in (False, True):
-        monkeypatch.setattr(decoding, "PER_LAYER_CACHE", per_layer)
-        with jax.default_matmul_precision("highest"):
-            runs.append(decoding.generate_tokens(model, prompts, max_new_tokens=8))
-    assert runs[1] == runs[0]
-    for prompt, got in zip(prompts, runs[0]):
-        with torch.no_grad():
-            ids = torch.tensor([prompt])
-            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
-        assert got == want[0, len(prompt):].tolist()
+    prompts = [[int(i) for i in np.random.default_rng(5).integers(0, 128, 70)], [7, 8]]  # one longer than a chunk
+    assert_greedy_tokens_are_transformers(model, hf, prompts, monkeypatch)
 
 
 def test_peft_and_merged_exports_load_in_transformers_with_jaxtunes_logits(tmp_path):
@@ -231,3 +220,25 @@ def test_a_4bit_moe_run_trains_the_routed_and_shared_experts(tmp_path, tiny_toke
         with pytest.raises(jaxtune.CheckpointError, match="shared experts is not supported yet") as e:
             export()
         assert "\n" not in str(e.value)
+
+
+def test_a_tiny_hybrid_model_trains_through_the_cli(tmp_path, tiny_tokenizer):
+    """`jaxtune train` on a Qwen3.5 directory at 4 bits, LoRA on the Gated DeltaNet projections too (a --config
+    file names them): the logged loss falls, and `jaxtune export --peft` writes the adapter."""
+    from jaxtune.cli import main
+
+    build_hf_model(Qwen3_5TextConfig(**{**SHAPES, "vocab_size": len(tiny_tokenizer)}), tmp_path / "m")
+    tiny_tokenizer.save_pretrained(tmp_path / "m")
+    rows = [{"prompt": f"hello {i}", "completion": f" world {i} " * 3} for i in range(32)]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "c.yaml").write_text("target_modules: [q_proj, o_proj, gate_proj, up_proj, down_proj, in_proj_qkv, "
+                                     "in_proj_z, out_proj]\n")
+    assert main(["train", "--model", str(tmp_path / "m"), "--data", str(tmp_path / "d.jsonl"), "--format",
+                 "completion", "--out", str(tmp_path / "run"), "--max-steps", "8", "--seq-len", "64", "--batch-size",
+                 "4", "--lora-r", "4", "--lr", "0.02", "--dtype", "float32", "--config", str(tmp_path / "c.yaml")]) == 0
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.1, losses
+    assert main(["export", str(tmp_path / "run"), "--peft", str(tmp_path / "peft")]) == 0
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert {"in_proj_qkv", "out_proj", "q_proj"} <= set(config["target_modules"])

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -22,7 +21,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_llama_cpp_k_quants import inputs  # noqa: E402
+from make_llama_cpp_k_quants import compiled_quants, inputs  # noqa: E402
 
 # ggml type -> (enum value, weights per block, bytes per block)
 FORMATS = {"q4_0": (2, 32, 18), "q4_1": (3, 32, 20), "q5_0": (6, 32, 22), "q5_1": (7, 32, 24),
@@ -56,15 +55,9 @@ def importance(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 def main(llama_cpp: str) -> None:
-    ggml = os.path.join(llama_cpp, "ggml")
     rng = np.random.default_rng(1)
     with tempfile.TemporaryDirectory() as tmp:
-        shim, lib_path = os.path.join(tmp, "shim.c"), os.path.join(tmp, "libquants.so")
-        with open(shim, "w") as f:
-            f.write(SHIM)
-        subprocess.run(["cc", "-O2", "-fPIC", "-shared", os.path.join(ggml, "src", "ggml-quants.c"), shim,
-                        f"-I{ggml}/include", f"-I{ggml}/src", "-o", lib_path, "-lm"], check=True)
-        lib = ctypes.CDLL(lib_path)
+        lib = compiled_quants(llama_cpp, tmp, SHIM)
         tensors = {}
         for name, x in inputs().items():
             x = np.ascontiguousarray(x[:8])  # 8 rows of each: the blocks' variety, a small file

@@ -51,15 +51,20 @@ def inputs() -> dict[str, np.ndarray]:
     }
 
 
-def main(llama_cpp: str) -> None:
+def compiled_quants(llama_cpp: str, tmp: str, shim_source: str = SHIM) -> ctypes.CDLL:
+    """ggml-quants.c alone, with the C compiler's defaults and a shim for what it calls of the rest of ggml."""
     ggml = os.path.join(llama_cpp, "ggml")
+    shim, lib_path = os.path.join(tmp, "shim.c"), os.path.join(tmp, "libquants.so")
+    with open(shim, "w") as f:
+        f.write(shim_source)
+    subprocess.run(["cc", "-O2", "-fPIC", "-shared", os.path.join(ggml, "src", "ggml-quants.c"), shim,
+                    f"-I{ggml}/include", f"-I{ggml}/src", "-o", lib_path, "-lm"], check=True)
+    return ctypes.CDLL(lib_path)
+
+
+def main(llama_cpp: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        shim, lib_path = os.path.join(tmp, "shim.c"), os.path.join(tmp, "libquants.so")
-        with open(shim, "w") as f:
-            f.write(SHIM)
-        subprocess.run(["cc", "-O2", "-fPIC", "-shared", os.path.join(ggml, "src", "ggml-quants.c"), shim,
-                        f"-I{ggml}/include", f"-I{ggml}/src", "-o", lib_path, "-lm"], check=True)
-        lib = ctypes.CDLL(lib_path)
+        lib = compiled_quants(llama_cpp, tmp)
         tensors = {}
         for name, x in inputs().items():
             tensors[f"{name}.input"] = x
