@@ -67,8 +67,9 @@ CASES = [  # b, t, hk, hv, dk, dv, packed, carried state, chunk
 ]
 
 
+@pytest.mark.parametrize("state_pass", ["scan", "associative"])
 @pytest.mark.parametrize("b, t, hk, hv, dk, dv, packed, carried, chunk", CASES)
-def test_both_forms_equal_the_float64_recurrence(b, t, hk, hv, dk, dv, packed, carried, chunk):
+def test_both_forms_equal_the_float64_recurrence(b, t, hk, hv, dk, dv, packed, carried, chunk, state_pass):
     q, k, v, g, beta = inputs(b, t, hk, hv, dk, dv, seed=t)
     ids = segments(b, t, seed=t) if packed else None
     state = np.random.default_rng(1).standard_normal((b, hv, dk, dv)).astype(np.float32) if carried else None
@@ -77,14 +78,15 @@ def test_both_forms_equal_the_float64_recurrence(b, t, hk, hv, dk, dv, packed, c
               initial_state=None if state is None else jnp.asarray(state))
     with jax.default_matmul_precision("highest"):
         rec, rec_state = gated_delta_rule_recurrent(q, k, v, g, beta, **kw)
-        chunked, chunked_state = gated_delta_rule_chunked(q, k, v, g, beta, chunk=chunk, **kw)
+        chunked, chunked_state = gated_delta_rule_chunked(q, k, v, g, beta, chunk=chunk, state_pass=state_pass, **kw)
     for got, got_state in ((rec, rec_state), (chunked, chunked_state)):
         np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-5)
         if not packed:  # a packed row's final state is its last segment's (padding's, here)
             np.testing.assert_allclose(np.asarray(got_state), want_state, rtol=2e-4, atol=2e-5)
 
 
-def test_the_chunked_forms_gradients_equal_the_recurrences():
+@pytest.mark.parametrize("state_pass", ["scan", "associative"])
+def test_the_chunked_forms_gradients_equal_the_recurrences(state_pass):
     q, k, v, g, beta = inputs(2, 90, 1, 2, 8, 8, seed=5)
     ids = jnp.asarray(segments(2, 90, seed=5))
     w = jax.random.normal(jax.random.key(0), (2, 90, 2, 8))
@@ -94,7 +96,8 @@ def test_the_chunked_forms_gradients_equal_the_recurrences():
 
     with jax.default_matmul_precision("highest"):
         want = jax.grad(lambda *a: loss(gated_delta_rule_recurrent, *a), argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
-        got = jax.grad(lambda *a: loss(lambda *x, **kw: gated_delta_rule_chunked(*x, chunk=32, **kw), *a),
+        got = jax.grad(lambda *a: loss(lambda *x, **kw: gated_delta_rule_chunked(*x, chunk=32, state_pass=state_pass,
+                                                                                 **kw), *a),
                        argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
     for a, b_ in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=1e-3, atol=1e-4)

@@ -7,8 +7,8 @@ dk = dv = 128), bf16 q/k/v (L2-normalised beforehand), float32 g and beta, the s
     # on the GPU machine, carrying .fla-site:
     PYTHONPATH=$PWD:$PWD/.fla-site python benchmarks/kernels/gated_delta_vs_fla.py [--shapes 2x4096,1x16384]
 
-One JSON line per (side, shape, pass): milliseconds per call (median of 20 after warm-up) and the output's largest
-difference from the other side's.
+One JSON line per (side, shape): milliseconds per call (median of 20 after warm-up), forward and forward + backward,
+for jaxtune's two state passes (`scan`, `associative`) and fla; the largest difference of the outputs.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def time_ms(fn, sync, iters: int = 20) -> float:
     return float(np.median(times))
 
 
-def jaxtune_side(arrays):
+def jaxtune_side(arrays, state_pass: str):
     import jax
     import jax.numpy as jnp
 
@@ -53,7 +53,7 @@ def jaxtune_side(arrays):
     q, k, v, g, beta, w = arrays
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
     g, beta, w = (jnp.asarray(x) for x in (g, beta, w))
-    fwd = jax.jit(lambda *a: gated_delta_rule_chunked(*a)[0])
+    fwd = jax.jit(lambda *a: gated_delta_rule_chunked(*a, state_pass=state_pass)[0])
     grad = jax.jit(jax.grad(lambda q, k, v, g, b: jnp.sum(fwd(q, k, v, g, b).astype(jnp.float32) * w),
                             argnums=(0, 1, 2, 3, 4)))
     out = np.asarray(fwd(q, k, v, g, beta).astype(jnp.float32))
@@ -93,14 +93,17 @@ def main() -> None:
     for shape in args.shapes.split(","):
         b, t = map(int, shape.split("x"))
         arrays = inputs(b, t)
-        ours, fwd_ms, both_ms = jaxtune_side(arrays)
+        ours = {}
+        for state_pass in ("scan", "associative"):
+            ours[state_pass] = jaxtune_side(arrays, state_pass)
         try:
             theirs, fla_fwd, fla_both = fla_side(arrays)
         except Exception as e:  # noqa: BLE001 - the baseline is optional where fla is not installed
             print(json.dumps({"shape": shape, "fla": f"unavailable: {type(e).__name__}: {e}"[:300]}), flush=True)
             theirs = fla_fwd = fla_both = None
-        diff = None if theirs is None else float(np.abs(ours - theirs).max())
-        for side, f, fb in (("jaxtune-xla", fwd_ms, both_ms), ("fla-triton", fla_fwd, fla_both)):
+        diff = None if theirs is None else float(np.abs(ours["scan"][0] - theirs).max())
+        sides = [(f"jaxtune-xla-{p}", ms[1], ms[2]) for p, ms in ours.items()] + [("fla-triton", fla_fwd, fla_both)]
+        for side, f, fb in sides:
             if f is not None:
                 print(json.dumps({"side": side, "shape": shape, "tokens": b * t, "forward_ms": round(f, 3),
                                   "forward_backward_ms": round(fb, 3), "max_abs_diff": diff, "device": device}),

@@ -65,8 +65,11 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, *, segment_ids=None, initial_st
     return jnp.moveaxis(out, 0, 1).astype(out_dtype), state
 
 
-def gated_delta_rule_chunked(q, k, v, g, beta, *, segment_ids=None, initial_state=None, chunk: int = CHUNK):
-    """The same as `gated_delta_rule_recurrent`, `chunk` tokens at a time (training and prefill)."""
+def gated_delta_rule_chunked(q, k, v, g, beta, *, segment_ids=None, initial_state=None, chunk: int = CHUNK,
+                             state_pass: str = "scan"):
+    """The same as `gated_delta_rule_recurrent`, `chunk` tokens at a time (training and prefill). `state_pass`:
+    "scan" carries the state chunk after chunk; "associative" composes the chunks' affine state maps by a parallel
+    prefix (more FLOPs, log2 of the chunks in depth)."""
     out_dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     b, t, h, dk = k.shape
@@ -117,12 +120,31 @@ def gated_delta_rule_chunked(q, k, v, g, beta, *, segment_ids=None, initial_stat
     k_end = kc * jnp.where(tail, jnp.exp(jnp.where(tail, last - cum, 0.0)), 0.0)[..., None]
     keep = jnp.where(jnp.any(rc, axis=-1)[:, :, None, None, None], 0.0, jnp.exp(last)[..., None])  # [N, B, H, 1, 1]
 
-    def one_chunk(s, xs):
-        u, w, attn, q_state, k_end, keep = xs
-        v_new = u - jnp.einsum("bhik,bhkv->bhiv", w, s)
-        out = jnp.einsum("bhik,bhkv->bhiv", q_state, s) + jnp.einsum("bhij,bhjv->bhiv", attn, v_new)
-        return s * keep + jnp.einsum("bhik,bhiv->bhkv", k_end, v_new), out
+    if state_pass == "scan":
+        def one_chunk(s, xs):
+            u, w, attn, q_state, k_end, keep = xs
+            v_new = u - jnp.einsum("bhik,bhkv->bhiv", w, s)
+            out = jnp.einsum("bhik,bhkv->bhiv", q_state, s) + jnp.einsum("bhij,bhjv->bhiv", attn, v_new)
+            return s * keep + jnp.einsum("bhik,bhiv->bhkv", k_end, v_new), out
 
-    state, out = jax.lax.scan(one_chunk, state, (u, w, attn, q_state, k_end, keep))  # out [N, B, H, C, dv]
+        state, out = jax.lax.scan(one_chunk, state, (u, w, attn, q_state, k_end, keep))  # out [N, B, H, C, dv]
+    else:
+        # the state after chunk c is affine in the state before it: S' = A_c S + B_c with A_c = keep_c I - K_c^T W_c
+        # and B_c = K_c^T U_c ([dk, dk] and [dk, dv]), so a parallel prefix over the chunks (log2 N levels of
+        # batched matmuls) gives every chunk's incoming state at once
+        eye_k = jnp.eye(dk, dtype=jnp.float32)
+        a = keep * eye_k - jnp.einsum("nbhik,nbhil->nbhkl", k_end, w)
+        bias = jnp.einsum("nbhik,nbhiv->nbhkv", k_end, u)
+
+        def combine(first, second):
+            (a1, b1), (a2, b2) = first, second
+            return jnp.einsum("...kl,...lm->...km", a2, a1), jnp.einsum("...kl,...lv->...kv", a2, b1) + b2
+
+        prefix_a, prefix_b = jax.lax.associative_scan(combine, (a, bias))  # the state after each chunk, from S_0
+        after = jnp.einsum("nbhkl,bhlv->nbhkv", prefix_a, state) + prefix_b
+        before = jnp.concatenate([state[None], after[:-1]], axis=0)  # each chunk's incoming state
+        v_new = u - jnp.einsum("nbhik,nbhkv->nbhiv", w, before)
+        out = jnp.einsum("nbhik,nbhkv->nbhiv", q_state, before) + jnp.einsum("nbhij,nbhjv->nbhiv", attn, v_new)
+        state = after[-1]
     out = jnp.moveaxis(out, 0, 1).swapaxes(2, 3).reshape(b, n * chunk, h, dv)[:, :t]
     return out.astype(out_dtype), state
