@@ -218,8 +218,9 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Attention then the MLP, each pre-normed and added to the residual; of `kind` DENSE_MLP, a mixture of
-    experts' layer with a dense MLP."""
+    """The token mixer then the MLP, each pre-normed and added to the residual. The mixer is attention, or for
+    `kind` GATED_DELTANET (a hybrid decoder's linear layers) Gated DeltaNet; for `kind` DENSE_MLP a mixture of
+    experts' layer has a dense MLP."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, kind: str = DEFAULT):
         norm = lambda: RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)  # noqa: E731
