@@ -32,7 +32,8 @@ def run_data_settings(run_dir: str | os.PathLike) -> tuple[str, int]:
 def check_run_exportable(run_dir: str | os.PathLike, *, gguf: bool, merged_dtype: str | None) -> None:
     """Refuses, before any weight is read, an export the run's model cannot make (a GGUF of an architecture
     llama.cpp's writer here does not cover, a mixture of experts' NF4 merged checkpoint): only its config is opened."""
-    check_model_exportable(_read_run(os.fspath(run_dir))[1]["base_model"], gguf=gguf, merged_dtype=merged_dtype)
+    if gguf or merged_dtype == "nf4":
+        check_model_exportable(_read_run(os.fspath(run_dir))[1]["base_model"], gguf=gguf, merged_dtype=merged_dtype)
 
 
 def check_model_exportable(model: str, *, gguf: bool, merged_dtype: str | None) -> None:
@@ -41,6 +42,8 @@ def check_model_exportable(model: str, *, gguf: bool, merged_dtype: str | None) 
     from convert.load import open_checkpoint
     from jaxtune.io.bundled import resolve_model_path
 
+    if not gguf and merged_dtype != "nf4":
+        return
     cfg, source, _ = open_checkpoint(resolve_model_path(model))
     source.close()
     if gguf:
