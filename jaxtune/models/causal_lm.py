@@ -431,7 +431,9 @@ class CausalLM(nnx.Module):
         that fits the call (training, remat offload, a stacked or per-layer cache)."""
         cache = k is not None
         offloading = self.remat_policy == "offload" and not cache
-        group = self.offload_group if offloading and (run.count - on_device) % self.offload_group == 0 else 1
+        group = self.offload_group if offloading else 1
+        if len(layer_runs(self.config)) > 1 and (run.count - on_device) % group:
+            group = 1  # layers of several kinds: a run the group does not divide offloads each layer's input
         # the prepared kernel scales of every layer (float32, ~6% of the NF4 weights' size: 4 GiB at 70B) live
         # through the step; training modes chosen to save memory compute each layer's own inside the scan instead
         # (~0.5% slower at 8B), as the grouped offload layout does
