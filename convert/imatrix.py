@@ -20,16 +20,16 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from convert.gguf_source import _LAYER_NAMES
 from jaxtune.data.packing import PackedRows
 from jaxtune.errors import CheckpointError, UnsupportedModelError
 from jaxtune.models import input_stats
 from jaxtune.models.causal_lm import CausalLM
 from jaxtune.models.layer_kinds import layer_runs
 from jaxtune.models.rope import rope_tables
+from jaxtune.qlora import PARENT_MODULE
 
-# jaxtune's projection -> llama.cpp's tensor kind
-_GGUF_KINDS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+_GGUF_KINDS = {hf: gguf for gguf, hf in _LAYER_NAMES.items()}  # `self_attn.q_proj` -> llama.cpp's `attn_q`
 
 
 @dataclasses.dataclass
@@ -122,7 +122,11 @@ class ImportanceMatrix:
 
 
 def check_importance_model(model: CausalLM) -> None:
-    """Refuses, in one line, a model whose importance matrix jaxtune does not compute."""
+    """Refuses, in one line, a model whose importance matrix jaxtune does not compute: a hybrid decoder (no GGUF
+    export yet) or a mixture of experts."""
+    if model.config.layer_types:
+        raise UnsupportedModelError(f"GGUF export, and so --gguf-imatrix, does not cover {model.config.model_type} "
+                                    "yet; export --merged instead")
     if model.config.num_experts:
         raise UnsupportedModelError(
             "--gguf-imatrix covers dense models; a mixture of experts' per-expert statistics are not computed yet "
@@ -138,8 +142,8 @@ def compute_importance(model: CausalLM, rows: PackedRows, *, batch_size: int = 4
 
     def layer_fn(graphdef):
         @jax.jit
-        def run(state, h, cos, sin, segments):
-            layer = nnx.merge(graphdef, state)
+        def run(stack_state, index, h, cos, sin, segments):  # the stack's layer `index`, read in place
+            layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[index], stack_state))
             with input_stats.collecting(segments > 0) as got:
                 out, _ = layer(h, cos, sin, segments)
             return out, dict(got)
@@ -159,10 +163,10 @@ def compute_importance(model: CausalLM, rows: PackedRows, *, batch_size: int = 4
         for run in layer_runs(cfg):
             _, state = stacks[run.stack.attr]
             for j in range(run.start, run.start + run.count):
-                h, got = runners[run.stack.attr](jax.tree.map(lambda a, j=j: a[j], state), h, cos, sin, segments)
+                h, got = runners[run.stack.attr](state, jnp.int32(j), h, cos, sin, segments)
                 layer = run.first + j - run.start
                 for proj, value in got.items():
-                    name = f"blk.{layer}.{_GGUF_KINDS[proj]}.weight"
+                    name = f"blk.{layer}.{_GGUF_KINDS[f'{PARENT_MODULE[proj]}.{proj}']}.weight"
                     sums[name] = sums.get(name, 0) + np.asarray(value, np.float64)
     if not tokens:
         raise CheckpointError("the importance data has no tokens; pass rows of text")
@@ -171,18 +175,33 @@ def compute_importance(model: CausalLM, rows: PackedRows, *, batch_size: int = 4
                             len(rows), [dataset] if dataset else [])
 
 
-def importance_from(model: CausalLM, tokenizer: Any, source: str | os.PathLike, *, fmt: str = "text",
-                    seq_len: int = 512, progress: bool = True) -> ImportanceMatrix:
-    """An importance matrix from `source`: llama.cpp's imatrix .gguf as it is, or a data file (rows of `fmt`, every
-    token counted, packed into rows of `seq_len`) run through the model."""
-    from jaxtune.data.formats import encode_rows
-    from jaxtune.data.packing import pack_examples
+def importance_source(source: str | os.PathLike, fmt: str) -> ImportanceMatrix | tuple[str, list]:
+    """What `source` holds, read and checked before any model loads: llama.cpp's imatrix .gguf, or a data file's
+    rows of `fmt` (returned with its name) to run the model over."""
+    from jaxtune.data.formats import check_rows
     from jaxtune.data.sources import read_rows
 
     source = os.fspath(source)
     if source.endswith(".gguf"):
         return ImportanceMatrix.load(source)
+    rows = read_rows(source)
+    check_rows(rows, fmt)
+    return os.path.basename(source), rows
+
+
+def importance_from(model: CausalLM, tokenizer: Any, source, *, fmt: str = "text", seq_len: int = 512,
+                    progress: bool = True) -> ImportanceMatrix:
+    """An importance matrix from `source` (a path, or what `importance_source` read of one): llama.cpp's imatrix
+    as it is, or a data file's rows of `fmt` (every token counted, packed into rows of `seq_len`) run through the
+    model."""
+    from jaxtune.data.formats import encode_rows
+    from jaxtune.data.packing import pack_examples
+
+    if not isinstance(source, (ImportanceMatrix, tuple)):
+        source = importance_source(source, fmt)
+    if isinstance(source, ImportanceMatrix):
+        return source
     check_importance_model(model)
-    examples = encode_rows(read_rows(source), fmt, tokenizer, train_on_all=True, progress=progress)
-    rows = pack_examples(examples, seq_len)
-    return compute_importance(model, rows, progress=progress, dataset=os.path.basename(source))
+    name, rows = source
+    examples = encode_rows(rows, fmt, tokenizer, train_on_all=True, progress=progress)
+    return compute_importance(model, pack_examples(examples, seq_len), progress=progress, dataset=name)

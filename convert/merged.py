@@ -24,7 +24,7 @@ from jaxtune.errors import CheckpointError
 from jaxtune.models.causal_lm import CausalLM, Linear
 from jaxtune.models.layer_kinds import has_experts, locate
 from jaxtune.moe.experts import LoRAExperts, NF4Experts
-from jaxtune.qlora import ALL_TARGETS, PARENT_MODULE, LoRALinear, NF4Linear, projection
+from jaxtune.qlora import ALL_TARGETS, PARENT_MODULE, LoRALinear, NF4Linear, projection, projection_names
 
 _DTYPES = {"bfloat16": jax.numpy.bfloat16, "float16": np.float16, "float32": np.float32}
 MERGED_DTYPES = (*_DTYPES, "nf4")  # nf4: the projections re-quantized as bitsandbytes stores them, the rest bf16
@@ -141,8 +141,8 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
             yield layer(f"{p}.{name}", param[...], j)
         if sparse:
             yield from experts(p, j)
-        for name in ALL_TARGETS:
-            if (sparse and PARENT_MODULE[name] == "mlp") or not hasattr(stack, PARENT_MODULE[name]):
+        for name in projection_names(stack):
+            if sparse and PARENT_MODULE[name] == "mlp":
                 continue
             proj = projection(model, name, kind.attr)
             key = f"{p}.{PARENT_MODULE[name]}.{name}"
@@ -173,7 +173,7 @@ def open_original(model: CausalLM, base: str | os.PathLike | None):
     if base is None:
         if any(isinstance((p.base if isinstance(p, LoRALinear) else p), NF4Linear)
                for stack, layers in model.layer_stacks()
-               for p in (projection(model, n, stack.attr) for n in ALL_TARGETS if hasattr(layers, PARENT_MODULE[n]))):
+               for p in (projection(model, n, stack.attr) for n in projection_names(layers))):
             warnings.warn("merging onto dequantized NF4 weights loses quality; pass base=<HF dir or .gguf of the "
                           "original weights> (--base) to merge onto them", stacklevel=3)
         return None

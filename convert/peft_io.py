@@ -17,9 +17,9 @@ from convert.safetensors_source import SafetensorsSource
 from jaxtune.errors import CheckpointError
 from jaxtune.io.jsonfile import read_json_file
 from jaxtune.models.causal_lm import CausalLM
-from jaxtune.models.layer_kinds import has_experts
+from jaxtune.models.layer_kinds import has_experts, sparse_layers
 from jaxtune.moe.experts import LoRAExperts
-from jaxtune.qlora import ALL_TARGETS, PARENT_MODULE, LoRALinear, get_peft_model, projection
+from jaxtune.qlora import ALL_TARGETS, PARENT_MODULE, LoRALinear, get_peft_model, projection, projection_names
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -38,9 +38,7 @@ def lora_modules(model: CausalLM) -> dict[tuple[str, int], tuple[LoRALinear, int
     in that stack), for every layer of every stack (layer kinds)."""
     out = {}
     for stack, layers in model.layer_stacks():
-        for name in ALL_TARGETS:
-            if not hasattr(layers, PARENT_MODULE[name]):
-                continue
+        for name in projection_names(layers):
             proj = projection(model, name, stack.attr)
             if isinstance(proj, LoRALinear):
                 out.update({(name, layer): (proj, j) for j, layer in enumerate(stack.layers)})
@@ -59,7 +57,7 @@ def expert_lora_modules(model: CausalLM) -> dict[str, LoRAExperts]:
 def _module_layers(model: CausalLM, name: str) -> list[int]:
     """The decoder layers where projection `name` is a module of its own (not a fused expert parameter)."""
     return [layer for stack, layers in model.layer_stacks()
-            if hasattr(layers, PARENT_MODULE[name]) and (PARENT_MODULE[name] != "mlp" or not has_experts(model.config, stack))
+            if name in projection_names(layers) and (PARENT_MODULE[name] != "mlp" or not has_experts(model.config, stack))
             for layer in stack.layers]
 
 
@@ -132,7 +130,7 @@ def save_peft(model: CausalLM, out_dir: str | os.PathLike, *, base_model_name_or
         config["target_modules"] = [name for name in config["target_modules"] if name not in dense_mlp]
         config["target_parameters"] = [f"mlp.{name}.weight" for name in dense_mlp]
     if experts:
-        params, expert_tensors = _expert_tensors(experts, model.layer_stacks()[0][0].layers)
+        params, expert_tensors = _expert_tensors(experts, sparse_layers(model.config))
         tensors.update(expert_tensors)
         # gate_up_proj's adapter has rank 2r; PEFT forbids rank patterns with rsLoRA, so the scale s = alpha / r
         # (or alpha / sqrt(r)) is written as a plain alpha for each rank
@@ -197,7 +195,7 @@ def _load_expert_peft(model: CausalLM, cfg: dict[str, Any], adapter_dir: str) ->
         raise CheckpointError("the adapter adapts mixture-of-experts parameters; this model has no experts")
     order = cfg["target_parameters"]
     module_of = {module: p for p, module in _expert_param_modules(order).items()}
-    sparse = model.layer_stacks()[0][0].layers  # the layers with experts
+    sparse = sparse_layers(model.config)
     expected = {(n, i) for n in cfg["target_modules"] for i in _module_layers(model, n)}
     expected |= {(p, i) for p in order for i in sparse}
     factors: dict[tuple[str, int, str], np.ndarray] = {}

@@ -76,8 +76,7 @@ def _export(args: argparse.Namespace) -> None:
         from convert.gguf_export import check_gguf_output
 
         check_gguf_output(args.gguf)
-    if args.gguf_imatrix is not None:
-        _check_imatrix_args(args)
+    importance = _imatrix_source(args) if args.gguf_imatrix is not None else None
     merged_dtype = args.dtype if args.merged else None
     if args.model is not None:
         from jaxtune.io.bundled import check_model_reference
@@ -104,21 +103,22 @@ def _export(args: argparse.Namespace) -> None:
         from convert.gguf_export import save_gguf
 
         imatrix = None
-        if args.gguf_imatrix is not None:
-            from convert.export import run_data_settings
+        if importance is not None:
             from convert.imatrix import importance_from
 
-            fmt, seq_len = run_data_settings(args.run) if args.run is not None else ("text", 512)
-            imatrix = importance_from(model, tokenizer, args.gguf_imatrix, fmt=args.gguf_imatrix_format or fmt,
-                                      seq_len=seq_len)
+            source, fmt, seq_len = importance
+            imatrix = importance_from(model, tokenizer, source, fmt=fmt, seq_len=seq_len)
         save_gguf(model, args.gguf, tokenizer=tokenizer, base=base, gguf_type=args.gguf_type, imatrix=imatrix)
         weighted = f", weighted by the importance matrix of {args.gguf_imatrix}" if imatrix is not None else ""
         print(f"wrote GGUF {args.gguf} ({args.gguf_type}, {onto}{weighted})")
 
 
-def _check_imatrix_args(args: argparse.Namespace) -> None:
-    """Refuses a --gguf-imatrix the export cannot use before anything is loaded."""
+def _imatrix_source(args: argparse.Namespace):
+    """(what --gguf-imatrix holds, its rows' format, the sequence length they pack to), read and checked before any
+    model loads: an export that cannot use it, a missing or corrupt imatrix, a malformed row are refused here."""
+    from convert.export import run_data_settings
     from convert.gguf_export import IMATRIX_TYPES
+    from convert.imatrix import importance_source
     from jaxtune.errors import CheckpointError
 
     if not args.gguf:
@@ -129,6 +129,9 @@ def _check_imatrix_args(args: argparse.Namespace) -> None:
     if not os.path.isfile(args.gguf_imatrix):
         raise CheckpointError(f"--gguf-imatrix {args.gguf_imatrix} does not exist; pass llama-imatrix's .gguf or "
                               "a data file")
+    fmt, seq_len = run_data_settings(args.run) if args.run is not None else ("text", 512)
+    fmt = args.gguf_imatrix_format or fmt
+    return importance_source(args.gguf_imatrix, fmt), fmt, seq_len
 
 
 _TRAIN_OVERRIDES = {  # CLI flag -> TrainConfig field

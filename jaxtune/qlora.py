@@ -102,14 +102,19 @@ def projection(model: CausalLM, name: str, stack: str = "layers") -> nnx.Module:
     return getattr(getattr(getattr(model, stack), PARENT_MODULE[name]), name)
 
 
+def projection_names(layers: nnx.Module) -> list[str]:
+    """The projections a stack of decoder layers holds: the 7 of attention and the MLP, or a Gated DeltaNet
+    layer's 5 in place of attention's 4."""
+    return [name for name in ALL_TARGETS if hasattr(layers, PARENT_MODULE[name])]
+
+
 def _projections(model: CausalLM):
-    """(name, parent module, projection, its LayerStack) for the projections of every stack of decoder layers (the
-    7 of attention and the MLP; a Gated DeltaNet layer's 5 in place of attention's 4)."""
+    """(name, parent module, projection, its LayerStack) for the projections of every stack of decoder layers, a
+    shared expert's included."""
     for stack, layers in model.layer_stacks():
-        for name in ALL_TARGETS:
-            parent = getattr(layers, PARENT_MODULE[name], None)
-            if parent is not None:
-                yield name, parent, getattr(parent, name), stack
+        for name in projection_names(layers):
+            parent = getattr(layers, PARENT_MODULE[name])
+            yield name, parent, getattr(parent, name), stack
         shared = getattr(getattr(layers, "mlp", None), "shared_expert", None)
         if shared is not None:  # a shared expert's projections take the MLP's names (gate_proj, ...)
             for name in ("gate_proj", "up_proj", "down_proj"):

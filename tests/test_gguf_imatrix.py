@@ -134,7 +134,13 @@ def test_the_cli_computes_an_importance_matrix_from_the_training_data(tmp_path, 
               for n in ("plain", "weighted")]
     assert float((logits[0] - logits[1]).abs().max()) < 0.5 * float(logits[0].abs().max())
     capsys.readouterr()
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "no prompt here"}) + "\n")
+    (tmp_path / "bad.gguf").write_text("not a gguf")
     for argv, message in [
+        (["--gguf", str(tmp_path / "x.gguf"), "--gguf-type", "q4_0", "--gguf-imatrix", str(tmp_path / "bad.jsonl")],
+         "missing field 'prompt'"),
+        (["--gguf", str(tmp_path / "x.gguf"), "--gguf-type", "q4_0", "--gguf-imatrix", str(tmp_path / "bad.gguf")],
+         "is not a GGUF file"),
         (["--gguf", str(tmp_path / "x.gguf"), "--gguf-type", "q8_0", "--gguf-imatrix", str(tmp_path / "d.jsonl")],
          "does not use one"),
         (["--gguf", str(tmp_path / "x.gguf"), "--gguf-type", "q4_0", "--gguf-imatrix", str(tmp_path / "nope.gguf")],

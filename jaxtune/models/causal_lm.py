@@ -20,6 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtune import ops
 from jaxtune.models import input_stats
 from jaxtune.models.config import ModelConfig
+from jaxtune.models.dropout_keys import fold_rng
 from jaxtune.models.blocks.gated_deltanet import GatedDeltaNet, LinearCache
 from jaxtune.models.layer_kinds import (DEFAULT, DENSE_MLP, GATED_DELTANET, LayerRun, LayerStack, attention_layers,
                                         attention_position, layer_runs, layer_stacks)
@@ -250,11 +251,6 @@ class DecoderLayer(nnx.Module):
             )
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x), rng, mlp_token_tile), cache
-
-
-def fold_rng(rng: jax.Array | None, index: int) -> jax.Array | None:
-    """A distinct key per projection (None stays None: dropout off)."""
-    return None if rng is None else jax.random.fold_in(rng, index)
 
 
 def _stacked_layers(cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, stack: LayerStack) -> DecoderLayer:

@@ -94,3 +94,10 @@ def attention_position(cfg: ModelConfig, layer: int) -> int:
 def has_experts(cfg: ModelConfig, stack: LayerStack) -> bool:
     """Whether the stack's layers route their MLP to experts."""
     return bool(cfg.num_experts) and stack.kind != DENSE_MLP
+
+
+def sparse_layers(cfg: ModelConfig) -> tuple[int, ...]:
+    """The decoder layers whose MLP routes to experts (those of the `layers` stack; exports that read the experts'
+    adapters from that stack refuse a model whose other stacks have experts too)."""
+    stacks = [s for s in layer_stacks(cfg) if has_experts(cfg, s)]
+    return stacks[0].layers if len(stacks) == 1 else tuple(i for s in stacks for i in s.layers)

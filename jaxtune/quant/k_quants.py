@@ -165,15 +165,23 @@ def _low_nibbles(codes: np.ndarray) -> np.ndarray:
 
 
 def _q4_k_blocks(x: np.ndarray) -> np.ndarray:
-    d, dmin, packed, codes = _asymmetric_blocks(x, 15, -1.0, 20)
+    return q4_k_bytes(*_asymmetric_blocks(x, 15, -1.0, 20))
+
+
+def q4_k_bytes(d: np.ndarray, dmin: np.ndarray, packed: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """q4_K super-blocks' bytes from their f16 d and dmin, 12 packed scale bytes and codes [n, 8, 32]."""
     return np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), packed, _low_nibbles(codes)],
                           axis=1)
 
 
 def _q5_k_blocks(x: np.ndarray) -> np.ndarray:
-    d, dmin, packed, codes = _asymmetric_blocks(x, 31, -0.5, 15)
+    return q5_k_bytes(*_asymmetric_blocks(x, 31, -0.5, 15))
+
+
+def q5_k_bytes(d: np.ndarray, dmin: np.ndarray, packed: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """q5_K super-blocks' bytes from their f16 d and dmin, 12 packed scale bytes and 5-bit codes [n, 8, 32]."""
     high = (codes >> 4) & 1  # [n, 8, 32]: bit b of qh[j] is block b's fifth bit of weight j
-    qh = np.zeros((len(x), 32), np.uint8)
+    qh = np.zeros((len(codes), 32), np.uint8)
     for b in range(8):
         qh |= high[:, b] << b
     return np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), packed, qh, _low_nibbles(codes)],

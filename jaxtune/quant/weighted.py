@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from jaxtune.quant.k_quants import (QK_K, _EPS, _f16, _nearest, _ordered_sum, _packed_scales, _q6_k_blocks,
-                                    _scale_and_min, _symmetric_scale)
+                                    _scale_and_min, _symmetric_scale, q4_k_bytes, q5_k_bytes)
 
 f32 = np.float32
 WEIGHTED_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K")
@@ -57,7 +57,7 @@ def _symmetric_blocks(x: np.ndarray, imatrix: np.ndarray, nmax: int):
     return _f16(scale), codes.T
 
 
-def _asymmetric_blocks(x: np.ndarray, imatrix: np.ndarray, nmax: int):
+def _scale_min_blocks(x: np.ndarray, imatrix: np.ndarray, nmax: int):
     """q4_1 / q5_1: each 32-weight block's scale and minimum by make_qkx3_quants: (d, m f16 [b], codes [b, 32])."""
     weights = _legacy_weights(x, imatrix)
     scale, the_min, codes = _scale_and_min(_columns(x, 32), _columns(weights, 32), nmax, -0.9, 0.05, 36)
@@ -75,12 +75,12 @@ def _q5_0(x, imatrix):
 
 
 def _q4_1(x, imatrix):
-    d, m, codes = _asymmetric_blocks(x, imatrix, 15)
+    d, m, codes = _scale_min_blocks(x, imatrix, 15)
     return np.concatenate([d[:, None].view(np.uint8), m[:, None].view(np.uint8), _nibbles(codes)], axis=1)
 
 
 def _q5_1(x, imatrix):
-    d, m, codes = _asymmetric_blocks(x, imatrix, 31)
+    d, m, codes = _scale_min_blocks(x, imatrix, 31)
     return np.concatenate([d[:, None].view(np.uint8), m[:, None].view(np.uint8), _fifth_bits(codes),
                            _nibbles(codes)], axis=1)
 
@@ -142,31 +142,19 @@ def _k_blocks(x: np.ndarray, imatrix: np.ndarray, nmax: int):
 
 
 def _q4_k(x, imatrix):
-    from jaxtune.quant.k_quants import _low_nibbles
-
-    d, dmin, packed, codes = _k_blocks(x, imatrix, 15)
-    return np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), packed, _low_nibbles(codes)],
-                          axis=1)
+    return q4_k_bytes(*_k_blocks(x, imatrix, 15))
 
 
 def _q5_k(x, imatrix):
-    from jaxtune.quant.k_quants import _low_nibbles
-
-    d, dmin, packed, codes = _k_blocks(x, imatrix, 31)
-    high = (codes >> 4) & 1
-    qh = np.zeros((len(x), 32), np.uint8)
-    for b in range(8):
-        qh |= high[:, b] << b
-    return np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), packed, qh, _low_nibbles(codes)],
-                          axis=1)
+    return q5_k_bytes(*_k_blocks(x, imatrix, 31))
 
 
 def _q6_k(x, imatrix):
     return _q6_k_blocks(x, np.ascontiguousarray(imatrix, f32))
 
 
-# format -> (block fn over [blocks of the format's width] given their importance, weights per block, the block fn
-# takes rows (the 32-weight formats: sigma2 is the whole row's) or super-blocks)
+# format -> (its blocks' function, weights per block, whether that function takes whole rows (the 32-weight formats,
+# whose sigma2 is the row's) or 256-weight super-blocks with their importance)
 _FORMATS = {"q4_0": (_q4_0, 32, True), "q4_1": (_q4_1, 32, True), "q5_0": (_q5_0, 32, True),
             "q5_1": (_q5_1, 32, True), "q4_K": (_q4_k, QK_K, False), "q5_K": (_q5_k, QK_K, False),
             "q6_K": (_q6_k, QK_K, False)}

@@ -20,14 +20,10 @@ from flax import nnx
 
 from jaxtune.models import input_stats
 from jaxtune.models.config import ModelConfig
+from jaxtune.models.dropout_keys import fold_rng
 from jaxtune.ops.gated_delta import gated_delta_rule_chunked, gated_delta_rule_recurrent
 
 PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-
-
-def fold_rng(rng: jax.Array | None, index: int) -> jax.Array | None:
-    """A distinct dropout key per projection (None stays None)."""
-    return None if rng is None else jax.random.fold_in(rng, index)
 
 
 class LinearCache(NamedTuple):
