@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) as Flax NNX modules.
+"""The decoder (Llama 2/3, Mistral, Qwen2/3, their mixtures of experts, Qwen3.5's hybrid) as Flax NNX modules:
+the decoder layer and the model that runs the layers. The blocks live in `blocks/` (attention, MLP, Gated
+DeltaNet), the plain layers in `layers.py`, the decoding caches in `cache.py`.
 
 Parameter paths mirror Hugging Face names (`layers.self_attn.q_proj.weight`, ...) so checkpoint I/O is a
 rename. Decoder layers are stored stacked along a leading layer axis and run as one loop (`jax.lax.scan`;
@@ -10,7 +12,6 @@ and so does decoding with a KV cache per layer (`KVCache`: GRPO's rollouts on a 
 from __future__ import annotations
 
 import contextlib
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,205 +19,22 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtune import ops
-from jaxtune.models import input_stats
-from jaxtune.models.config import ModelConfig
-from jaxtune.models.dropout_keys import fold_rng
+from jaxtune.models.blocks.attention import Attention
 from jaxtune.models.blocks.gated_deltanet import GatedDeltaNet, LinearCache
-from jaxtune.models.layer_kinds import (DEFAULT, DENSE_MLP, GATED_DELTANET, LayerRun, LayerStack, attention_layers,
-                                        attention_position, layer_runs, layer_stacks)
+from jaxtune.models.blocks.mlp import MLP
+from jaxtune.models.cache import KVCache, LayerCache
+from jaxtune.models.config import ModelConfig
+from jaxtune.models.layer_kinds import (DEFAULT, DENSE_MLP, GATED_DELTANET, LayerRun, LayerStack, attention_position,
+                                        layer_runs, layer_stacks)
+from jaxtune.models.layers import Embed, Linear, RMSNorm
 from jaxtune.models.layer_loop import layer_loop
 from jaxtune.moe import balancing
 from jaxtune.moe.block import SparseMoE
 from jaxtune.models.remat import remat_policy, split_offload_scan
-from jaxtune.models.rope import apply_rope, rope_tables
+from jaxtune.models.rope import rope_tables
 
-_INIT_STD = 0.02
-
-
-class Linear(nnx.Module):
-    """Dense projection with an HF-layout weight [out, in]."""
-
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_INIT_STD * jax.random.normal(rngs.params(), (out_features, in_features), dtype))
-        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
-
-    def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
-        return ops.linear(x, self.weight[...], None if self.bias is None else self.bias[...])
-
-
-class RMSNorm(nnx.Module):
-    """x / rms(x) times the weight; with `offset` (Qwen3.5's zero-centred weights) times 1 + weight, in float32."""
-
-    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype, offset: bool = False):
-        self.weight = nnx.Param(jnp.zeros((dim,), dtype) if offset else jnp.ones((dim,), dtype))
-        self.eps, self.offset = eps, offset
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        if self.offset:
-            return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
-        return self.weight[...] * normed.astype(x.dtype)
-
-
-class Embed(nnx.Module):
-    def __init__(self, vocab: int, dim: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_INIT_STD * jax.random.normal(rngs.params(), (vocab, dim), dtype))
-
-    def __call__(self, ids: jax.Array) -> jax.Array:
-        table = self.weight[...]
-        if jax.typeof(table).memory_space == jax.memory.Space.Host:  # training's offload_embedding: copied in for
-            table = jax.device_put(table, jax.memory.Space.Device)  # the lookup only (training/embedding_offload.py)
-        return jnp.take(table, ids, axis=0)
-
-
-class LayerCache(NamedTuple):
-    """The KV cache a layer reads and writes: every layer's k, v [L, B, S, Hkv, D] and this layer's index (the
-    stacks are the layer loop's carry, so a step writes its new tokens in place instead of copying the cache); or,
-    with `layer` None, this layer's own k, v [B, S, Hkv, D] (per-layer caches)."""
-
-    k: jax.Array
-    v: jax.Array
-    layer: jax.Array | int | None = 0
-
-
-class KVCache(NamedTuple):
-    """KV cache for all layers: k, v stacked [L, B, S, Hkv, D], or tuples of L per-layer [B, S, Hkv, D];
-    segment_ids [B, S] (0 = empty/padding).
-
-    Stacked, the model runs its layers as a loop (one layer's program, compiled once). Per layer, it traces one
-    layer per decoder layer and each writes and reads its own arrays: on a GPU a token's step is then one straight
-    program with no cache slice copied, which runs faster and compiles slower."""
-
-    k: jax.Array | tuple[jax.Array, ...]
-    v: jax.Array | tuple[jax.Array, ...]
-    segment_ids: jax.Array
-    # a hybrid decoder's Gated DeltaNet layers: their conv windows and recurrent states (the KV stacks then hold
-    # the attention layers only)
-    linear: LinearCache | None = None
-
-    @classmethod
-    def empty(cls, cfg: ModelConfig, batch: int, length: int, dtype: jnp.dtype, per_layer: bool = False) -> "KVCache":
-        shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
-        segments = jnp.zeros((batch, length), jnp.int32)
-        layers = attention_layers(cfg)
-        linear = cfg.num_layers - layers
-        linear = LinearCache.empty(cfg, linear, batch, dtype) if linear else None
-        if per_layer:
-            return cls(*(tuple(jnp.zeros(shape, dtype) for _ in range(layers)) for _ in "kv"), segments, linear)
-        return cls(jnp.zeros((layers, *shape), dtype), jnp.zeros((layers, *shape), dtype), segments, linear)
-
-
-class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        h, d = cfg.hidden_size, cfg.head_dim
-        # with an output gate (Qwen3.5), q_proj yields each head's query then its gate
-        self.output_gate = cfg.attn_output_gate
-        self.q_proj = Linear(h, cfg.num_heads * d * (2 if self.output_gate else 1), bias=cfg.qkv_bias, dtype=dtype,
-                             rngs=rngs)
-        self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.sliding_window = cfg.sliding_window
-        # Qwen3: per-head RMSNorm on q and k (weights [head_dim], shared by the heads), before RoPE
-        norm = lambda: RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)  # noqa: E731
-        self.q_norm = norm() if cfg.qk_norm else None
-        self.k_norm = norm() if cfg.qk_norm else None
-
-    def __call__(
-        self,
-        x: jax.Array,
-        cos: jax.Array,
-        sin: jax.Array,
-        segment_ids: jax.Array | None,
-        cache: LayerCache | None = None,
-        cache_segment_ids: jax.Array | None = None,
-        cache_index: jax.Array | None = None,
-        rng: jax.Array | None = None,
-    ) -> tuple[jax.Array, LayerCache | None]:
-        b, t, _ = x.shape
-        input_stats.observe(("q_proj", "k_proj", "v_proj"), x)
-        # q and k never run their forward in FP8: their product is the exponent of the softmax, which turns FP8's
-        # ~4% error into a measurably worse loss (the other projections in FP8 leave it unchanged;
-        # benchmarks/results). Their input gradient adds into the residual stream's like every other projection's,
-        # so under "fp8" it is an FP8 GEMM too.
-        with ops.frozen_compute("fp8-dx" if ops.frozen_compute_mode() == "fp8" else "bf16"):
-            q = checkpoint_name(self.q_proj(x, fold_rng(rng, 0)), "q_proj")
-            if self.output_gate:
-                q = q.reshape(b, t, self.num_heads, 2 * self.head_dim)
-                q, gate = q[..., :self.head_dim], q[..., self.head_dim:].reshape(b, t, -1)
-            q = q.reshape(b, t, self.num_heads, self.head_dim)
-            k = checkpoint_name(self.k_proj(x, fold_rng(rng, 1)), "k_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = checkpoint_name(self.v_proj(x, fold_rng(rng, 2)), "v_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is None:
-            out = ops.attention(q, k, v, q_segment_ids=segment_ids, sliding_window=self.sliding_window)
-        else:
-            stacked = cache.layer is not None  # every layer's stack at this layer, or this layer's own arrays
-            lead = (cache.layer,) if stacked else ()
-
-            def write(stack, new):
-                new = (new[None] if stacked else new).astype(stack.dtype)
-                return jax.lax.dynamic_update_slice(stack, new, (*lead, 0, cache_index, 0, 0))
-
-            def read(stack):
-                return jax.lax.dynamic_index_in_dim(stack, cache.layer, 0, keepdims=False) if stacked else stack
-
-            cache = LayerCache(write(cache.k, k), write(cache.v, v), cache.layer)
-            layer_k, layer_v = read(cache.k), read(cache.v)
-            out = ops.attention(
-                q, layer_k.astype(q.dtype), layer_v.astype(q.dtype), q_segment_ids=segment_ids,
-                kv_segment_ids=cache_segment_ids, q_offset=cache_index, sliding_window=self.sliding_window,
-            )
-        out = out.reshape(b, t, self.num_heads * self.head_dim)
-        if self.output_gate:
-            out = (out.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(out.dtype)
-        input_stats.observe(("o_proj",), out)
-        out = self.o_proj(out, fold_rng(rng, 3))
-        return checkpoint_name(out, "o_proj"), cache
-
-
-class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, width: int | None = None):
-        h, i = cfg.hidden_size, width or cfg.intermediate_size
-        self.gate_proj = Linear(h, i, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(h, i, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(i, h, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x: jax.Array, rng: jax.Array | None = None, token_tile: int | None = None) -> jax.Array:
-        """SwiGLU. With `token_tile`, long inputs run `token_tile` tokens at a time, each tile rematerialized,
-        so the [tokens, intermediate] activations of only one tile are ever alive (long-context training)."""
-        b, t, hidden = x.shape
-        if token_tile is None or b * t <= token_tile:
-            return self._swiglu(x, rng)
-        n = b * t
-        tiles = -(-n // token_tile)
-        # equal tiles, a multiple of 128 tokens where that stays within the limit: little padding
-        token_tile = min(token_tile, -(-(-(-n // tiles)) // 128) * 128)
-        flat = jnp.pad(x.reshape(n, hidden), ((0, tiles * token_tile - n), (0, 0)))
-
-        @jax.checkpoint
-        def one_tile(args):
-            xt, i = args
-            return self._swiglu(xt[None], None if rng is None else jax.random.fold_in(rng, i))[0]
-
-        out = jax.lax.map(one_tile, (flat.reshape(tiles, token_tile, hidden), jnp.arange(tiles)))
-        return out.reshape(tiles * token_tile, hidden)[:n].reshape(b, t, hidden)
-
-    def _swiglu(self, x: jax.Array, rng: jax.Array | None) -> jax.Array:
-        input_stats.observe(("gate_proj", "up_proj"), x)
-        gate = checkpoint_name(self.gate_proj(x, fold_rng(rng, 4)), "gate_proj")
-        # gate and up read the same input, so dequantizing at use alone lets XLA dequantize both weights before
-        # either GEMM; up's input waiting for gate's output keeps one alive at a time (gate's value itself does
-        # not pass the barrier, so no rounding moves: the same gradients)
-        x_up, _ = ops.barrier(ops.dequantizing_at_use(), x, gate)
-        h = jax.nn.silu(gate) * checkpoint_name(self.up_proj(x_up, fold_rng(rng, 5)), "up_proj")
-        input_stats.observe(("down_proj",), h)
-        return self.down_proj(h, fold_rng(rng, 6))
-
+__all__ = ["MLP", "Attention", "CausalLM", "DecoderLayer", "Embed", "KVCache", "LayerCache", "Linear", "RMSNorm",
+           "abstract_model", "init_model", "offload_mlp_token_tile", "segment_positions"]
 
 class DecoderLayer(nnx.Module):
     """The token mixer then the MLP, each pre-normed and added to the residual. The mixer is attention, or for

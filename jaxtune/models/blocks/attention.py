@@ -1,0 +1,89 @@
+"""Causal self-attention with grouped KV heads, optional q/k norms, RoPE (partial where a family sets it), a
+sigmoid output gate (Qwen3.5) and a KV cache for decoding."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxtune import ops
+from jaxtune.models import input_stats
+from jaxtune.models.cache import LayerCache
+from jaxtune.models.config import ModelConfig
+from jaxtune.models.dropout_keys import fold_rng
+from jaxtune.models.layers import Linear, RMSNorm
+from jaxtune.models.rope import apply_rope
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        h, d = cfg.hidden_size, cfg.head_dim
+        # with an output gate (Qwen3.5), q_proj yields each head's query then its gate
+        self.output_gate = cfg.attn_output_gate
+        self.q_proj = Linear(h, cfg.num_heads * d * (2 if self.output_gate else 1), bias=cfg.qkv_bias, dtype=dtype,
+                             rngs=rngs)
+        self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.sliding_window = cfg.sliding_window
+        # Qwen3: per-head RMSNorm on q and k (weights [head_dim], shared by the heads), before RoPE
+        norm = lambda: RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)  # noqa: E731
+        self.q_norm = norm() if cfg.qk_norm else None
+        self.k_norm = norm() if cfg.qk_norm else None
+
+    def __call__(
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        segment_ids: jax.Array | None,
+        cache: LayerCache | None = None,
+        cache_segment_ids: jax.Array | None = None,
+        cache_index: jax.Array | None = None,
+        rng: jax.Array | None = None,
+    ) -> tuple[jax.Array, LayerCache | None]:
+        b, t, _ = x.shape
+        input_stats.observe(("q_proj", "k_proj", "v_proj"), x)
+        # q and k never run their forward in FP8: their product is the exponent of the softmax, which turns FP8's
+        # ~4% error into a measurably worse loss (the other projections in FP8 leave it unchanged;
+        # benchmarks/results). Their input gradient adds into the residual stream's like every other projection's,
+        # so under "fp8" it is an FP8 GEMM too.
+        with ops.frozen_compute("fp8-dx" if ops.frozen_compute_mode() == "fp8" else "bf16"):
+            q = checkpoint_name(self.q_proj(x, fold_rng(rng, 0)), "q_proj")
+            if self.output_gate:
+                q = q.reshape(b, t, self.num_heads, 2 * self.head_dim)
+                q, gate = q[..., :self.head_dim], q[..., self.head_dim:].reshape(b, t, -1)
+            q = q.reshape(b, t, self.num_heads, self.head_dim)
+            k = checkpoint_name(self.k_proj(x, fold_rng(rng, 1)), "k_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = checkpoint_name(self.v_proj(x, fold_rng(rng, 2)), "v_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:
+            out = ops.attention(q, k, v, q_segment_ids=segment_ids, sliding_window=self.sliding_window)
+        else:
+            stacked = cache.layer is not None  # every layer's stack at this layer, or this layer's own arrays
+            lead = (cache.layer,) if stacked else ()
+
+            def write(stack, new):
+                new = (new[None] if stacked else new).astype(stack.dtype)
+                return jax.lax.dynamic_update_slice(stack, new, (*lead, 0, cache_index, 0, 0))
+
+            def read(stack):
+                return jax.lax.dynamic_index_in_dim(stack, cache.layer, 0, keepdims=False) if stacked else stack
+
+            cache = LayerCache(write(cache.k, k), write(cache.v, v), cache.layer)
+            layer_k, layer_v = read(cache.k), read(cache.v)
+            out = ops.attention(
+                q, layer_k.astype(q.dtype), layer_v.astype(q.dtype), q_segment_ids=segment_ids,
+                kv_segment_ids=cache_segment_ids, q_offset=cache_index, sliding_window=self.sliding_window,
+            )
+        out = out.reshape(b, t, self.num_heads * self.head_dim)
+        if self.output_gate:
+            out = (out.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(out.dtype)
+        input_stats.observe(("o_proj",), out)
+        out = self.o_proj(out, fold_rng(rng, 3))
+        return checkpoint_name(out, "o_proj"), cache
