@@ -36,7 +36,9 @@ from jax.experimental.pallas import triton as pltriton
 
 CHUNK = 64
 SUB = 16  # rows of a diagonal block of the blocked inverse: the smallest tensor-core dot
-BLOCK_V = 64  # value columns per program of the sequential kernels (the state tile is [dk, BLOCK_V] in registers
+BLOCK_V = 64  # value columns per program of the sequential kernels (the state tile is [dk, BLOCK_V] in registers)
+WARPS = {"wy": 4, "states": 4, "output": 4, "state_grads": 4, "chunk_grads": 8}  # Triton warps per kernel
+STAGES = 1
 
 
 def gated_delta_reference(q, k, v, g, beta, segment_ids=None, initial_state=None):
@@ -128,7 +130,7 @@ def _wy_kernel(k_ref, v_ref, beta_ref, gam_ref, fs_ref, seg_ref, u_ref, w_ref, *
     """U, W (and T when the backward asks for it) of one chunk of one value head."""
     n_sub = chunk // SUB
     subs = [pl.ds(i * SUB, SUB) for i in range(n_sub)]
-    k = [k_ref[s, :].astype(jnp.float32) for s in subs]
+    k = [k_ref[s, :] for s in subs]
     beta = [beta_ref[s] for s in subs]
     gam = [gam_ref[s] for s in subs]
     seg = [seg_ref[s] for s in subs]
@@ -146,7 +148,7 @@ def _wy_kernel(k_ref, v_ref, beta_ref, gam_ref, fs_ref, seg_ref, u_ref, w_ref, *
             for m in range(j + 1, i):
                 acc = acc + _dot(a[i, m], t[m, j])
             t[i, j] = -_dot(t[i, i], acc)
-    xw = [(beta[j] * fs_ref[subs[j]])[:, None] * k[j] for j in range(n_sub)]
+    xw = [(beta[j] * fs_ref[subs[j]])[:, None] * k[j].astype(jnp.float32) for j in range(n_sub)]
     xu = [beta[j][:, None] * v_ref[subs[j], :].astype(jnp.float32) for j in range(n_sub)]
     for i in range(n_sub):
         u = sum(_dot(t[i, j], xu[j]) for j in range(i + 1))
@@ -212,7 +214,8 @@ def _chunk_grad_kernel(q_ref, k_ref, v_ref, vn_ref, dvn_ref, do_ref, states_ref,
                        gam_ref, fs_ref, te_ref, seg_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dgam_ref, dfs_ref,
                        dte_ref, dkeep_ref, *, chunk, dv, block_v):
     """Every gradient of one chunk of one value head, given its states, V' and dV'."""
-    f32 = jnp.float32
+    f32, lo = jnp.float32, q_ref.dtype  # dots read their operands in the inputs' dtype, accumulate in float32
+    mm, mm_tn, mm_nt = (lambda a, b, f=f: f(a.astype(lo), b.astype(lo)) for f in (_dot, _dot_tn, _dot_nt))
     q, k = q_ref[...].astype(f32), k_ref[...].astype(f32)
     beta, gam, fs, te, seg = beta_ref[...], gam_ref[...], fs_ref[...], te_ref[...], seg_ref[...]
     t = t_ref[...]
@@ -232,21 +235,21 @@ def _chunk_grad_kernel(q_ref, k_ref, v_ref, vn_ref, dvn_ref, do_ref, states_ref,
         s, da = states_ref[:, cols], dafter_ref[:, cols]
         vn, dvn, do = vn_ref[:, cols].astype(f32), dvn_ref[:, cols].astype(f32), do_ref[:, cols].astype(f32)
         v = v_ref[:, cols].astype(f32)
-        dq = dq + fs[:, None] * _dot_nt(do, s)
-        dfs = dfs + jnp.sum(do * _dot(q, s), axis=1)
-        dov = dov + _dot_nt(do, vn)
-        k_rows = k_rows + _dot_nt(vn, da)
-        dw = dw - _dot_nt(dvn, s)
+        dq = dq + fs[:, None] * mm_nt(do, s)
+        dfs = dfs + jnp.sum(do * mm(q, s), axis=1)
+        dov = dov + mm_nt(do, vn)
+        k_rows = k_rows + mm_nt(vn, da)
+        dw = dw - mm_nt(dvn, s)
         dt = dt + _dot_nt(dvn, beta[:, None] * v)
         dxu = _dot_tn(t, dvn)
         dv_ref[:, cols] = (beta[:, None] * dxu).astype(dv_ref.dtype)
         dbeta = dbeta + jnp.sum(v * dxu, axis=1)
         dkeep = dkeep + jnp.sum(s * da)
     dattn = dov * d
-    dq = dq + _dot(dattn, k)
-    dk = _dot_tn(dattn, q) + te[:, None] * k_rows
+    dq = dq + mm(dattn, k)
+    dk = mm_tn(dattn, q) + te[:, None] * k_rows
     dte = jnp.sum(k * k_rows, axis=1)
-    dd = dov * _dot_nt(q, k)
+    dd = dov * mm_nt(q, k)
     bf = beta * fs
     dt = dt + _dot_nt(dw, bf[:, None] * k)
     dxw = _dot_tn(t, dw)
@@ -255,9 +258,9 @@ def _chunk_grad_kernel(q_ref, k_ref, v_ref, vn_ref, dvn_ref, do_ref, states_ref,
     dbeta = dbeta + fs * kdxw
     dfs = dfs + beta * kdxw
     da = jnp.where(strict, -_dot_nt(_dot_tn(t, dt), t), 0.0)
-    kk = _dot_nt(k, k)
+    kk = mm_nt(k, k)
     gm = da * d
-    dk = dk + beta[:, None] * _dot(gm, k) + _dot_tn(gm, beta[:, None] * k)
+    dk = dk + beta[:, None] * mm(gm, k) + mm_tn(gm, beta[:, None] * k)
     dbeta = dbeta + jnp.sum(gm * kk, axis=1)
     e = (dd + da * beta[:, None] * kk) * d
     dq_ref[...] = dq
@@ -272,8 +275,8 @@ def _chunk_grad_kernel(q_ref, k_ref, v_ref, vn_ref, dvn_ref, do_ref, states_ref,
 # ------------------------------------------------------------------------------------------------ launches
 
 
-def _params(num_warps: int) -> pltriton.CompilerParams:
-    return pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+def _params(kernel: str) -> pltriton.CompilerParams:
+    return pltriton.CompilerParams(num_warps=WARPS[kernel], num_stages=STAGES)
 
 
 def _token_spec(c, d, head):
@@ -305,7 +308,7 @@ def _wy(k, v, beta, gam, fs, seg, group, chunk, with_t, interpret):
                   _vector_spec(chunk), _vector_spec(chunk), _vector_spec(chunk), _seg_spec(chunk)],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_params(4),
+        compiler_params=_params("wy"),
         interpret=interpret,
         name="gated_delta_wy",
     )(k, v, beta, gam, fs, seg)
@@ -346,7 +349,7 @@ def _state_pass(w, u, k, te, keep, s0, group, chunk, interpret):
         out_shape=[jax.ShapeDtypeStruct(u.shape, u.dtype),
                    jax.ShapeDtypeStruct((b, hv, n, dk, dv), jnp.float32),
                    jax.ShapeDtypeStruct((b, hv, dk, dv), jnp.float32)],
-        compiler_params=_params(4),
+        compiler_params=_params("states"),
         interpret=interpret,
         name="gated_delta_states",
     )(w, u, k, te, keep, s0)
@@ -369,7 +372,7 @@ def _output(q, k, vn, states, gam, fs, seg, group, chunk, out_dtype, interpret):
                   pl.BlockSpec((None, chunk), lambda n, b, h, c: (b, n))],
         out_specs=pl.BlockSpec((None, chunk, None, bv), lambda n, b, h, c: (b, n, h, c)),
         out_shape=jax.ShapeDtypeStruct(vn.shape, out_dtype),
-        compiler_params=_params(4),
+        compiler_params=_params("output"),
         interpret=interpret,
         name="gated_delta_output",
     )(q, k, vn, states, gam, fs, seg)
@@ -394,16 +397,11 @@ def _chunked_fwd(q, k, v, beta, gam, fs, te, keep, seg, s0, chunk, interpret):
     return out, (q, k, v, beta, gam, fs, te, keep, seg, s0)
 
 
-def _chunked_bwd(chunk, interpret, residuals, grads):
-    q, k, v, beta, gam, fs, te, keep, seg, s0 = residuals
-    do, dfinal = grads
-    b, tp, hv, dv = v.shape
-    hk, dk = k.shape[2:]
-    group = hv // hk
+def _state_grads(q, k, w, do, gam, fs, te, keep, seg, dfinal, group, chunk, interpret):
+    b, tp, hv, dv = do.shape
+    dk = k.shape[-1]
     n, bv = tp // chunk, min(BLOCK_V, dv)
-    _, w, [t], vn, states, _ = _forward(q, k, v, beta, gam, fs, te, keep, seg, s0, chunk, interpret, with_t=True)
-    do = do.astype(v.dtype)
-    dvn, dafter, ds0 = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_state_grad_kernel, chunk=chunk, n=n),
         grid=(b, hv, dv // bv),
         in_specs=[_sequence_spec(tp, dk, lambda h: h // group), _sequence_spec(tp, dk, lambda h: h // group),
@@ -411,32 +409,50 @@ def _chunked_bwd(chunk, interpret, residuals, grads):
                  + [_sequence_vector_spec(tp)] * 4
                  + [pl.BlockSpec((None, tp), lambda b, h, c: (b, 0)), _state_tile_spec(dk, bv)],
         out_specs=[_sequence_cols_spec(tp, bv), _states_spec(n, dk, bv), _state_tile_spec(dk, bv)],
-        out_shape=[jax.ShapeDtypeStruct(v.shape, jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct(do.shape, jnp.float32),
                    jax.ShapeDtypeStruct((b, hv, n, dk, dv), jnp.float32),
                    jax.ShapeDtypeStruct((b, hv, dk, dv), jnp.float32)],
-        compiler_params=_params(4),
+        compiler_params=_params("state_grads"),
         interpret=interpret,
         name="gated_delta_state_grads",
     )(q, k, w, do, gam, fs, te, keep, seg, dfinal.astype(jnp.float32))
+
+
+def _chunk_grads(q, k, v, vn, dvn, do, states, dafter, t, beta, gam, fs, te, seg, group, chunk, interpret):
+    b, tp, hv, dv = v.shape
+    dk = k.shape[-1]
+    n, bv = tp // chunk, min(BLOCK_V, dv)
     head = lambda h: h // group  # noqa: E731
     whole = lambda d: _token_spec(chunk, d, lambda h: h)  # noqa: E731
     vector = jax.ShapeDtypeStruct((b, hv, tp), jnp.float32)
-    dq, dk_, dv_, dbeta, dgam, dfs, dte, dkeep = pl.pallas_call(
+    per_chunk = lambda *d: pl.BlockSpec((None, None, None, *d), lambda n, b, h: (b, h, n, 0, 0))  # noqa: E731
+    return pl.pallas_call(
         functools.partial(_chunk_grad_kernel, chunk=chunk, dv=dv, block_v=bv),
         grid=(n, b, hv),
         in_specs=[_token_spec(chunk, dk, head), _token_spec(chunk, dk, head), whole(dv), whole(dv), whole(dv),
-                  whole(dv),
-                  pl.BlockSpec((None, None, None, dk, dv), lambda n, b, h: (b, h, n, 0, 0)),
-                  pl.BlockSpec((None, None, None, dk, dv), lambda n, b, h: (b, h, n, 0, 0)),
+                  whole(dv), per_chunk(dk, dv), per_chunk(dk, dv),
                   pl.BlockSpec((None, None, chunk, chunk), lambda n, b, h: (b, h, n, 0))]
                  + [_vector_spec(chunk)] * 4 + [_seg_spec(chunk)],
         out_specs=[whole(dk), whole(dk), whole(dv)] + [_vector_spec(chunk)] * 5,
         out_shape=[jax.ShapeDtypeStruct((b, tp, hv, dk), jnp.float32)] * 2
                   + [jax.ShapeDtypeStruct(v.shape, jnp.float32)] + [vector] * 5,
-        compiler_params=_params(8),
+        compiler_params=_params("chunk_grads"),
         interpret=interpret,
         name="gated_delta_chunk_grads",
     )(q, k, v, vn, dvn, do, states, dafter, t, beta, gam, fs, te, seg)
+
+
+def _chunked_bwd(chunk, interpret, residuals, grads):
+    q, k, v, beta, gam, fs, te, keep, seg, s0 = residuals
+    do, dfinal = grads
+    b, tp, hv, _ = v.shape
+    hk, dk = k.shape[2:]
+    group = hv // hk
+    _, w, [t], vn, states, _ = _forward(q, k, v, beta, gam, fs, te, keep, seg, s0, chunk, interpret, with_t=True)
+    do = do.astype(v.dtype)
+    dvn, dafter, ds0 = _state_grads(q, k, w, do, gam, fs, te, keep, seg, dfinal, group, chunk, interpret)
+    dq, dk_, dv_, dbeta, dgam, dfs, dte, dkeep = _chunk_grads(q, k, v, vn, dvn, do, states, dafter, t, beta, gam,
+                                                              fs, te, seg, group, chunk, interpret)
     per_key_head = lambda x: x.reshape(b, tp, hk, group, dk).sum(3)  # noqa: E731
     return (per_key_head(dq).astype(q.dtype), per_key_head(dk_).astype(k.dtype), dv_.astype(v.dtype), dbeta,
             dgam, dfs, dte, dkeep, None, ds0.astype(s0.dtype))

@@ -1,4 +1,5 @@
-"""The chunked gated delta rule: jaxtune's XLA path against flash-linear-attention's Triton `chunk_gated_delta_rule`,
+"""The chunked gated delta rule: jaxtune's Pallas kernel and XLA path against flash-linear-attention's Triton
+`chunk_gated_delta_rule`,
 forward and forward + backward, at Qwen3.5 / Qwen3-Next linear-attention shapes (16 key heads, 32 value heads,
 dk = dv = 128), bf16 q/k/v (L2-normalised beforehand), float32 g and beta, the same inputs on both sides.
 
@@ -8,7 +9,8 @@ dk = dv = 128), bf16 q/k/v (L2-normalised beforehand), float32 g and beta, the s
     PYTHONPATH=$PWD:$PWD/.fla-site python benchmarks/kernels/gated_delta_vs_fla.py [--shapes 2x4096,1x16384]
 
 One JSON line per (side, shape): milliseconds per call (median of 20 after warm-up), forward and forward + backward,
-for jaxtune's two state passes (`scan`, `associative`) and fla; the largest difference of the outputs.
+for jaxtune's Pallas kernel (`pallas_kernels/gated_delta.py`), its XLA path and fla; the largest difference of the
+outputs from fla's, and of each gradient relative to fla's largest.
 """
 
 from __future__ import annotations
@@ -44,21 +46,25 @@ def time_ms(fn, sync, iters: int = 20) -> float:
     return float(np.median(times))
 
 
-def jaxtune_side(arrays, state_pass: str):
+def jaxtune_side(arrays, path: str):
     import jax
     import jax.numpy as jnp
 
     from jaxtune.ops.gated_delta import gated_delta_rule_chunked
+    from pallas_kernels.gated_delta import gated_delta_rule_pallas
 
     q, k, v, g, beta, w = arrays
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
     g, beta, w = (jnp.asarray(x) for x in (g, beta, w))
-    fwd = jax.jit(lambda *a: gated_delta_rule_chunked(*a, state_pass=state_pass)[0])
+    rule = gated_delta_rule_pallas if path == "pallas" else gated_delta_rule_chunked
+    fwd = jax.jit(lambda *a: rule(*a)[0])
     grad = jax.jit(jax.grad(lambda q, k, v, g, b: jnp.sum(fwd(q, k, v, g, b).astype(jnp.float32) * w),
                             argnums=(0, 1, 2, 3, 4)))
     out = np.asarray(fwd(q, k, v, g, beta).astype(jnp.float32))
+    grads = [np.asarray(x.astype(jnp.float32)) for x in grad(q, k, v, g, beta)]
     sync = jax.block_until_ready
-    return out, time_ms(lambda: fwd(q, k, v, g, beta), sync), time_ms(lambda: grad(q, k, v, g, beta), sync)
+    return (out, grads, time_ms(lambda: fwd(q, k, v, g, beta), sync),
+            time_ms(lambda: grad(q, k, v, g, beta), sync))
 
 
 def fla_side(arrays):
@@ -79,13 +85,15 @@ def fla_side(arrays):
 
     with torch.no_grad():
         out = fwd().float().cpu().numpy()
+    grads = [x.float().cpu().numpy() for x in both()]
     sync = lambda _: torch.cuda.synchronize()  # noqa: E731
-    return out, time_ms(lambda: fwd().detach(), sync), time_ms(both, sync)
+    return out, grads, time_ms(lambda: fwd().detach(), sync), time_ms(both, sync)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="2x4096,1x16384")
+    ap.add_argument("--paths", default="pallas,xla", help="jaxtune's sides: pallas, xla")
     args = ap.parse_args()
     import jax
 
@@ -93,21 +101,21 @@ def main() -> None:
     for shape in args.shapes.split(","):
         b, t = map(int, shape.split("x"))
         arrays = inputs(b, t)
-        ours = {}
-        for state_pass in ("scan", "associative"):
-            ours[state_pass] = jaxtune_side(arrays, state_pass)
+        ours = {path: jaxtune_side(arrays, path) for path in args.paths.split(",")}
         try:
-            theirs, fla_fwd, fla_both = fla_side(arrays)
+            theirs = fla_side(arrays)
         except Exception as e:  # noqa: BLE001 - the baseline is optional where fla is not installed
             print(json.dumps({"shape": shape, "fla": f"unavailable: {type(e).__name__}: {e}"[:300]}), flush=True)
-            theirs = fla_fwd = fla_both = None
-        diff = None if theirs is None else float(np.abs(ours["scan"][0] - theirs).max())
-        sides = [(f"jaxtune-xla-{p}", ms[1], ms[2]) for p, ms in ours.items()] + [("fla-triton", fla_fwd, fla_both)]
-        for side, f, fb in sides:
-            if f is not None:
-                print(json.dumps({"side": side, "shape": shape, "tokens": b * t, "forward_ms": round(f, 3),
-                                  "forward_backward_ms": round(fb, 3), "max_abs_diff": diff, "device": device}),
-                      flush=True)
+            theirs = None
+        sides = [(f"jaxtune-{p}", r) for p, r in ours.items()] + ([("fla-triton", theirs)] if theirs else [])
+        for side, (out, grads, f, fb) in sides:
+            row = {"side": side, "shape": shape, "tokens": b * t, "forward_ms": round(f, 3),
+                   "forward_backward_ms": round(fb, 3), "device": device}
+            if theirs is not None and side != "fla-triton":
+                row["max_abs_diff"] = float(np.abs(out - theirs[0]).max())
+                row["grad_rel_diff"] = [round(float(np.abs(a - b_).max() / (np.abs(b_).max() + 1e-12)), 5)
+                                        for a, b_ in zip(grads, theirs[1])]
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
