@@ -69,10 +69,15 @@ def test_logits_equal_transformers_over_several_chunks(tmp_path, layout):
     _assert_close(_logits(model, ids), want)
 
 
-def test_packed_rows_give_each_sample_its_own_logits(tmp_path):
+@pytest.mark.parametrize("kernels", ["xla", "pallas-interpret"])
+def test_packed_rows_give_each_sample_its_own_logits(tmp_path, kernels, monkeypatch):
     """Two samples packed in one row: the convolution's window and the recurrent state restart at the second, so
-    its logits are those of the sample alone (transformers on it), and so are the first's."""
-    hf = build_hf_model(Qwen3_5TextConfig(**SHAPES), tmp_path)
+    its logits are those of the sample alone (transformers on it), and so are the first's. Under the Pallas modes
+    the linear layers run the chunked kernel (pallas_kernels/gated_delta.py; head dims of 16)."""
+    from jaxtune.ops import dispatch
+
+    monkeypatch.setattr(dispatch, "_mode", kernels)
+    hf = build_hf_model(Qwen3_5TextConfig(**{**SHAPES, "linear_value_head_dim": 16}), tmp_path)
     model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32")
     rng = np.random.default_rng(1)
     a, b = rng.integers(0, 128, 70), rng.integers(0, 128, 50)

@@ -5,7 +5,8 @@
   sequence per row, no window) and the Pallas flash attention for packed segments and sliding windows;
   FP8 projections (`compute="fp8"`) through cuBLASLt; on CPU the XLA reference.
 - `xla`: the pure XLA reference everywhere.
-- `pallas`: the Pallas kernels wherever they apply (fused NF4 matmul for every M, flash attention, FP8 GEMM).
+- `pallas`: the Pallas kernels wherever they apply (fused NF4 matmul for every M, flash attention, FP8 GEMM, the
+  chunked gated delta rule).
 - `pallas-interpret`: the same kernels run by the Pallas interpreter (CPU; for tests).
 - `cudnn`: the same as `auto` (kept for scripts that name it).
 
@@ -144,6 +145,14 @@ def check_fp8_device() -> None:
 def attention_impl(plain_causal: bool) -> str:
     """`xla`, `pallas` or `cudnn` for full-sequence (no KV cache) attention; `plain_causal`: no segments/window."""
     return _forced("pallas") or ("cudnn" if plain_causal else "pallas")
+
+
+def gated_delta_impl(dk: int, dv: int) -> str:
+    """`pallas` (pallas_kernels/gated_delta.py) or `xla` for the chunked gated delta rule: the kernel on GPU where
+    both head dims are powers of two >= 16 (2.0x-2.4x the XLA path forward + backward on an H200,
+    benchmarks/results/2026-12-02-gated-delta-xla-vs-fla-h200.md)."""
+    fits = all(d >= 16 and d & (d - 1) == 0 for d in (dk, dv))
+    return (_forced("pallas") or "pallas") if fits else "xla"
 
 
 def interpret() -> bool:

@@ -12,6 +12,7 @@ stay as the checkpoint has them.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -21,7 +22,9 @@ from flax import nnx
 from jaxtune.models import input_stats
 from jaxtune.models.config import ModelConfig
 from jaxtune.models.dropout_keys import fold_rng
+from jaxtune.ops import dispatch
 from jaxtune.ops.gated_delta import gated_delta_rule_chunked, gated_delta_rule_recurrent
+from pallas_kernels.gated_delta import gated_delta_rule_pallas
 
 PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
@@ -86,6 +89,10 @@ class GatedRMSNorm(nnx.Module):
         return (out.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
+def _in_dtype(rule, dtype, q, k, v, g, beta, **kw):
+    return rule(q.astype(dtype), k.astype(dtype), v.astype(dtype), g, beta, **kw)
+
+
 def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     x = x.astype(jnp.float32)
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
@@ -127,7 +134,13 @@ class GatedDeltaNet(nnx.Module):
         q = mixed[..., :key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
         k = mixed[..., key_dim:2 * key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
         v = mixed[..., 2 * key_dim:].reshape(b, t, self.num_v_heads, self.head_v_dim)
-        rule = gated_delta_rule_recurrent if cache is not None and t == 1 else gated_delta_rule_chunked
+        if cache is not None and t == 1:
+            rule = gated_delta_rule_recurrent
+        elif dispatch.gated_delta_impl(self.head_k_dim, self.head_v_dim) == "pallas":
+            # the kernel's dots read q, k, v in the activations' dtype (bf16 in training), as fla's do
+            rule = functools.partial(_in_dtype, gated_delta_rule_pallas, x.dtype, interpret=dispatch.interpret())
+        else:
+            rule = gated_delta_rule_chunked
         out, state = rule(_l2norm(q), _l2norm(k), v.astype(jnp.float32), g, beta, segment_ids=segment_ids,
                           initial_state=state)
         if cache is not None:
