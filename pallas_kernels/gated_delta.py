@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as pltriton
 CHUNK = 64
 SUB = 16  # rows of a diagonal block of the blocked inverse: the smallest tensor-core dot
 BLOCK_V = 64  # value columns per program of the sequential kernels (the state tile is [dk, BLOCK_V] in registers)
-WARPS = {"wy": 4, "states": 4, "output": 4, "state_grads": 4, "chunk_grads": 8}  # Triton warps per kernel
+WARPS = {"wy": 4, "states": 4, "output": 4, "state_grads": 4, "chunk_grads": 4}  # Triton warps per kernel
 STAGES = 1
 
 

@@ -149,7 +149,7 @@ def attention_impl(plain_causal: bool) -> str:
 
 def gated_delta_impl(dk: int, dv: int) -> str:
     """`pallas` (pallas_kernels/gated_delta.py) or `xla` for the chunked gated delta rule: the kernel on GPU where
-    both head dims are powers of two >= 16 (2.0x-2.4x the XLA path forward + backward on an H200,
+    both head dims are powers of two >= 16 (1.9x-2.4x the XLA path forward + backward on an H200,
     benchmarks/results/2026-12-02-gated-delta-xla-vs-fla-h200.md)."""
     fits = all(d >= 16 and d & (d - 1) == 0 for d in (dk, dv))
     return (_forced("pallas") or "pallas") if fits else "xla"
