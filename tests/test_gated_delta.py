@@ -10,29 +10,7 @@ import numpy as np
 import pytest
 
 from jaxtune.ops.gated_delta import gated_delta_rule_chunked, gated_delta_rule_recurrent
-
-
-def reference(q, k, v, g, beta, segment_ids=None, initial_state=None):
-    """float64 numpy: per row and head, the state restarted at each segment start, updated token by token."""
-    q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
-    b, t, hk, dk = q.shape
-    hv, dv = v.shape[2:]
-    rep = hv // hk
-    out = np.zeros((b, t, hv, dv))
-    final = np.zeros((b, hv, dk, dv))
-    for r in range(b):
-        for h in range(hv):
-            s = np.zeros((dk, dv)) if initial_state is None else np.asarray(initial_state, np.float64)[r, h].copy()
-            for i in range(t):
-                if segment_ids is not None and (i == 0 and initial_state is None or
-                                                i > 0 and segment_ids[r, i] != segment_ids[r, i - 1]):
-                    s = np.zeros((dk, dv))
-                qi, ki = q[r, i, h // rep] / np.sqrt(dk), k[r, i, h // rep]
-                s = s * np.exp(g[r, i, h])
-                s = s + np.outer(ki, beta[r, i, h] * (v[r, i, h] - ki @ s))
-                out[r, i, h] = qi @ s
-            final[r, h] = s
-    return out, final
+from pallas_kernels.gated_delta import gated_delta_reference as reference
 
 
 def inputs(b, t, hk, hv, dk, dv, seed):
