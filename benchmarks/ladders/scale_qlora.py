@@ -124,9 +124,9 @@ def main() -> None:
     compile_s, plan = None, {}
     if args.aot:
         t0 = time.perf_counter()
-        compiled = step_fn.lower(lora, opt_state, frozen, batch, jnp.int32(0)).compile()
+        compiled = step_fn.compile(lora, opt_state, frozen, batch, jnp.int32(0))
         compile_s = time.perf_counter() - t0
-        mem = compiled.memory_analysis()
+        mem = compiled.compiled.memory_analysis()
         plan = {"planned_device_gib": round((mem.argument_size_in_bytes + mem.output_size_in_bytes
                                              + mem.temp_size_in_bytes - mem.alias_size_in_bytes) / 2**30, 2),
                 "planned_host_gib": round(getattr(mem, "host_temp_size_in_bytes", 0) / 2**30, 2)}

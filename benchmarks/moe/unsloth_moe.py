@@ -1,4 +1,4 @@
-"""Unsloth's QLoRA step on a mixture-of-experts checkpoint (its MoE path: experts quantized to NF4, LoRA on the
+"""Unsloth's QLoRA step on a mixture-of-experts or hybrid (Qwen3.5) checkpoint (its MoE path: experts quantized to NF4, LoRA on the
 attention projections and on every expert's projections), the baseline of benchmarks/steps/train_qlora.py on the same
 directory. Run with the baseline packages (../shared/bench: PYTHONPATH=$PWD/.site).
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.metadata
 import json
 import os
 import statistics
@@ -28,12 +29,19 @@ import torch  # noqa: E402
 
 from benchmarks.steps.unsloth_dpo import kernel_class as dense_kernel_class  # noqa: E402
 
+# flash-linear-attention's gated delta rule kernels (chunked forward / backward, WY, triangular solve), its short
+# convolution and the torch fallback's loops
+LINEAR_ATTENTION_KERNELS = ("gated_delta", "chunk_fwd", "chunk_bwd", "chunk_scaled_dot", "solve_tril", "recompute_w_u",
+                            "prepare_wy", "wy_fast", "chunk_local_cumsum", "l2norm", "causal_conv1d", "fused_recurrent",
+                            "merge_16x16", "kkt")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def kernel_class(name: str) -> str:
     """unsloth_dpo's kernel classes, with the MoE ones (grouped GEMMs, routing) apart."""
     n = name.lower()
+    if any(word in n for word in LINEAR_ATTENTION_KERNELS):
+        return "linear attention (gated delta)"
     if "grouped" in n or "group_gemm" in n or "moe" in n:
         return "grouped expert gemm"
     if not any(word in n for word in ("dequant", "flash", "fmha", "attn", "sdpa", "gemm", "sm90", "cutlass", "nvjet",
@@ -41,6 +49,18 @@ def kernel_class(name: str) -> str:
                                                                                   "index", "histc")):
         return "routing (sort / scatter / gather)"
     return dense_kernel_class(name)
+
+
+def linear_attention_path(model) -> str | None:
+    """Which gated delta rule a hybrid model's linear layers call: flash-linear-attention's Triton kernels when
+    it is importable, else transformers' torch loops (None for a model without linear layers)."""
+    if not any(type(m).__name__.endswith("GatedDeltaNet") for m in model.modules()):
+        return None
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"torch (flash-linear-attention not importable: {type(e).__name__}: {e})"
+    return "flash-linear-attention " + importlib.metadata.version("fla-core")
 
 
 def load(path: str, seq: int, ckpt):
@@ -54,7 +74,7 @@ def load(path: str, seq: int, ckpt):
     model.train()
     names = {n: p for n, p in model.named_parameters()}
     trainable = [n for n, p in names.items() if p.requires_grad]
-    info = dict(system="unsloth", version=unsloth.__version__, device=torch.cuda.get_device_name(),
+    info = dict(system="unsloth", linear_attention=linear_attention_path(model), version=unsloth.__version__, device=torch.cuda.get_device_name(),
                 layers=model.config.num_hidden_layers, load_s=round(load_s, 1), grad_ckpt=str(ckpt),
                 trainable_tensors=len(trainable), trainable_on_experts=sum("experts" in n for n in trainable),
                 trainable_params=sum(names[n].numel() for n in trainable),
@@ -73,7 +93,7 @@ def run(model, info: dict, batch: int, seq: int, profile: bool, steps: int = 3, 
     res = dict(info, batch=batch, seq=seq)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    times, by_class, ok = [], None, True
+    times, by_class, top, ok = [], None, None, True
     try:
         for i in range(warm + steps + (1 if profile else 0)):
             prof = None
@@ -92,11 +112,14 @@ def run(model, info: dict, batch: int, seq: int, profile: bool, steps: int = 3, 
             if prof is not None:
                 prof.__exit__(None, None, None)
                 groups: dict[str, float] = {}
+                kernels: dict[str, float] = {}
                 for e in prof.key_averages():
                     if e.device_type.name == "CUDA":
                         c = kernel_class(e.key)
                         groups[c] = groups.get(c, 0.0) + e.self_device_time_total / 1000
+                        kernels[e.key[:90]] = kernels.get(e.key[:90], 0.0) + e.self_device_time_total / 1000
                 by_class = {k: round(v, 1) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])}
+                top = {k: round(v, 2) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]}
             elif i >= warm:
                 times.append(time.perf_counter() - t)
         dt = statistics.median(times)
@@ -108,7 +131,7 @@ def run(model, info: dict, batch: int, seq: int, profile: bool, steps: int = 3, 
     print(json.dumps(res), flush=True)
     if by_class is not None:
         print(json.dumps({"system": "unsloth", "batch": batch, "gpu_ms_by_class": by_class,
-                          "gpu_ms": round(sum(by_class.values()), 1)}), flush=True)
+                          "gpu_ms": round(sum(by_class.values()), 1), "top_kernels_ms": top}), flush=True)
     del opt, x
     gc.collect()
     torch.cuda.empty_cache()

@@ -102,7 +102,8 @@ def configure(model, args: argparse.Namespace):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
-    ap.add_argument("--batch", default="1")
+    ap.add_argument("--batch", default="1", help="a batch size, several (2,4,8: one load, each compiled in turn "
+                    "until one runs out of memory) or auto")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
@@ -127,7 +128,7 @@ def main() -> None:
     ap.add_argument("--offload-embedding", action="store_true",
                     help="the frozen input embedding in host memory (TrainConfig.offload_embedding)")
     ap.add_argument("--compile-only", action="store_true")
-    ap.add_argument("--profile", help="write a jax.profiler trace of 2 steps to this folder")
+    ap.add_argument("--profile", help="write a jax.profiler trace of 2 steps to this folder (b<batch>/ in it)")
     ap.add_argument("--compile-first", action="store_true",
                     help="compile the step from the checkpoint's shapes before its weights reach the device, so "
                          "the GEMM autotuner's buffers and the weights are never resident together")
@@ -136,7 +137,7 @@ def main() -> None:
                          "compile again after loading: whether XLA's in-process autotuning results spare the "
                          "second compile its autotuner buffers")
     args = ap.parse_args()
-    if (args.compile_first or args.warm_autotune) and args.batch == "auto":
+    if (args.compile_first or args.warm_autotune) and not args.batch.isdigit():
         ap.error("--compile-first and --warm-autotune need a fixed --batch")
     if (args.compile_first or args.warm_autotune) and (args.offload_optimizer or args.offload_embedding):
         ap.error("--compile-first and --warm-autotune plan every array on the device: not with --offload-*")
@@ -144,7 +145,7 @@ def main() -> None:
         dispatch.QAT_KERNEL_ON_GPU = args.qat_impl == "kernel"
     if args.moe_gemm != "auto":
         dispatch.MOE_WGMMA_ON_HOPPER = args.moe_gemm == "wgmma"
-    cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch if args.batch == "auto" else int(args.batch),
+    cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch if args.batch == "auto" else int(args.batch.split(",")[0]),
                               max_steps=1000, learning_rate=1e-4, remat=args.remat, compute=args.compute,
                               offload_optimizer=args.offload_optimizer)
     optimizer = make_optimizer(cfg)
@@ -154,7 +155,7 @@ def main() -> None:
         shape = (1, micro, args.seq)
         batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("input_ids", "labels", "segment_ids", "positions")}
         t0 = time.perf_counter()
-        compiled = step_fn.lower(lora, opt_state, frozen, batch, jnp.int32(0)).compile()
+        compiled = step_fn.compile(lora, opt_state, frozen, batch, jnp.int32(0))
         return compiled, time.perf_counter() - t0
 
     compiled, warm_s = None, None
@@ -187,13 +188,31 @@ def main() -> None:
         opt_state = place_on_host(opt_state)
     if args.offload_embedding:
         frozen = embedding_to_host(model, frozen)
+    batches_arg = [args.batch] if args.batch == "auto" else [int(b) for b in args.batch.split(",")]
+    for i, batch_arg in enumerate(batches_arg):  # a larger batch after an out-of-memory one would run out too
+        if i:
+            compiled = None
+        try:
+            lora, opt_state = run_batch(args, cfg, model, graphdef, lora, opt_state, frozen, batch_arg, compiled,
+                                        compile_step, peak_after_load, peak_after_compile, load_s, warm_s)
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+                raise
+            print(json.dumps({"system": "jaxtune", "batch": batch_arg, "seq": args.seq, "remat": args.remat,
+                              "error": "OOM", "message": str(e).splitlines()[0][:300]}), flush=True)
+            break
+
+
+def run_batch(args, cfg, model, graphdef, lora, opt_state, frozen, batch_arg, compiled, compile_step,
+              peak_after_load, peak_after_compile, load_s, warm_s):
+    """One batch size: compile (unless compiled first), the warm-up and timed steps, one JSON line, the trace."""
     t0 = time.perf_counter()
-    if args.batch == "auto":
+    if batch_arg == "auto":
         micro = choose_micro_batch(cfg, make_train_step(graphdef, cfg), lora, opt_state, frozen)
     else:
-        micro = int(args.batch)
+        micro = int(batch_arg)
     choose_s = time.perf_counter() - t0
-    base = {"system": "jaxtune", "device": jax.local_devices()[0].device_kind, "batch": micro, "batch_arg": args.batch,
+    base = {"system": "jaxtune", "device": jax.local_devices()[0].device_kind, "batch": micro, "batch_arg": batch_arg,
             "seq": args.seq, "remat": args.remat, "data": args.data, "compute": args.compute,
             "unroll_layers": args.unroll_layers, "qat": args.qat, "qat_impl": args.qat_impl,
             "moe_gemm": args.moe_gemm,
@@ -202,14 +221,15 @@ def main() -> None:
     if compiled is None:
         compiled, compile_s = compile_step(graphdef, lora, opt_state, frozen, micro)
         peak_after_compile = _peak_gib()
-    base.update(compile_s=round(compile_s, 1), **memory_plan(compiled),
+    else:
+        compile_s = 0.0
+    base.update(compile_s=round(compile_s, 1), **memory_plan(compiled.compiled),
                 peak_after_load_gib=peak_after_load, peak_after_compile_gib=peak_after_compile)
     if args.compile_only:
         print(json.dumps({**base, "device_limit_gib": round(
             (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit", 0) / 2**30, 2)}), flush=True)
-        return
+        return lora, opt_state
     step_fn = compiled
-
     vocab = model.config.vocab_size
     count = args.warmup + args.steps
     if args.data == "varlen":
@@ -240,11 +260,12 @@ def main() -> None:
     }), flush=True)
 
     if args.profile:
-        jax.profiler.start_trace(args.profile, create_perfetto_trace=True)
+        jax.profiler.start_trace(os.path.join(args.profile, f"b{micro}"), create_perfetto_trace=True)
         for i in range(2):
             lora, opt_state, m = step_fn(lora, opt_state, frozen, batches[args.warmup + i], jnp.int32(count + i))
         jax.block_until_ready(m)
         jax.profiler.stop_trace()
+    return lora, opt_state
 
 
 if __name__ == "__main__":

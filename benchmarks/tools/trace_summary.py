@@ -15,6 +15,7 @@ import re
 import sys
 
 CLASSES = (
+    ("linear attention (gated delta)", r"gated_delta"),
     ("attention", r"flash_attention|fmha|cudnn"),
     ("grouped expert GEMM (MoE)", r"grouped_matmul"),
     ("nf4 dequant (frozen weights)", r"nf4_dequant|nf4_matmul"),

@@ -125,6 +125,19 @@ class OnMesh:
         with self._ctx():
             return self.fn.lower(*args, *self.trailing_args)
 
+    def compile(self, *args) -> Callable:
+        """The function compiled ahead of time for these arguments (arrays or shape structs), called like this
+        object (the trailing arguments appended); `.compiled` is XLA's executable, for its memory plan."""
+        compiled = self.lower(*args).compile()
+        trailing = self.trailing_args
+
+        def call(*call_args):
+            with self._ctx():
+                return compiled(*call_args, *trailing)
+
+        call.compiled = compiled
+        return call
+
 
 def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig, mesh: Mesh | None = None,
                     batch_extra: dict[str, tuple[tuple[int, ...], Any]] | None = None,
