@@ -122,6 +122,7 @@ def run(model, info: dict, batch: int, seq: int, profile: bool, steps: int = 3, 
                 top = {k: round(v, 2) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]}
             elif i >= warm:
                 times.append(time.perf_counter() - t)
+            print(f"batch {batch} step {i}: {time.perf_counter() - t:.2f} s", file=sys.stderr, flush=True)
         dt = statistics.median(times)
         res.update(step_s=round(dt, 4), tok_s=round(batch * seq / dt), loss=round(float(loss), 4),
                    peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
