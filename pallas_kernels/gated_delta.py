@@ -19,8 +19,10 @@ outgoing one (exp(gamma_last - gamma) in the chunk's last segment, else 0) and k
 T is a blocked inverse: 16 x 16 diagonal blocks by forward substitution, the blocks below them by products of
 those (stable, unlike a Neumann series). The backward recomputes kernels 1 and 2 (nothing per chunk is kept
 between the passes: the residuals are the inputs), runs the state's gradient backwards chunk after chunk (kernel
-4) and every chunk's gradients at once (kernel 5). The per-token factors (gamma, fs, te, keep) are plain jnp
-around the kernels, so autodiff carries their gradients to g. Grouped heads read their key head through the
+4) and every chunk's gradients at once: by key columns (kernel 5: dq, dW, the attention's part of dk), then
+through the WY form (kernel 6: dv, the rest of dk, dbeta), so that no program holds more than [C, 64] tiles.
+The per-token factors (gamma, fs, te, keep) are plain jnp around the kernels, so autodiff carries their gradients
+to g. Grouped heads read their key head through the
 index map; q and k gradients come out per value head and are summed over the group.
 """
 
@@ -37,7 +39,8 @@ from jax.experimental.pallas import triton as pltriton
 CHUNK = 64
 SUB = 16  # rows of a diagonal block of the blocked inverse: the smallest tensor-core dot
 BLOCK_V = 64  # value columns per program of the sequential kernels (the state tile is [dk, BLOCK_V] in registers)
-WARPS = {"wy": 4, "states": 4, "output": 4, "state_grads": 4, "chunk_grads": 4}  # Triton warps per kernel
+BLOCK_K = 64  # key columns per program of the backward's first chunk kernel (its accumulators are [C, BLOCK_K])
+WARPS = {"wy": 4, "states": 4, "output": 4, "state_grads": 4, "chunk_grads_qk": 4, "chunk_grads_wy": 4}
 STAGES = 1
 
 
@@ -210,66 +213,88 @@ def _state_grad_kernel(q_ref, k_ref, w_ref, do_ref, gam_ref, fs_ref, te_ref, kee
     ds0_ref[...] = jax.lax.fori_loop(0, n, body, dfinal_ref[...].astype(jnp.float32))
 
 
-def _chunk_grad_kernel(q_ref, k_ref, v_ref, vn_ref, dvn_ref, do_ref, states_ref, dafter_ref, t_ref, beta_ref,
-                       gam_ref, fs_ref, te_ref, seg_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dgam_ref, dfs_ref,
-                       dte_ref, dkeep_ref, *, chunk, dv, block_v):
-    """Every gradient of one chunk of one value head, given its states, V' and dV'."""
+def _chunk_grad_qk_kernel(q_ref, k_ref, vn_ref, dvn_ref, do_ref, states_ref, dafter_ref, gam_ref, fs_ref, te_ref,
+                          seg_ref, dq_ref, dk_ref, dw_ref, dfs_ref, dte_ref, dkeep_ref, dgam_ref, *, chunk, dv,
+                          block_v):
+    """One chunk of one value head, BLOCK_K key columns: dq, the attention's and the outgoing state's part of dk,
+    dW, and those columns' shares of the per-token factors' gradients (summed over the key blocks after)."""
     f32, lo = jnp.float32, q_ref.dtype  # dots read their operands in the inputs' dtype, accumulate in float32
     mm, mm_tn, mm_nt = (lambda a, b, f=f: f(a.astype(lo), b.astype(lo)) for f in (_dot, _dot_tn, _dot_nt))
-    q, k = q_ref[...].astype(f32), k_ref[...].astype(f32)
-    beta, gam, fs, te, seg = beta_ref[...], gam_ref[...], fs_ref[...], te_ref[...], seg_ref[...]
-    t = t_ref[...]
+    q, k = q_ref[...], k_ref[...]
+    gam, fs, te, seg = gam_ref[...], fs_ref[...], te_ref[...], seg_ref[...]
     pos = jax.lax.iota(jnp.int32, chunk)
     d = _decay(gam, gam, seg, seg, pos, pos, strict=False)
-    strict = pos[:, None] > pos[None, :]
     dq = jnp.zeros(q.shape, f32)
     dw = jnp.zeros(k.shape, f32)
     k_rows = jnp.zeros(k.shape, f32)  # V' dS_after^T: the outgoing state's gradient by key
     dov = jnp.zeros((chunk, chunk), f32)
-    dt = jnp.zeros((chunk, chunk), f32)
     dfs = jnp.zeros((chunk,), f32)
-    dbeta = jnp.zeros((chunk,), f32)
     dkeep = jnp.zeros((), f32)
     for c in range(dv // block_v):
         cols = pl.ds(c * block_v, block_v)
         s, da = states_ref[:, cols], dafter_ref[:, cols]
-        vn, dvn, do = vn_ref[:, cols].astype(f32), dvn_ref[:, cols].astype(f32), do_ref[:, cols].astype(f32)
-        v = v_ref[:, cols].astype(f32)
-        dq = dq + fs[:, None] * mm_nt(do, s)
-        dfs = dfs + jnp.sum(do * mm(q, s), axis=1)
+        vn, dvn, do = vn_ref[:, cols], dvn_ref[:, cols], do_ref[:, cols]
+        dq = dq + mm_nt(do, s)
         dov = dov + mm_nt(do, vn)
         k_rows = k_rows + mm_nt(vn, da)
         dw = dw - mm_nt(dvn, s)
+        dkeep = dkeep + jnp.sum(s * da)
+    q32, k32 = q.astype(f32), k.astype(f32)
+    dfs = jnp.sum(q32 * dq, axis=1)
+    dattn = dov * d
+    dq_ref[...] = fs[:, None] * dq + mm(dattn, k)
+    dk_ref[...] = mm_tn(dattn, q) + te[:, None] * k_rows
+    dw_ref[...] = dw
+    e = dov * mm_nt(q, k) * d
+    dfs_ref[...] = dfs
+    dte_ref[...] = jnp.sum(k32 * k_rows, axis=1)
+    dkeep_ref[...] = jnp.where(pos == 0, dkeep, 0.0)
+    dgam_ref[...] = jnp.sum(e, axis=1) - jnp.sum(e, axis=0)
+
+
+def _chunk_grad_wy_kernel(k_ref, v_ref, dvn_ref, dw_ref, t_ref, beta_ref, gam_ref, fs_ref, seg_ref, dk_ref, dv_ref,
+                          dbeta_ref, dfs_ref, dgam_ref, *, chunk, dk, dv, block_k, block_v):
+    """One chunk of one value head: the gradients through the WY form (U = T diag(beta) V, W = T diag(beta fs) K,
+    T = (I + A)^-1): dv, the rest of dk, dbeta, and the WY form's share of dfs and dgamma."""
+    f32, lo = jnp.float32, k_ref.dtype
+    mm, mm_tn, mm_nt = (lambda a, b, f=f: f(a.astype(lo), b.astype(lo)) for f in (_dot, _dot_tn, _dot_nt))
+    beta, gam, fs, seg = beta_ref[...], gam_ref[...], fs_ref[...], seg_ref[...]
+    bf = beta * fs
+    t = t_ref[...]
+    pos = jax.lax.iota(jnp.int32, chunk)
+    d = _decay(gam, gam, seg, seg, pos, pos, strict=False)
+    strict = pos[:, None] > pos[None, :]
+    dt = jnp.zeros((chunk, chunk), f32)
+    kk = jnp.zeros((chunk, chunk), f32)
+    dbeta = jnp.zeros((chunk,), f32)
+    for c in range(dv // block_v):
+        cols = pl.ds(c * block_v, block_v)
+        v, dvn = v_ref[:, cols].astype(f32), dvn_ref[:, cols].astype(f32)
         dt = dt + _dot_nt(dvn, beta[:, None] * v)
         dxu = _dot_tn(t, dvn)
         dv_ref[:, cols] = (beta[:, None] * dxu).astype(dv_ref.dtype)
         dbeta = dbeta + jnp.sum(v * dxu, axis=1)
-        dkeep = dkeep + jnp.sum(s * da)
-    dattn = dov * d
-    dq = dq + mm(dattn, k)
-    dk = mm_tn(dattn, q) + te[:, None] * k_rows
-    dte = jnp.sum(k * k_rows, axis=1)
-    dd = dov * mm_nt(q, k)
-    bf = beta * fs
-    dt = dt + _dot_nt(dw, bf[:, None] * k)
-    dxw = _dot_tn(t, dw)
-    dk = dk + bf[:, None] * dxw
-    kdxw = jnp.sum(k * dxw, axis=1)
-    dbeta = dbeta + fs * kdxw
-    dfs = dfs + beta * kdxw
+    for c in range(dk // block_k):
+        cols = pl.ds(c * block_k, block_k)
+        k = k_ref[:, cols]
+        dt = dt + _dot_nt(dw_ref[:, cols], bf[:, None] * k.astype(f32))
+        kk = kk + mm_nt(k, k)
     da = jnp.where(strict, -_dot_nt(_dot_tn(t, dt), t), 0.0)
-    kk = mm_nt(k, k)
     gm = da * d
-    dk = dk + beta[:, None] * mm(gm, k) + mm_tn(gm, beta[:, None] * k)
     dbeta = dbeta + jnp.sum(gm * kk, axis=1)
-    e = (dd + da * beta[:, None] * kk) * d
-    dq_ref[...] = dq
-    dk_ref[...] = dk
+    dfs = jnp.zeros((chunk,), f32)
+    for c in range(dk // block_k):
+        cols = pl.ds(c * block_k, block_k)
+        k = k_ref[:, cols].astype(f32)
+        dxw = _dot_tn(t, dw_ref[:, cols])
+        kdxw = jnp.sum(k * dxw, axis=1)
+        dbeta = dbeta + fs * kdxw
+        dfs = dfs + beta * kdxw
+        dk_ref[:, cols] = bf[:, None] * dxw + beta[:, None] * mm(gm, k) + mm_tn(gm, beta[:, None] * k)
+    e = da * beta[:, None] * kk * d
     dbeta_ref[...] = dbeta
-    dgam_ref[...] = jnp.sum(e, axis=1) - jnp.sum(e, axis=0)
     dfs_ref[...] = dfs
-    dte_ref[...] = dte
-    dkeep_ref[...] = jnp.where(pos == 0, dkeep, 0.0)
+    dgam_ref[...] = jnp.sum(e, axis=1) - jnp.sum(e, axis=0)
 
 
 # ------------------------------------------------------------------------------------------------ launches
@@ -419,27 +444,49 @@ def _state_grads(q, k, w, do, gam, fs, te, keep, seg, dfinal, group, chunk, inte
 
 
 def _chunk_grads(q, k, v, vn, dvn, do, states, dafter, t, beta, gam, fs, te, seg, group, chunk, interpret):
+    """Every gradient of every chunk at once, in two kernels: by key columns (dq, dW, dk's attention part), then
+    through the WY form (dv, dk's rest, dbeta). Returns dq, dk [B, Tp, Hv, dk], dv, dbeta, dgamma, dfs, dte, dkeep."""
     b, tp, hv, dv = v.shape
     dk = k.shape[-1]
-    n, bv = tp // chunk, min(BLOCK_V, dv)
+    n, bv, bk = tp // chunk, min(BLOCK_V, dv), min(BLOCK_K, dk)
+    nk = dk // bk
     head = lambda h: h // group  # noqa: E731
-    whole = lambda d: _token_spec(chunk, d, lambda h: h)  # noqa: E731
-    vector = jax.ShapeDtypeStruct((b, hv, tp), jnp.float32)
-    per_chunk = lambda *d: pl.BlockSpec((None, None, None, *d), lambda n, b, h: (b, h, n, 0, 0))  # noqa: E731
-    return pl.pallas_call(
-        functools.partial(_chunk_grad_kernel, chunk=chunk, dv=dv, block_v=bv),
-        grid=(n, b, hv),
-        in_specs=[_token_spec(chunk, dk, head), _token_spec(chunk, dk, head), whole(dv), whole(dv), whole(dv),
-                  whole(dv), per_chunk(dk, dv), per_chunk(dk, dv),
-                  pl.BlockSpec((None, None, chunk, chunk), lambda n, b, h: (b, h, n, 0))]
-                 + [_vector_spec(chunk)] * 4 + [_seg_spec(chunk)],
-        out_specs=[whole(dk), whole(dk), whole(dv)] + [_vector_spec(chunk)] * 5,
-        out_shape=[jax.ShapeDtypeStruct((b, tp, hv, dk), jnp.float32)] * 2
-                  + [jax.ShapeDtypeStruct(v.shape, jnp.float32)] + [vector] * 5,
-        compiler_params=_params("chunk_grads"),
+    key_cols = pl.BlockSpec((None, chunk, None, bk), lambda n, b, h, c: (b, n, head(h), c))
+    value_cols = pl.BlockSpec((None, chunk, None, bk), lambda n, b, h, c: (b, n, h, c))
+    whole = pl.BlockSpec((None, chunk, None, dv), lambda n, b, h, c: (b, n, h, 0))
+    state_rows = pl.BlockSpec((None, None, None, bk, dv), lambda n, b, h, c: (b, h, n, c, 0))
+    vector = pl.BlockSpec((None, None, chunk), lambda n, b, h, c: (b, h, n))
+    partial = pl.BlockSpec((None, None, None, chunk), lambda n, b, h, c: (c, b, h, n))
+    partial_shape = jax.ShapeDtypeStruct((nk, b, hv, tp), jnp.float32)
+    dq, dk_a, dw, dfs_a, dte, dkeep, dgam_a = pl.pallas_call(
+        functools.partial(_chunk_grad_qk_kernel, chunk=chunk, dv=dv, block_v=bv),
+        grid=(n, b, hv, nk),
+        in_specs=[key_cols, key_cols, whole, whole, whole, state_rows, state_rows, vector, vector, vector,
+                  pl.BlockSpec((None, chunk), lambda n, b, h, c: (b, n))],
+        out_specs=[value_cols] * 3 + [partial] * 4,
+        out_shape=[jax.ShapeDtypeStruct((b, tp, hv, dk), jnp.float32)] * 3 + [partial_shape] * 4,
+        compiler_params=_params("chunk_grads_qk"),
         interpret=interpret,
-        name="gated_delta_chunk_grads",
-    )(q, k, v, vn, dvn, do, states, dafter, t, beta, gam, fs, te, seg)
+        name="gated_delta_chunk_grads_qk",
+    )(q, k, vn, dvn, do, states, dafter, gam, fs, te, seg)
+    vector = jax.ShapeDtypeStruct((b, hv, tp), jnp.float32)
+    dk_b, dv_, dbeta, dfs_b, dgam_b = pl.pallas_call(
+        functools.partial(_chunk_grad_wy_kernel, chunk=chunk, dk=dk, dv=dv, block_k=bk, block_v=bv),
+        grid=(n, b, hv),
+        in_specs=[_token_spec(chunk, dk, head), _token_spec(chunk, dv, lambda h: h),
+                  _token_spec(chunk, dv, lambda h: h), _token_spec(chunk, dk, lambda h: h),
+                  pl.BlockSpec((None, None, chunk, chunk), lambda n, b, h: (b, h, n, 0))]
+                 + [_vector_spec(chunk)] * 3 + [_seg_spec(chunk)],
+        out_specs=[_token_spec(chunk, dk, lambda h: h), _token_spec(chunk, dv, lambda h: h)]
+                  + [_vector_spec(chunk)] * 3,
+        out_shape=[jax.ShapeDtypeStruct((b, tp, hv, dk), jnp.float32), jax.ShapeDtypeStruct(v.shape, jnp.float32)]
+                  + [vector] * 3,
+        compiler_params=_params("chunk_grads_wy"),
+        interpret=interpret,
+        name="gated_delta_chunk_grads_wy",
+    )(k, v, dvn, dw, t, beta, gam, fs, seg)
+    return (dq, dk_a + dk_b, dv_, dbeta, dgam_a.sum(0) + dgam_b, dfs_a.sum(0) + dfs_b, dte.sum(0),
+            dkeep.sum(0))
 
 
 def _chunked_bwd(chunk, interpret, residuals, grads):

@@ -12,6 +12,7 @@ import pytest
 
 from jaxtune.ops import dispatch
 from jaxtune.ops.gated_delta import gated_delta_rule_chunked
+from pallas_kernels import gated_delta as gd
 from pallas_kernels.gated_delta import gated_delta_reference, gated_delta_rule_pallas
 from test_gated_delta import inputs, segments
 
@@ -36,8 +37,13 @@ def test_the_kernel_equals_the_float64_recurrence(b, t, hk, hv, dk, dv, packed, 
         np.testing.assert_allclose(np.asarray(got_state), want_state, rtol=2e-4, atol=2e-5)
 
 
-def test_the_kernels_gradients_equal_the_xla_forms():
-    b, t, hk, hv, dk, dv = 2, 90, 1, 2, 16, 16
+@pytest.mark.parametrize("dk, dv, block", [(16, 16, 64), (32, 32, 16)])
+def test_the_kernels_gradients_equal_the_xla_forms(dk, dv, block, monkeypatch):
+    """block < the head dims: the backward's kernels loop over key and value column blocks, and the key blocks'
+    shares of the per-token factors' gradients are summed after."""
+    monkeypatch.setattr(gd, "BLOCK_K", block)
+    monkeypatch.setattr(gd, "BLOCK_V", block)
+    b, t, hk, hv = 2, 90, 1, 2
     q, k, v, g, beta = inputs(b, t, hk, hv, dk, dv, seed=5)
     ids = jnp.asarray(segments(b, t, seed=5))
     state = jnp.asarray(np.random.default_rng(2).standard_normal((b, hv, dk, dv)).astype(np.float32))
@@ -74,7 +80,7 @@ def test_the_kernel_lowers_for_cuda_forward_and_backward(cuda_export):
                        shape((b, t, hv, d), jnp.bfloat16), shape((b, t, hv), jnp.float32),
                        shape((b, t, hv), jnp.float32), shape((b, t), jnp.int32))
     for kernel in ("gated_delta_wy", "gated_delta_states", "gated_delta_output", "gated_delta_state_grads",
-                   "gated_delta_chunk_grads"):
+                   "gated_delta_chunk_grads_qk", "gated_delta_chunk_grads_wy"):
         assert kernel in text
 
 
