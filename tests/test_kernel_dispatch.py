@@ -58,6 +58,23 @@ def test_auto_uses_xla_on_cpu_and_the_measured_table_on_gpu(monkeypatch):
     assert dispatch.nf4_impl(4096) == "fused"
 
 
+def test_wide_heads_run_cudnn_on_hopper_else_xla(monkeypatch):
+    """Heads of 256 (Qwen3.5's full layers): cuDNN's flash attention on Hopper and later for plain causal rows;
+    the Pallas kernel does not take them, so packed rows, older GPUs and the forced modes use XLA."""
+    assert dispatch.attention_impl(True, head_dim=256) == "xla"  # CPU
+    monkeypatch.setattr(dispatch, "_on_gpu", lambda: True)
+    monkeypatch.setattr(dispatch, "_compute_capability", lambda: (9, 0))
+    assert dispatch.attention_impl(True, head_dim=256) == "cudnn"
+    assert dispatch.attention_impl(False, head_dim=256) == "xla"
+    assert dispatch.attention_impl(True, head_dim=512) == "xla"
+    assert dispatch.attention_impl(True, head_dim=128) == "cudnn"
+    monkeypatch.setattr(dispatch, "_compute_capability", lambda: (8, 0))
+    assert dispatch.attention_impl(True, head_dim=256) == "xla"
+    monkeypatch.setattr(dispatch, "_compute_capability", lambda: (9, 0))
+    jaxtune.set_kernels("pallas")
+    assert dispatch.attention_impl(True, head_dim=256) == "xla"
+
+
 def kernel_model(model_type: str = "llama", dtype: str = "float32"):
     """2-layer QLoRA Llama (or Qwen3: q/k norms, head_dim 64 with 4 heads over hidden 128) whose shapes the
     kernels take: head_dim 64, GQA, dims multiples of 64."""
@@ -352,3 +369,28 @@ def test_offload_policy_moves_layer_inputs_to_host_and_tiles_the_mlp(monkeypatch
     model.offload_group, model.offload_device_layers = 3, 0
     with pytest.raises(ValueError, match="does not divide the 2 offloaded layers"):
         logits_and_grads(model, ids, seg)
+
+
+@pytest.mark.gpu
+def test_wide_head_attention_on_cudnn_equals_xla():
+    """Heads of 256 on a Hopper GPU: cuDNN's flash attention, forward and gradients, equals XLA's attention."""
+    from jaxtune.ops.attention import attention
+
+    if (dispatch._compute_capability() or (0, 0))[0] < 9:
+        pytest.skip("cuDNN's heads of 256 need Hopper or later")
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (2, 256, 8, 256), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (2, 256, 2, 256), jnp.bfloat16) for key in keys[1:3])
+    w = jax.random.normal(keys[3], q.shape, jnp.float32)
+
+    def loss(q, k, v):
+        return jnp.sum(attention(q, k, v).astype(jnp.float32) * w)
+
+    jaxtune.set_kernels("auto")
+    assert "cudnn" in str(jax.make_jaxpr(loss)(q, k, v))
+    got = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+    jaxtune.set_kernels("xla")
+    want = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.abs(a - b).max() <= 0.03 * np.abs(b).max()

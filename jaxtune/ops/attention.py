@@ -73,12 +73,17 @@ def attention(
 def _fast_attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, sliding_window) -> jax.Array | None:
     """Flash attention (Pallas) or cuDNN for the full-sequence case, per `dispatch`; None: use the reference."""
     full_sequence = isinstance(q_offset, int) and q_offset == 0 and kv_segment_ids is None and k.shape[1] == q.shape[1]
-    if not full_sequence or q.shape[-1] not in (64, 128):
+    if not full_sequence:
         return None
     plain = q_segment_ids is None and sliding_window is None and q.dtype in (jnp.bfloat16, jnp.float16)
-    impl = dispatch.attention_impl(plain_causal=plain and q.shape[1] % 64 == 0)
+    impl = dispatch.attention_impl(plain_causal=plain and q.shape[1] % 64 == 0, head_dim=q.shape[-1])
     if impl == "cudnn":
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        try:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        except NotImplementedError:  # a cuDNN without these heads (its version check, at trace time): XLA
+            if q.shape[-1] in (64, 128):
+                raise
+            return None
     if impl == "pallas":
         from pallas_kernels.flash_attention import flash_attention
 

@@ -142,9 +142,14 @@ def check_fp8_device() -> None:
                            "compute='bf16'")
 
 
-def attention_impl(plain_causal: bool) -> str:
-    """`xla`, `pallas` or `cudnn` for full-sequence (no KV cache) attention; `plain_causal`: no segments/window."""
-    return _forced("pallas") or ("cudnn" if plain_causal else "pallas")
+def attention_impl(plain_causal: bool, head_dim: int = 128) -> str:
+    """`xla`, `pallas` or `cudnn` for full-sequence (no KV cache) attention; `plain_causal`: no segments/window.
+    Heads of 64 or 128 run the Pallas kernel or cuDNN; wider ones (Qwen3.5's full layers: 256) run cuDNN's flash
+    attention where it has them (Hopper and later, up to 256), else XLA."""
+    if head_dim in (64, 128):
+        return _forced("pallas") or ("cudnn" if plain_causal else "pallas")
+    wide = plain_causal and head_dim <= 256 and head_dim % 8 == 0 and (_compute_capability() or (0, 0))[0] >= 9
+    return "cudnn" if wide and _forced("pallas") is None else "xla"
 
 
 def gated_delta_impl(dk: int, dv: int) -> str:
