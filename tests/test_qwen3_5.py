@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from transformers import Qwen3_5TextConfig
 
 import jaxtune
@@ -247,3 +248,30 @@ def test_a_tiny_hybrid_model_trains_through_the_cli(tmp_path, tiny_tokenizer):
     assert main(["export", str(tmp_path / "run"), "--peft", str(tmp_path / "peft")]) == 0
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert {"in_proj_qkv", "out_proj", "q_proj"} <= set(config["target_modules"])
+
+
+def test_selective_remat_recomputes_no_linear_layer_projection_or_rule_forward(tmp_path, monkeypatch):
+    """Under remat "selective" the Gated DeltaNet layer keeps its input projections' outputs and the gated delta
+    rule's output: its backward runs the qkv projection and the kernel's output pass once (as with no remat),
+    where "per-layer" remat runs both again."""
+    from jaxtune.ops import dispatch
+    from test_kernel_dispatch import live_calls, live_eqns
+
+    monkeypatch.setattr(dispatch, "_mode", "pallas-interpret")
+    shapes = {**SHAPES, "vocab_size": 160, "linear_value_head_dim": 16}
+    build_hf_model(Qwen3_5TextConfig(**shapes), tmp_path)
+    qkv_width = 2 * shapes["linear_num_key_heads"] * shapes["linear_key_head_dim"] + \
+        shapes["linear_num_value_heads"] * shapes["linear_value_head_dim"]
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 160, (1, 70)))
+    counts = {}
+    for policy in ("none", "selective", "full"):
+        model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32")
+        jaxtune.get_peft_model(model, r=4)
+        model.remat_policy = policy
+        graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+        jaxpr = jax.make_jaxpr(jax.grad(lambda p: jnp.mean(nnx.merge(graphdef, p, rest)(ids))))(lora).jaxpr
+        qkv_dots = live_eqns(jaxpr, lambda e: e.primitive.name == "dot_general"
+                             and e.outvars[0].aval.shape[-1] == qkv_width)
+        counts[policy] = (qkv_dots, live_calls(jaxpr, "gated_delta_output"))
+    assert counts["selective"] == counts["none"]
+    assert counts["full"][0] > counts["none"][0] and counts["full"][1] > counts["none"][1]

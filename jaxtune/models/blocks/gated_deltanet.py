@@ -18,6 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxtune.models import input_stats
 from jaxtune.models.config import ModelConfig
@@ -121,15 +122,16 @@ class GatedDeltaNet(nnx.Module):
         b, t, _ = x.shape
         input_stats.observe(PROJECTIONS[:4], x)
         key_dim = self.num_k_heads * self.head_k_dim
-        qkv = self.in_proj_qkv(x, fold_rng(rng, 10))
+        qkv = checkpoint_name(self.in_proj_qkv(x, fold_rng(rng, 10)), "in_proj_qkv")
         window = state = None
         if cache is not None:
             window = jax.lax.dynamic_index_in_dim(cache.conv, cache.layer, 0, keepdims=False)
             state = jax.lax.dynamic_index_in_dim(cache.state, cache.layer, 0, keepdims=False)
         mixed = jax.nn.silu(self.conv1d(qkv, segment_ids, window)).astype(x.dtype)
-        z = self.in_proj_z(x, fold_rng(rng, 11)).reshape(b, t, self.num_v_heads, self.head_v_dim)
-        beta = jax.nn.sigmoid(self.in_proj_b(x, fold_rng(rng, 12)).astype(jnp.float32))
-        a = self.in_proj_a(x, fold_rng(rng, 13)).astype(jnp.float32)
+        z = checkpoint_name(self.in_proj_z(x, fold_rng(rng, 11)), "in_proj_z").reshape(b, t, self.num_v_heads,
+                                                                                self.head_v_dim)
+        beta = jax.nn.sigmoid(checkpoint_name(self.in_proj_b(x, fold_rng(rng, 12)), "in_proj_b").astype(jnp.float32))
+        a = checkpoint_name(self.in_proj_a(x, fold_rng(rng, 13)), "in_proj_a").astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
         q = mixed[..., :key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
         k = mixed[..., key_dim:2 * key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
@@ -143,6 +145,7 @@ class GatedDeltaNet(nnx.Module):
             rule = gated_delta_rule_chunked
         out, state = rule(_l2norm(q), _l2norm(k), v.astype(jnp.float32), g, beta, segment_ids=segment_ids,
                           initial_state=state)
+        out = checkpoint_name(out, "linear_attention_out")
         if cache is not None:
             cache = self._written(cache, qkv, segment_ids, window, state)
         out = self.norm(out.astype(x.dtype), z).reshape(b, t, -1)
