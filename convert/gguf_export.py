@@ -159,6 +159,10 @@ def check_gguf_model(cfg: ModelConfig) -> None:
         raise UnsupportedModelError(
             f"llama.cpp's {GGUF_ARCHITECTURES[cfg.model_type]} gives every layer experts, but layers "
             f"{list(cfg.dense_mlp_layers)} of this model have a dense MLP; export --merged instead")
+    if cfg.rope_type == "yarn":
+        raise UnsupportedModelError(
+            "GGUF export does not write YaRN RoPE scaling yet (llama.cpp reads it from keys this writer lacks); "
+            "export --merged and convert that directory with llama.cpp's convert_hf_to_gguf.py")
     if cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias:
         raise UnsupportedModelError("GGUF export covers Llama models without projection biases; export --merged instead")
     if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_position_embeddings:

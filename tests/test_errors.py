@@ -111,8 +111,11 @@ def test_corrupt_gguf(tmp_path):
 
 def test_unsupported_rope_type():
     with pytest.raises(jaxtune.UnsupportedModelError) as e:
+        jaxtune.ModelConfig.from_hf({**LlamaConfig(**TINY).to_dict(), "rope_scaling": {"rope_type": "longrope"}})
+    assert "longrope" in _one_line(e.value)
+    with pytest.raises(jaxtune.UnsupportedModelError) as e:  # YaRN without its original context
         jaxtune.ModelConfig.from_hf({**LlamaConfig(**TINY).to_dict(), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
-    assert "yarn" in _one_line(e.value)
+    assert "original_max_position_embeddings" in _one_line(e.value)
 
 
 def test_cli_reports_one_line_and_exits_nonzero(tmp_path, capsys):

@@ -384,3 +384,19 @@ def test_mixtral_gguf_holds_the_merged_experts_as_llama_cpp_reads_them(tmp_path,
     reimported, _ = jaxtune.from_pretrained(tmp_path / "model.gguf", dtype="float32")
     assert reimported.config.model_type == "mixtral"
     assert np.abs(np.asarray(reimported(ids)) - want).max() < 1e-4
+
+
+def test_yarn_rope_is_refused_in_one_line_before_writing(tmp_path, tiny_tokenizer):
+    """A Qwen3 with YaRN RoPE (its long-context setting) trains and exports merged; GGUF export names what it
+    lacks and the fix, and writes nothing."""
+    from jaxtune.models.causal_lm import init_model
+    from jaxtune.models.config import ModelConfig
+
+    config = ModelConfig(model_type="qwen3", vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=96,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, rope_type="yarn",
+                         rope_factor=4.0, rope_original_max_position=32768, rope_attention_factor=1.1386)
+    model = jaxtune.get_peft_model(init_model(config, dtype="float32", seed=0), r=4)
+    out = tmp_path / "out"
+    with pytest.raises(jaxtune.UnsupportedModelError, match="YaRN RoPE scaling.*export --merged"):
+        jaxtune.save_gguf(model, out / "m.gguf", tokenizer=tiny_tokenizer)
+    assert not out.exists() or list(out.iterdir()) == []

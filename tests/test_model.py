@@ -38,6 +38,12 @@ def test_layers_run_in_one_scan_so_program_size_does_not_grow_with_depth():
     {"rope_type": "linear", "factor": 4.0},
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 8192},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen3's long-context setting
+    {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,  # gpt-oss's
+     "original_max_position_embeddings": 4096},
+    {"rope_type": "yarn", "factor": 40.0, "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 0.707,
+     "original_max_position_embeddings": 4096},
+    {"rope_type": "yarn", "factor": 8.0, "attention_factor": 1.3, "original_max_position_embeddings": 2048},
 ])
 def test_rope_frequencies_match_transformers(rope):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -50,8 +56,11 @@ def test_rope_frequencies_match_transformers(rope):
 
         ref, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(hf)
     else:
-        ref, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, "cpu")
-    np.testing.assert_allclose(inverse_frequencies(cfg), ref.double().numpy(), rtol=1e-6)
+        ref, scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, "cpu")
+        if rope["rope_type"] == "yarn":  # transformers scales cos and sin by its attention factor
+            assert cfg.rope_attention_factor == pytest.approx(scale, rel=1e-12)
+            assert ModelConfig.from_hf({**hf.to_dict(), **cfg.to_hf()}) == cfg  # written back as it was read
+    np.testing.assert_allclose(inverse_frequencies(cfg), ref.double().numpy(), rtol=3e-6)  # theirs in float32
 
 
 @pytest.mark.parametrize("shape", [(1, 5, 3, 8), (2, 17, 4, 64), (3, 9, 1, 128)])

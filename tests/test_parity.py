@@ -33,6 +33,9 @@ CONFIGS = {
     "qwen3-tied": lambda: Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
                                       rope_theta=1000000.0),
     "qwen3-untied-kv1": lambda: Qwen3Config(**COMMON, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False),
+    # YaRN as Qwen3 sets it for long context (factor 4 over an original context shorter than the rows here)
+    "qwen3-yarn": lambda: Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=16, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 10000.0}),
     "qwen3-head-dim-32": lambda: Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
 }
 

@@ -11,7 +11,7 @@ from jaxtune.errors import CheckpointError, UnsupportedModelError
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen3_5", "qwen3_5_text",
                          "qwen3_5_moe", "qwen3_5_moe_text")
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe", "qwen3_5_moe_text")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +33,12 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
+    # YaRN (rope_type "yarn"): the ramp's turn counts, whether its ends are rounded to whole pairs, and the scale of
+    # cos and sin
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float = 1.0
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -120,6 +126,7 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"unsupported rope_type={rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        yarn = _yarn_fields(rope, model_type) if rope_type == "yarn" else {}
         sliding_window = None
         if model_type == "mistral":
             sliding_window = hf.get("sliding_window")
@@ -154,6 +161,7 @@ class ModelConfig:
             rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
             rope_original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            **yarn,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type in ("llama", "qwen3", "qwen3_moe", *qwen3_5.MODEL_TYPES) and attention_bias,
@@ -170,6 +178,10 @@ class ModelConfig:
         rope: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
         if self.rope_type == "linear":
             rope["factor"] = self.rope_factor
+        elif self.rope_type == "yarn":
+            rope.update(factor=self.rope_factor, original_max_position_embeddings=self.rope_original_max_position,
+                        beta_fast=self.rope_beta_fast, beta_slow=self.rope_beta_slow, truncate=self.rope_truncate,
+                        attention_factor=self.rope_attention_factor)
         elif self.rope_type == "llama3":
             rope.update(
                 factor=self.rope_factor,
@@ -228,6 +240,24 @@ class ModelConfig:
             out.update(num_experts_per_tok=self.num_experts_per_tok, output_router_logits=self.output_router_logits,
                        router_aux_loss_coef=self.router_aux_loss_coef)
         return out
+
+
+def _yarn_fields(rope: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """YaRN's settings from a config's rope_parameters / rope_scaling, refused in one line where incomplete."""
+    from jaxtune.models.rope import yarn_attention_factor
+
+    try:
+        factor = float(rope["factor"])
+        original = int(rope["original_max_position_embeddings"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise UnsupportedModelError(f"{model_type} config.json's yarn RoPE lacks {e}; it needs factor and "
+                                    "original_max_position_embeddings") from None
+    explicit = rope.get("attention_factor")
+    scale = (float(explicit) if explicit is not None
+             else yarn_attention_factor(factor, rope.get("mscale"), rope.get("mscale_all_dim")))
+    del original  # read with the other families' RoPE fields; required here
+    return dict(rope_beta_fast=float(rope.get("beta_fast") or 32.0), rope_beta_slow=float(rope.get("beta_slow") or 1.0),
+                rope_truncate=bool(rope.get("truncate", True)), rope_attention_factor=scale)
 
 
 def _moe_fields(model_type: str, hf: dict[str, Any], intermediate: int) -> dict[str, Any]:

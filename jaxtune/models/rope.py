@@ -28,27 +28,61 @@ def llama3_inverse_frequencies(inv: np.ndarray, factor: float, low_freq_factor: 
     return np.where(medium, smoothed, scaled)
 
 
+def yarn_inverse_frequencies(theta: float, dim: int, factor: float, beta_fast: float, beta_slow: float,
+                             original_context: int, truncate: bool) -> np.ndarray:
+    """YaRN's scaling: the pairs that turn fewer than `beta_slow` times over the original context are divided by
+    `factor` (interpolated), those that turn more than `beta_fast` times are kept (extrapolated), and a linear ramp
+    over the pair index blends the band between."""
+    inv = unscaled_inverse_frequencies(theta, dim)
+
+    def pair_turning(turns: float) -> float:  # the (fractional) pair index that turns `turns` times
+        return dim * math.log(original_context / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_turning(beta_fast), pair_turning(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    return inv / factor * ramp + inv * (1.0 - ramp)
+
+
+def yarn_attention_factor(factor: float, mscale: float | None = None, mscale_all_dim: float | None = None) -> float:
+    """YaRN's scale of cos and sin (so of the attention logits, squared): 0.1 ln(factor) + 1, or the ratio of two
+    such terms where a config gives `mscale` and `mscale_all_dim`."""
+    def term(scale: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    return term(mscale) / term(mscale_all_dim) if mscale and mscale_all_dim else term(1.0)
+
+
 def rotary_dim(cfg: ModelConfig) -> int:
     """How many of each head's dims RoPE rotates (the first ones; all but where `partial_rotary_factor` < 1)."""
     return int(cfg.head_dim * cfg.partial_rotary_factor)
 
 
 def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """Per-pair inverse frequencies [rotary_dim // 2] in float64, with linear or llama3 scaling applied."""
+    """Per-pair inverse frequencies [rotary_dim // 2] in float64, with linear, llama3 or YaRN scaling applied."""
     inv = unscaled_inverse_frequencies(cfg.rope_theta, rotary_dim(cfg))
     if cfg.rope_type == "linear":
         return inv / cfg.rope_factor
     if cfg.rope_type == "llama3":
         return llama3_inverse_frequencies(inv, cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
                                           cfg.rope_original_max_position)
+    if cfg.rope_type == "yarn":
+        return yarn_inverse_frequencies(cfg.rope_theta, rotary_dim(cfg), cfg.rope_factor, cfg.rope_beta_fast,
+                                        cfg.rope_beta_slow, cfg.rope_original_max_position, cfg.rope_truncate)
     return inv
 
 
 def rope_tables(cfg: ModelConfig, positions: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """cos and sin [..., rotary_dim] in float32 for integer positions [...]."""
+    """cos and sin [..., rotary_dim] in float32 for integer positions [...], times YaRN's attention factor."""
     inv = jnp.asarray(inverse_frequencies(cfg), dtype=jnp.float32)
     angles = positions.astype(jnp.float32)[..., None] * inv
     angles = jnp.concatenate([angles, angles], axis=-1)
+    if cfg.rope_attention_factor != 1.0:
+        return jnp.cos(angles) * cfg.rope_attention_factor, jnp.sin(angles) * cfg.rope_attention_factor
     return jnp.cos(angles), jnp.sin(angles)
 
 
