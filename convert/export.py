@@ -31,21 +31,25 @@ def run_data_settings(run_dir: str | os.PathLike) -> tuple[str, int]:
 
 def check_run_exportable(run_dir: str | os.PathLike, *, gguf: bool, merged_dtype: str | None) -> None:
     """Refuses, before any weight is read, an export the run's model cannot make (a GGUF of an architecture
-    llama.cpp's writer here does not cover, a mixture of experts' NF4 merged checkpoint): only its config is opened."""
-    if gguf or merged_dtype == "nf4":
-        check_model_exportable(_read_run(os.fspath(run_dir))[1]["base_model"], gguf=gguf, merged_dtype=merged_dtype)
+    llama.cpp's writer here does not cover, a mixture of experts' NF4 merged checkpoint, PEFT or merged export of a
+    layout not written yet): only its config is opened."""
+    check_model_exportable(_read_run(os.fspath(run_dir))[1]["base_model"], gguf=gguf, merged_dtype=merged_dtype,
+                           adapters=True)
 
 
-def check_model_exportable(model: str, *, gguf: bool, merged_dtype: str | None) -> None:
-    """`check_run_exportable` for a model itself (exported without adapters): HF directory, .gguf, jaxtune
-    checkpoint, bundled name or hub id."""
+def check_model_exportable(model: str, *, gguf: bool, merged_dtype: str | None, adapters: bool = False) -> None:
+    """`check_run_exportable` for a model itself (exported without adapters unless `adapters`): HF directory,
+    .gguf, jaxtune checkpoint, bundled name or hub id."""
     from convert.load import open_checkpoint
     from jaxtune.io.bundled import resolve_model_path
 
-    if not gguf and merged_dtype != "nf4":
+    if not gguf and merged_dtype is None and not adapters:
         return
     cfg, source, _ = open_checkpoint(resolve_model_path(model))
     source.close()
+    if not gguf and (gap := cfg.export_gap()):
+        raise CheckpointError(f"{'merged' if merged_dtype else 'PEFT'} export of {gap} is not supported yet; the run "
+                              "directory keeps the trained adapters (jaxtune train --resume reads them)")
     if gguf:
         from convert.gguf_export import check_gguf_model
 

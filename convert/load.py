@@ -48,6 +48,11 @@ def hf_name_to_path(name: str) -> tuple[Path, Index] | None:
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
     if m:
         layer, rest = int(m.group(1)), m.group(2)
+        fused = moe_names.FUSED.fullmatch(rest)  # gpt-oss: every expert of the layer in one tensor
+        if fused:
+            return ("fused", fused.group(1), "bias" if fused.group(2) else "weight"), layer
+        if rest in ("mlp.router.weight", "mlp.router.bias"):  # gpt-oss's router
+            return ("layers", "mlp", "router", rest.rsplit(".", 1)[1]), layer
         expert = moe_names.EXPERT.fullmatch(rest)  # a mixture of experts' tensors -> the stacks under `mlp`
         if expert:
             proj = moe_names.projection_name(expert.group(2))
@@ -108,6 +113,9 @@ def _plan(source, cfg: ModelConfig, slots: dict[Path, tuple[tuple[int, ...], boo
                 raise CheckpointError(f"bnb tensor {name} has no packed weight beside it; the checkpoint is incomplete")
             continue
         target = hf_name_to_path(name)
+        if target is not None and target[0][0] == "fused":
+            plan[name] = _plan_fused(name, target, source, cfg, slots, names, filled)
+            continue
         if target is None or (target[1] is None and target[0] not in slots):
             raise CheckpointError(
                 f"checkpoint tensor {name!r} has no place in a {cfg.model_type} model with this config; "
@@ -155,6 +163,30 @@ def _plan(source, cfg: ModelConfig, slots: dict[Path, tuple[tuple[int, ...], boo
     return plan
 
 
+def _plan_fused(name: str, target: tuple[Path, Index], source, cfg: ModelConfig, slots, names: set[str],
+                filled: set) -> tuple[Path, Index]:
+    """A fused expert tensor's place: (("fused", hub name, weight or bias, the stack), its layer there), every
+    expert of the projections it holds marked filled; its shape checked."""
+    (_, hub, field), layer = target
+    if layer >= cfg.num_layers or not cfg.num_experts:
+        raise CheckpointError(f"checkpoint tensor {name!r} has no place in a {cfg.model_type} model with this config; "
+                              "the weights and config.json do not match")
+    if f"{name}.absmax" in names or any(n.startswith(f"{name}.") for n in names):
+        raise CheckpointError(f"{name} is a quantized fused expert tensor, which jaxtune does not read; load the "
+                              "bf16 checkpoint (it is quantized to NF4 at load)")
+    stack, local = locate(cfg, layer)
+    want = moe_names.fused_shape(hub, field == "bias", cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+    if tuple(source.shape(name)) != want:
+        raise CheckpointError(f"tensor {name} has shape {tuple(source.shape(name))} but config.json implies {want}")
+    for proj in moe_names.fused_projections(hub):
+        path = (stack.attr, "mlp", proj, field)
+        if path not in slots:
+            raise CheckpointError(f"checkpoint tensor {name!r} does not belong in layer {layer} of this "
+                                  f"{cfg.model_type} model; the weights and config.json do not match")
+        filled.update((path, (local, e)) for e in range(cfg.num_experts))
+    return ("fused", hub, field, stack.attr), local
+
+
 def abstract_model(cfg: ModelConfig, dtype: jnp.dtype = jnp.bfloat16, load_in_4bit: bool = True) -> CausalLM:
     """The model a checkpoint of `cfg` fills, with shapes and dtypes only (nothing allocated): what a step can be
     planned and compiled from before any weight is read."""
@@ -189,6 +221,9 @@ class TensorPlan:
     def arrays(self, name: str) -> Iterator[tuple[Path, int | None, jax.Array | np.ndarray]]:
         """(state path, layer index or None, array) for each state array that checkpoint tensor `name` fills."""
         path, layer = self.targets[name]
+        if path[0] == "fused":
+            yield from self._fused_arrays(name, path, layer)
+            return
         quantized = self.slots[path][1]
         if quantized and f"{name}.absmax" in self._names:  # pre-quantized by bitsandbytes: no requantization
             shape = self.slots[path][0][-2:]
@@ -207,6 +242,24 @@ class TensorPlan:
         for field in _NF4_ARRAYS:
             key = path[:-1] + (field,)
             yield key, layer, jnp.asarray(getattr(q, field), self.expected[key].dtype)
+
+
+    def _fused_arrays(self, name: str, target: Path, layer: int):
+        """A fused expert tensor split into its projections, each expert's weight quantized on its own (as the
+        per-expert layout's are) where the slot is NF4."""
+        _, hub, field, attr = target
+        parts = moe_names.split_fused(hub, field == "bias", np.asarray(self.source.get(name), np.float32))
+        for proj, stacked in parts.items():
+            path = (attr, "mlp", proj, field)
+            for e, array in enumerate(stacked):
+                index = (layer, e)
+                if not self.slots[path][1]:
+                    yield path, index, array.astype(self.expected[path].dtype)
+                    continue
+                q = nf4.quantize(np.ascontiguousarray(array))
+                for f in _NF4_ARRAYS:
+                    key = path[:-1] + (f,)
+                    yield key, index, jnp.asarray(getattr(q, f), self.expected[key].dtype)
 
 
 def load_model(

@@ -22,3 +22,29 @@ def expert_layout(model_type: str) -> tuple[str, dict[str, str]]:
     if model_type == "mixtral":
         return "block_sparse_moe", dict(_MIXTRAL)
     return "mlp", {name: name for name in _MIXTRAL}
+
+
+# gpt-oss's fused layout: all of a layer's experts in one tensor per projection, `gate_up_proj` [E, hidden, 2 * width]
+# with gate and up interleaved (gate the even columns), `down_proj` [E, width, hidden], `*_bias` [E, out]
+FUSED = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
+
+
+def fused_projections(hub_name: str) -> tuple[str, ...]:
+    """jaxtune's projections that a fused tensor (`gate_up_proj` or `down_proj`) holds."""
+    return ("gate_proj", "up_proj") if hub_name == "gate_up_proj" else ("down_proj",)
+
+
+def fused_shape(hub_name: str, bias: bool, experts: int, hidden: int, width: int) -> tuple[int, ...]:
+    """The hub's shape of a fused tensor."""
+    if hub_name == "gate_up_proj":
+        return (experts, 2 * width) if bias else (experts, hidden, 2 * width)
+    return (experts, hidden) if bias else (experts, width, hidden)
+
+
+def split_fused(hub_name: str, bias: bool, array):
+    """{projection: [E, out, in] weight (or [E, out] bias)} of a fused tensor, as jaxtune's expert stacks hold them."""
+    if hub_name == "gate_up_proj":
+        parts = {"gate_proj": array[..., 0::2], "up_proj": array[..., 1::2]}
+    else:
+        parts = {"down_proj": array}
+    return parts if bias else {name: part.swapaxes(-1, -2) for name, part in parts.items()}

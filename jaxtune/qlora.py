@@ -142,7 +142,8 @@ def quantize_layers(model: CausalLM) -> CausalLM:
             kept.append(f"{name} ({proj.weight.shape[-1]} inputs)")
             continue
         if isinstance(proj, ExpertLinear):  # each expert quantized on its own, as bnb does an expert's Linear
-            setattr(parent, name, NF4Experts(_quantize_experts(proj.weight[...])))
+            setattr(parent, name, NF4Experts(_quantize_experts(proj.weight[...]),
+                                             None if proj.bias is None else proj.bias[...]))
             continue
         q = _quantize_stack(proj.weight[...])
         setattr(parent, name, NF4Linear(q, None if proj.bias is None else proj.bias[...]))

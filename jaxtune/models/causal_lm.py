@@ -1,4 +1,4 @@
-"""The decoder (Llama 2/3, Mistral, Qwen2/3, their mixtures of experts, Qwen3.5's hybrid) as Flax NNX modules:
+"""The decoder (Llama 2/3, Mistral, Qwen2/3, their mixtures of experts, gpt-oss, Qwen3.5's hybrid) as Flax NNX modules:
 the decoder layer and the model that runs the layers. The blocks live in `blocks/` (attention, MLP, Gated
 DeltaNet), the plain layers in `layers.py`, the decoding caches in `cache.py`.
 
@@ -25,7 +25,7 @@ from jaxtune.models.blocks.mlp import MLP
 from jaxtune.models.cache import KVCache, LayerCache
 from jaxtune.models.config import ModelConfig
 from jaxtune.models.layer_kinds import (DEFAULT, DENSE_MLP, GATED_DELTANET, LayerRun, LayerStack, attention_position,
-                                        layer_runs, layer_stacks)
+                                        attention_window, layer_runs, layer_stacks)
 from jaxtune.models.layers import Embed, Linear, RMSNorm
 from jaxtune.models.layer_loop import layer_loop
 from jaxtune.moe import balancing
@@ -49,7 +49,7 @@ class DecoderLayer(nnx.Module):
         if self.linear:
             self.linear_attn = GatedDeltaNet(cfg, Linear, dtype=dtype, rngs=rngs)
         else:
-            self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+            self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs, sliding_window=attention_window(cfg, kind))
         self.post_attention_layernorm = norm()
         sparse = cfg.num_experts and kind != DENSE_MLP
         if sparse and cfg.shared_expert_intermediate_size:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
 from jaxtune.errors import CheckpointError, UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen3_5", "qwen3_5_text",
-                         "qwen3_5_moe", "qwen3_5_moe_text")
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe", "qwen3_5_moe_text")
+                         "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -76,6 +77,14 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    # gpt-oss: a learned sink logit per head in attention's softmax; biases on the router and the experts; the
+    # experts' clamped SwiGLU ("clamped_swiglu": (clip(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate,
+    # limit)) instead of SiLU(gate) * up ("swiglu"). Sliding layers are those `layer_types` names "sliding_attention"
+    attention_sinks: bool = False
+    moe_bias: bool = False
+    moe_activation: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -91,6 +100,14 @@ class ModelConfig:
                 f"{what} is not supported yet for mixture-of-experts models ({self.model_type}); the run directory's "
                 "checkpoint keeps the trained adapters (jaxtune train --resume continues from it)")
 
+    def export_gap(self) -> str | None:
+        """What PEFT and merged export do not write for this model yet (None: they write it all)."""
+        if self.shared_expert_intermediate_size:
+            return f"{self.model_type}'s shared experts"
+        if self.model_type == "gpt_oss":
+            return "gpt_oss's fused experts (biased, gate and up interleaved)"
+        return None
+
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
@@ -98,7 +115,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
         """Builds a config from a transformers `config.json` dict (transformers 4.x and 5.x layouts)."""
-        from jaxtune.models.families import qwen3_5
+        from jaxtune.models.families import gpt_oss, qwen3_5
 
         hf = qwen3_5.text_config(hf)
         model_type = hf.get("model_type")
@@ -142,6 +159,10 @@ class ModelConfig:
         moe = _moe_fields(model_type, hf, inter) if model_type in MOE_MODEL_TYPES else {}
         if model_type in qwen3_5.MODEL_TYPES:
             moe = {**moe, **qwen3_5.fields(hf, layers)}
+        if model_type in gpt_oss.MODEL_TYPES:
+            family = gpt_oss.fields(hf, layers)
+            sliding_window = family.pop("sliding_window")
+            moe = {**moe, **family}
         if model_type == "mixtral":
             sliding_window = hf.get("sliding_window")
         return cls(
@@ -164,7 +185,8 @@ class ModelConfig:
             **yarn,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type in ("llama", "qwen3", "qwen3_moe", *qwen3_5.MODEL_TYPES) and attention_bias,
+            o_bias=model_type in ("llama", "qwen3", "qwen3_moe", *qwen3_5.MODEL_TYPES, *gpt_oss.MODEL_TYPES)
+            and attention_bias,
             mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe", *qwen3_5.MODEL_TYPES),
             sliding_window=int(sliding_window) if sliding_window else None,
@@ -192,7 +214,8 @@ class ModelConfig:
         arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                 "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-                "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+                "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                "gpt_oss": "GptOssForCausalLM"}
         out: dict[str, Any] = {
             "architectures": [arch[self.model_type]],
             "model_type": self.model_type,
@@ -239,13 +262,24 @@ class ModelConfig:
         if self.num_experts:
             out.update(num_experts_per_tok=self.num_experts_per_tok, output_router_logits=self.output_router_logits,
                        router_aux_loss_coef=self.router_aux_loss_coef)
+        if self.model_type == "gpt_oss":
+            from jaxtune.models.families import gpt_oss
+
+            out.update(rope_parameters=rope, **gpt_oss.hf_fields(self))
         return out
+
+
+def yarn_attention_factor(factor: float, mscale: float | None = None, mscale_all_dim: float | None = None) -> float:
+    """YaRN's scale of cos and sin (so of the attention logits, squared): 0.1 ln(factor) + 1, or the ratio of two
+    such terms where a config gives `mscale` and `mscale_all_dim`."""
+    def term(scale: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    return term(mscale) / term(mscale_all_dim) if mscale and mscale_all_dim else term(1.0)
 
 
 def _yarn_fields(rope: dict[str, Any], model_type: str) -> dict[str, Any]:
     """YaRN's settings from a config's rope_parameters / rope_scaling, refused in one line where incomplete."""
-    from jaxtune.models.rope import yarn_attention_factor
-
     try:
         factor = float(rope["factor"])
         original = int(rope["original_max_position_embeddings"])
@@ -273,6 +307,8 @@ def _moe_fields(model_type: str, hf: dict[str, Any], intermediate: int) -> dict[
     if model_type == "qwen3_moe":
         dense = _dense_mlp_layers(hf)
         width, normalize = int(hf.get("moe_intermediate_size") or 0), bool(hf.get("norm_topk_prob", False))
+    elif model_type == "gpt_oss":  # softmax over the top-k logits: the top-k of the softmax, renormalized
+        width, normalize = intermediate, True
     elif model_type.startswith("qwen3_5_moe"):  # the router always renormalizes the top k; a shared expert
         width, normalize = int(hf.get("moe_intermediate_size") or 0), True
         shared = int(hf.get("shared_expert_intermediate_size") or 0)

@@ -15,6 +15,7 @@ from jaxtune.models.config import ModelConfig
 DEFAULT = "decoder"  # the family's own block (attention + its MLP or mixture of experts)
 DENSE_MLP = "dense_mlp"  # a mixture-of-experts model's layer with a dense MLP (Qwen3-MoE's mlp_only_layers)
 GATED_DELTANET = "gated_deltanet"  # a hybrid decoder's linear-attention layer (Qwen3.5's `linear_attention`)
+SLIDING = "sliding_attention"  # a layer attending through the sliding window among full ones (gpt-oss)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,8 @@ class LayerRun:
 def layer_kind(cfg: ModelConfig, layer: int) -> str:
     if cfg.layer_types and cfg.layer_types[layer] == "linear_attention":
         return GATED_DELTANET
+    if cfg.layer_types and cfg.layer_types[layer] == "sliding_attention":
+        return SLIDING
     return DENSE_MLP if layer in cfg.dense_mlp_layers else DEFAULT
 
 
@@ -79,6 +82,14 @@ def locate(cfg: ModelConfig, layer: int) -> tuple[LayerStack, int]:
         if layer in stack.layers:
             return stack, stack.local(layer)
     raise IndexError(f"layer {layer} is not one of the model's {cfg.num_layers}")
+
+
+def attention_window(cfg: ModelConfig, kind: str) -> int | None:
+    """The sliding window of a stack's attention: every layer's where the config names no sliding layers (Mistral,
+    Mixtral), else only the sliding kind's."""
+    if cfg.layer_types and "sliding_attention" in cfg.layer_types:
+        return cfg.sliding_window if kind == SLIDING else None
+    return cfg.sliding_window
 
 
 def attention_layers(cfg: ModelConfig) -> int:

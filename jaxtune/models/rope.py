@@ -48,15 +48,6 @@ def yarn_inverse_frequencies(theta: float, dim: int, factor: float, beta_fast: f
     return inv / factor * ramp + inv * (1.0 - ramp)
 
 
-def yarn_attention_factor(factor: float, mscale: float | None = None, mscale_all_dim: float | None = None) -> float:
-    """YaRN's scale of cos and sin (so of the attention logits, squared): 0.1 ln(factor) + 1, or the ratio of two
-    such terms where a config gives `mscale` and `mscale_all_dim`."""
-    def term(scale: float) -> float:
-        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
-
-    return term(mscale) / term(mscale_all_dim) if mscale and mscale_all_dim else term(1.0)
-
-
 def rotary_dim(cfg: ModelConfig) -> int:
     """How many of each head's dims RoPE rotates (the first ones; all but where `partial_rotary_factor` < 1)."""
     return int(cfg.head_dim * cfg.partial_rotary_factor)

@@ -17,10 +17,19 @@ from jaxtune.quant.weights import QuantizedWeight
 
 
 class Router(nnx.Module):
-    """The router's weight [E, hidden]: never quantized, never adapted (it decides which experts run)."""
+    """The router's weight [E, hidden] (and bias [E], gpt-oss): never quantized, never adapted (it decides which
+    experts run)."""
 
-    def __init__(self, experts: int, hidden: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, experts: int, hidden: int, *, dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = False):
         self.weight = nnx.Param(0.02 * jax.random.normal(rngs.params(), (experts, hidden), dtype))
+        self.bias = nnx.Param(jnp.zeros((experts,), dtype)) if bias else None
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
+    """gpt-oss's expert activation: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)."""
+    g = jnp.minimum(gate.astype(jnp.float32), limit)
+    u = jnp.clip(up.astype(jnp.float32), -limit, limit)
+    return ((u + 1.0) * g * jax.nn.sigmoid(alpha * g)).astype(gate.dtype)
 
 
 class SparseMoE(nnx.Module):
@@ -32,10 +41,12 @@ class SparseMoE(nnx.Module):
                  shared_expert_gate: nnx.Module | None = None):
         h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         self.num_experts, self.top_k, self.normalize = e, cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.router = Router(e, h, dtype=dtype, rngs=rngs)
-        self.gate_proj = ExpertLinear(e, h, i, dtype=dtype, rngs=rngs)
-        self.up_proj = ExpertLinear(e, h, i, dtype=dtype, rngs=rngs)
-        self.down_proj = ExpertLinear(e, i, h, dtype=dtype, rngs=rngs)
+        self.router = Router(e, h, dtype=dtype, rngs=rngs, bias=cfg.moe_bias)
+        self.gate_proj = ExpertLinear(e, h, i, dtype=dtype, rngs=rngs, bias=cfg.moe_bias)
+        self.up_proj = ExpertLinear(e, h, i, dtype=dtype, rngs=rngs, bias=cfg.moe_bias)
+        self.down_proj = ExpertLinear(e, i, h, dtype=dtype, rngs=rngs, bias=cfg.moe_bias)
+        self.activation = cfg.moe_activation
+        self.swiglu_alpha, self.swiglu_limit = cfg.swiglu_alpha, cfg.swiglu_limit
         self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
 
     def __call__(self, x: jax.Array, rng: jax.Array | None = None, token_tile: int | None = None) -> jax.Array:
@@ -57,7 +68,8 @@ class SparseMoE(nnx.Module):
         """(the block's output, its load-balancing statistics over `mask`'s tokens or None) on one device."""
         b, t, hidden = x.shape
         flat = x.reshape(b * t, hidden)
-        routing = route(flat, self.router.weight[...], self.top_k, self.normalize)
+        bias = None if self.router.bias is None else self.router.bias[...]
+        routing = route(flat, self.router.weight[...], self.top_k, self.normalize, bias)
         stats = None if mask is None else balancing.statistics(routing, self.num_experts, mask.reshape(-1))
         layout = tile_layout(routing.experts, self.num_experts)
         # each token's k copies are a broadcast (its gradient a sum, not a scatter-add); every routed row has a
@@ -65,8 +77,11 @@ class SparseMoE(nnx.Module):
         copies = jnp.broadcast_to(flat[:, None, :], (b * t, self.top_k, hidden)).reshape(-1, hidden)
         rows = jnp.zeros((layout.rows, hidden), x.dtype).at[layout.position].set(copies, unique_indices=True)
         key = (lambda i: None) if rng is None else (lambda i: jax.random.fold_in(rng, i))  # noqa: E731
-        gate = self.gate_proj(rows, layout, key(4))
-        h = jax.nn.silu(gate) * self.up_proj(rows, layout, key(5))
+        gate, up = self.gate_proj(rows, layout, key(4)), self.up_proj(rows, layout, key(5))
+        if self.activation == "clamped_swiglu":
+            h = clamped_swiglu(gate, up, self.swiglu_alpha, self.swiglu_limit)
+        else:
+            h = jax.nn.silu(gate) * up
         out = self.down_proj(h, layout, key(6)).at[layout.position].get(unique_indices=True)
         out = out.reshape(b * t, self.top_k, hidden)
         weights = routing.weights.astype(x.dtype)[..., None]

@@ -22,28 +22,41 @@ from jaxtune.quant.weights import QuantizedWeight
 _INIT_STD = 0.02
 
 
-class ExpertLinear(nnx.Module):
-    """E dense projections, weight [E, out, in]; rows in a `TileLayout`'s order in, the same rows out."""
+def with_expert_bias(y: jax.Array, bias: nnx.Param | None, layout: TileLayout) -> jax.Array:
+    """y [rows, out] plus each row's expert's bias [E, out] (gpt-oss), read per tile of the layout (padding rows
+    get some expert's bias; they are never gathered back)."""
+    if bias is None:
+        return y
+    per_tile = jnp.take(bias[...], jnp.maximum(layout.tile_group, 0), axis=0)  # [tiles, out]
+    rows = jnp.repeat(per_tile, layout.block_m, axis=0, total_repeat_length=y.shape[0])
+    return (y.astype(jnp.float32) + rows.astype(jnp.float32)).astype(y.dtype)
 
-    def __init__(self, experts: int, in_features: int, out_features: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+
+class ExpertLinear(nnx.Module):
+    """E dense projections, weight [E, out, in] (and a bias [E, out] with `bias`); rows in a `TileLayout`'s order
+    in, the same rows out."""
+
+    def __init__(self, experts: int, in_features: int, out_features: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
+                 bias: bool = False):
         self.weight = nnx.Param(_INIT_STD * jax.random.normal(rngs.params(), (experts, out_features, in_features),
                                                               dtype))
+        self.bias = nnx.Param(jnp.zeros((experts, out_features), dtype)) if bias else None
 
     def __call__(self, x: jax.Array, layout: TileLayout, rng: jax.Array | None = None) -> jax.Array:
-        return grouped_matmul(x, self.weight[...], layout)
+        return with_expert_bias(grouped_matmul(x, self.weight[...], layout), self.bias, layout)
 
 
 class NF4Experts(nnx.Module):
     """E frozen NF4 projections (arrays [..., E, ...], a leading layer axis when stacked), dequantized at use to
     x's dtype and run as one grouped GEMM."""
 
-    def __init__(self, q: nf4.NF4Weight):
+    def __init__(self, q: nf4.NF4Weight, bias: jax.Array | None = None):
         self.codes = QuantizedWeight(q.codes)
         self.absmax_codes = QuantizedWeight(q.absmax_codes)
         self.nested_absmax = QuantizedWeight(q.nested_absmax)
         self.offset = QuantizedWeight(q.offset)
         self.nested_map = QuantizedWeight(q.nested_map)
-        self.bias = None
+        self.bias = None if bias is None else nnx.Param(bias)
 
     @property
     def weight_nf4(self) -> nf4.NF4Weight:
@@ -56,7 +69,7 @@ class NF4Experts(nnx.Module):
                              self.nested_map[...], layer)
 
     def __call__(self, x: jax.Array, layout: TileLayout, rng: jax.Array | None = None) -> jax.Array:
-        return grouped_matmul(x, self.dequantized(x.dtype), layout)
+        return with_expert_bias(grouped_matmul(x, self.dequantized(x.dtype), layout), self.bias, layout)
 
     def dequantized(self, dtype: jnp.dtype) -> jax.Array:
         """The experts' weights [E, out, in] in dtype. Where the grouped kernel runs (one device), the Pallas NF4

@@ -14,12 +14,16 @@ class Routing(NamedTuple):
     logits: jax.Array  # [N, E] float32: the router's logits (the load-balancing loss reads them)
 
 
-def route(x: jax.Array, router_weight: jax.Array, top_k: int, normalize: bool) -> Routing:
-    """Softmax over all experts, the top k kept, renormalized to sum to 1 when `normalize` (Mixtral always,
-    Qwen3-MoE per `norm_topk_prob`). The router runs in float32 whatever the model's dtype: a token's experts
-    are a discrete choice that bf16 logits would flip between near-ties."""
+def route(x: jax.Array, router_weight: jax.Array, top_k: int, normalize: bool,
+          router_bias: jax.Array | None = None) -> Routing:
+    """Softmax over all experts, the top k kept, renormalized to sum to 1 when `normalize` (Mixtral and gpt-oss
+    always, whose softmax over the top k logits is this; Qwen3-MoE per `norm_topk_prob`). The router runs in
+    float32 whatever the model's dtype: a token's experts are a discrete choice that bf16 logits would flip between
+    near-ties."""
     logits = jnp.dot(x.astype(jnp.float32), router_weight.astype(jnp.float32).T,
                      precision=jax.lax.Precision.HIGHEST)
+    if router_bias is not None:
+        logits = logits + router_bias.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     if normalize:

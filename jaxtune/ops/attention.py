@@ -44,15 +44,18 @@ def attention(
     kv_segment_ids: jax.Array | None = None,
     q_offset: jax.Array | int = 0,
     sliding_window: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention.
 
     q [B, T, Hq, D]; k, v [B, S, Hkv, D] with Hq a multiple of Hkv (kv heads are shared by index, never
     repeated in memory). Query i is at key index q_offset + i (q_offset > 0 when attending to a KV cache).
     Segment ids [B, T] / [B, S] restrict attention to tokens of the same packed sample (each id one
-    contiguous run, as packing lays them out). A fast kernel runs where `dispatch` picks one, else XLA.
+    contiguous run, as packing lays them out). Sinks [Hq] (gpt-oss): one more logit per head in the softmax's
+    denominator, attending to nothing. A fast kernel runs where `dispatch` picks one, else XLA.
     """
-    fast = _fast_attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, sliding_window)
+    fast = None if sinks is not None else _fast_attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset,
+                                                          sliding_window)
     if fast is not None:
         return fast
     b, t, hq, d = q.shape
@@ -65,7 +68,11 @@ def attention(
         sliding_window=sliding_window,
     )
     scores = jnp.where(mask[:, None, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    else:  # the sink joins each row's normalizer and is dropped from its weights
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, g, 1, 1), (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, hq, d).astype(q.dtype)
 

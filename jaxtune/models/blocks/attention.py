@@ -18,7 +18,7 @@ from jaxtune.models.rope import apply_rope
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, sliding_window: int | None = None):
         h, d = cfg.hidden_size, cfg.head_dim
         # with an output gate (Qwen3.5), q_proj yields each head's query then its gate
         self.output_gate = cfg.attn_output_gate
@@ -28,7 +28,9 @@ class Attention(nnx.Module):
         self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.sliding_window = cfg.sliding_window
+        self.sliding_window = sliding_window
+        # gpt-oss: a learned logit per head in the softmax's denominator (frozen: LoRA leaves it)
+        self.sinks = nnx.Param(jnp.zeros((cfg.num_heads,), dtype)) if cfg.attention_sinks else None
         # Qwen3: per-head RMSNorm on q and k (weights [head_dim], shared by the heads), before RoPE
         norm = lambda: RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)  # noqa: E731
         self.q_norm = norm() if cfg.qk_norm else None
@@ -63,7 +65,8 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
-            out = ops.attention(q, k, v, q_segment_ids=segment_ids, sliding_window=self.sliding_window)
+            out = ops.attention(q, k, v, q_segment_ids=segment_ids, sliding_window=self.sliding_window,
+                                sinks=self._sinks())
         else:
             stacked = cache.layer is not None  # every layer's stack at this layer, or this layer's own arrays
             lead = (cache.layer,) if stacked else ()
@@ -80,6 +83,7 @@ class Attention(nnx.Module):
             out = ops.attention(
                 q, layer_k.astype(q.dtype), layer_v.astype(q.dtype), q_segment_ids=segment_ids,
                 kv_segment_ids=cache_segment_ids, q_offset=cache_index, sliding_window=self.sliding_window,
+                sinks=self._sinks(),
             )
         out = out.reshape(b, t, self.num_heads * self.head_dim)
         if self.output_gate:
@@ -87,3 +91,6 @@ class Attention(nnx.Module):
         input_stats.observe(("o_proj",), out)
         out = self.o_proj(out, fold_rng(rng, 3))
         return checkpoint_name(out, "o_proj"), cache
+
+    def _sinks(self) -> jax.Array | None:
+        return None if self.sinks is None else self.sinks[...]

@@ -1,0 +1,110 @@
+"""gpt-oss (attention sinks, alternating sliding / full layers, YaRN RoPE, biased router and experts with the clamped
+SwiGLU, the hub's fused expert tensors): logits against transformers in float32 on rows longer than the window,
+packed rows, NF4 QLoRA training, greedy generation; what is not built yet is refused in one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import GptOssConfig
+
+import jaxtune
+from conftest import build_hf_model
+
+SHAPES = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8)
+
+
+def _hf_logits(model, ids) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.as_tensor(ids)).logits.float().numpy()
+
+
+def _close(got, want, tol=1e-4):
+    assert np.abs(got - want).max() < tol * max(1.0, np.abs(want).max()), np.abs(got - want).max()
+
+
+def test_logits_equal_transformers_beyond_the_window(tmp_path):
+    hf = build_hf_model(GptOssConfig(**SHAPES), tmp_path)
+    model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32")
+    cfg = model.config
+    assert cfg.layer_types == ("sliding_attention", "full_attention") * 2 and cfg.rope_type == "yarn"
+    ids = np.random.default_rng(0).integers(0, 128, (2, 30))
+    _close(np.asarray(model(ids)), _hf_logits(hf, ids))
+
+
+def test_packed_rows_give_each_sample_its_own_logits(tmp_path):
+    hf = build_hf_model(GptOssConfig(**SHAPES), tmp_path)
+    model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32")
+    rng = np.random.default_rng(1)
+    a, b = rng.integers(0, 128, 20), rng.integers(0, 128, 13)
+    row = np.concatenate([a, b])[None]
+    seg = np.concatenate([np.ones(20, np.int32), np.full(13, 2, np.int32)])[None]
+    got = np.asarray(model(row, segment_ids=seg))[0]
+    _close(got[:20], _hf_logits(hf, a[None])[0])
+    _close(got[20:], _hf_logits(hf, b[None])[0])
+
+
+def test_greedy_generation_equals_transformers(tmp_path, monkeypatch):
+    """Left-padded prompts, one longer than the window: the KV cache's sliding layers attend through the window
+    and every layer's sinks join the softmax, as transformers' greedy `generate` does."""
+    from conftest import assert_greedy_tokens_are_transformers
+
+    hf = build_hf_model(GptOssConfig(**SHAPES), tmp_path)
+    model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32")
+    prompts = [[int(i) for i in np.random.default_rng(5).integers(0, 128, 13)], [7, 8]]
+    assert_greedy_tokens_are_transformers(model, hf, prompts, monkeypatch, max_new_tokens=10)
+
+
+def test_a_4bit_run_trains_the_experts_and_refuses_exports_it_cannot_write(tmp_path, tiny_tokenizer):
+    """NF4 experts (each quantized on its own from the fused tensors) with LoRA on every expert and attention
+    projection train with falling loss; PEFT, merged and GGUF export refuse in one line, before writing."""
+    build_hf_model(GptOssConfig(**{**SHAPES, "vocab_size": len(tiny_tokenizer)}), tmp_path / "base")
+    model, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=True)
+    assert type(model.layers.mlp.gate_proj).__name__ == "NF4Experts" and model.layers.mlp.gate_proj.bias is not None
+    rows = [{"text": f"row {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 3)} for i in range(16)]
+    cfg = jaxtune.TrainConfig(format="text", seq_len=64, micro_batch_size=4, max_steps=6, learning_rate=1e-2,
+                              warmup_steps=0, lora_r=4, save_steps=0)
+    result = jaxtune.train(model, tiny_tokenizer, rows, cfg, progress=False)
+    assert result.losses[-1] < result.losses[0] - 0.1, result.losses
+    for proj in (model.layers.mlp.down_proj, model.sliding_attention_layers.mlp.gate_proj,
+                 model.sliding_attention_layers.self_attn.q_proj):
+        assert np.abs(np.asarray(proj.lora_b[...])).max() > 0
+    for export in (lambda: jaxtune.save_peft(model, tmp_path / "peft"),
+                   lambda: jaxtune.save_merged(model, tmp_path / "merged")):
+        with pytest.raises(jaxtune.CheckpointError, match="fused experts .* is not supported yet") as e:
+            export()
+        assert "\n" not in str(e.value)
+    with pytest.raises(jaxtune.UnsupportedModelError, match="not 'gpt_oss'"):
+        jaxtune.save_gguf(model, tmp_path / "out" / "m.gguf", tokenizer=tiny_tokenizer)
+    assert not (tmp_path / "peft").exists() and not (tmp_path / "merged").exists()
+
+
+def test_mxfp4_checkpoints_are_refused_in_one_line(tmp_path):
+    import json
+
+    build_hf_model(GptOssConfig(**SHAPES), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(jaxtune.UnsupportedModelError, match="MXFP4 experts .* use the bf16 checkpoint") as e:
+        jaxtune.from_pretrained(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_converted_checkpoint_reloads_as_loaded(tmp_path):
+    """`jaxtune convert` to the pre-quantized format: the NF4 experts split from the fused tensors, their biases,
+    the router's and the sinks read back array for array as a direct 4-bit load makes them."""
+    from flax import nnx
+
+    build_hf_model(GptOssConfig(**SHAPES), tmp_path / "hf")
+    jaxtune.convert(tmp_path / "hf", tmp_path / "nf4", quantize="nf4")
+    converted, _ = jaxtune.from_pretrained(tmp_path / "nf4")
+    direct, _ = jaxtune.from_pretrained(tmp_path / "hf", load_in_4bit=True)
+    assert converted.config == direct.config
+    arrays = lambda m: {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(m))}  # noqa: E731
+    a, b = arrays(converted), arrays(direct)
+    assert a.keys() == b.keys() and any("sinks" in p for p in a) and any("bias" in p and "mlp" in p for p in a)
+    for path in a:
+        np.testing.assert_array_equal(a[path], b[path], err_msg=str(path))
