@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from convert.atomic import atomic_directory
 from convert.jaxtune_format import write_generation_config
-from convert.moe_names import expert_layout
+from convert.moe_names import expert_layout, split_fused
 from convert.safetensors_writer import ShardedSafetensorsWriter
 from convert.safetensors_source import SafetensorsSource
 from jaxtune.quant import nf4
@@ -113,6 +113,44 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
     parent, hub_names = expert_layout(cfg.model_type) if cfg.num_experts else (None, {})
     expert_shapes = {name: _weight_shape(projection(model, name)) for name in hub_names}
 
+    def merged_stack(attr: str, name: str, i: int, fused_key: str | None) -> np.ndarray:
+        """Layer i's merged experts [E, out, in] of one projection of stack `attr`, from the base's fused tensor
+        `fused_key` (gpt-oss) or the model's own (dequantized) weights."""
+        proj = projection(model, name, attr)
+        if source is not None and fused_key is not None:
+            w = split_fused(fused_key.rsplit(".", 1)[1], False, np.asarray(source.get(fused_key), np.float32))[name]
+        else:
+            w = _layer_experts(proj, i)
+        if isinstance(proj, LoRAExperts):
+            a, b = (np.asarray(f[...][i], np.float32) for f in (proj.lora_a, proj.lora_b))
+            w = w + np.float32(proj.scale) * (b @ a)
+        return w
+
+    def fused_experts(p: str, attr: str, i: int) -> Iterator[MergedTensor]:
+        """gpt-oss's layout: the router with its bias, and every expert in one tensor per projection."""
+        mlp = getattr(model, attr).mlp
+        yield layer(f"{p}.mlp.router.weight", mlp.router.weight[...], i)
+        yield layer(f"{p}.mlp.router.bias", mlp.router.bias[...], i)
+        e, width, hidden = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        gate_up, down = f"{p}.mlp.experts.gate_up_proj", f"{p}.mlp.experts.down_proj"
+
+        def interleaved(i: int) -> np.ndarray:
+            gate, up = (merged_stack(attr, n, i, gate_up).swapaxes(-1, -2) for n in ("gate_proj", "up_proj"))
+            out = np.empty((e, hidden, 2 * width), np.float32)
+            out[..., 0::2], out[..., 1::2] = gate, up
+            return out
+
+        def interleaved_bias(i: int) -> np.ndarray:
+            out = np.empty((e, 2 * width), np.float32)
+            out[:, 0::2], out[:, 1::2] = (_layer(_base(getattr(mlp, n)).bias[...], i) for n in ("gate_proj", "up_proj"))
+            return out
+
+        yield MergedTensor(gate_up, (e, hidden, 2 * width), functools.partial(interleaved, i))
+        yield MergedTensor(f"{gate_up}_bias", (e, 2 * width), functools.partial(interleaved_bias, i))
+        yield MergedTensor(down, (e, width, hidden),
+                           lambda i=i: merged_stack(attr, "down_proj", i, down).swapaxes(-1, -2).copy())
+        yield layer(f"{down}_bias", _base(mlp.down_proj).bias[...], i)
+
     def experts(p: str, i: int) -> Iterator[MergedTensor]:  # i: the layer's position in the sparse stack
         yield layer(f"{p}.{parent}.gate.weight", model.layers.mlp.router.weight[...], i)
         for e in range(cfg.num_experts):
@@ -126,6 +164,8 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
                                                                              "post_attention_layernorm")]
         if cfg.qk_norm and hasattr(stack, "self_attn"):
             names += [(f"self_attn.{norm}.weight", getattr(stack.self_attn, norm).weight) for norm in ("q_norm", "k_norm")]
+        if getattr(getattr(stack, "self_attn", None), "sinks", None) is not None:
+            names.append(("self_attn.sinks", stack.self_attn.sinks))
         if hasattr(stack, "linear_attn"):
             gdn = stack.linear_attn
             names += [("linear_attn.conv1d.weight", gdn.conv1d.weight), ("linear_attn.A_log", gdn.A_log),
@@ -139,7 +179,9 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
         p = f"model.layers.{i}"
         for name, param in norms(stack):
             yield layer(f"{p}.{name}", param[...], j)
-        if sparse:
+        if sparse and cfg.model_type == "gpt_oss":
+            yield from fused_experts(p, kind.attr, j)
+        elif sparse:
             yield from experts(p, j)
         for name in projection_names(stack):
             if sparse and PARENT_MODULE[name] == "mlp":
@@ -212,7 +254,7 @@ def save_merged(
     """
     if dtype not in MERGED_DTYPES:
         raise CheckpointError(f"unknown dtype {dtype!r}; choose one of: {', '.join(MERGED_DTYPES)}")
-    if gap := model.config.export_gap():
+    if gap := model.config.export_gap(peft=False):
         raise CheckpointError(f"merged export of {gap} is not supported yet; the run directory keeps the trained "
                               "adapters (jaxtune train --resume reads them)")
     if in_nf4 := dtype == "nf4":

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import GptOssConfig
+from flax import nnx
+from transformers import AutoModelForCausalLM, GptOssConfig
 
 import jaxtune
 from conftest import build_hf_model
@@ -59,7 +60,8 @@ def test_greedy_generation_equals_transformers(tmp_path, monkeypatch):
 
 def test_a_4bit_run_trains_the_experts_and_refuses_exports_it_cannot_write(tmp_path, tiny_tokenizer):
     """NF4 experts (each quantized on its own from the fused tensors) with LoRA on every expert and attention
-    projection train with falling loss; PEFT, merged and GGUF export refuse in one line, before writing."""
+    projection train with falling loss; merged export writes the hub's fused layout; PEFT and GGUF export refuse
+    in one line, before writing."""
     build_hf_model(GptOssConfig(**{**SHAPES, "vocab_size": len(tiny_tokenizer)}), tmp_path / "base")
     model, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=True)
     assert type(model.layers.mlp.gate_proj).__name__ == "NF4Experts" and model.layers.mlp.gate_proj.bias is not None
@@ -71,14 +73,21 @@ def test_a_4bit_run_trains_the_experts_and_refuses_exports_it_cannot_write(tmp_p
     for proj in (model.layers.mlp.down_proj, model.sliding_attention_layers.mlp.gate_proj,
                  model.sliding_attention_layers.self_attn.q_proj):
         assert np.abs(np.asarray(proj.lora_b[...])).max() > 0
-    for export in (lambda: jaxtune.save_peft(model, tmp_path / "peft"),
-                   lambda: jaxtune.save_merged(model, tmp_path / "merged")):
-        with pytest.raises(jaxtune.CheckpointError, match="fused experts .* is not supported yet") as e:
-            export()
-        assert "\n" not in str(e.value)
+    with pytest.raises(jaxtune.CheckpointError, match="PEFT export of gpt_oss's fused experts .* not supported yet") as e:
+        jaxtune.save_peft(model, tmp_path / "peft")
+    assert "\n" not in str(e.value) and not (tmp_path / "peft").exists()
     with pytest.raises(jaxtune.UnsupportedModelError, match="not 'gpt_oss'"):
         jaxtune.save_gguf(model, tmp_path / "out" / "m.gguf", tokenizer=tiny_tokenizer)
-    assert not (tmp_path / "peft").exists() and not (tmp_path / "merged").exists()
+    # merged onto the original bf16 weights: the hub's fused layout, which transformers reads to jaxtune's logits
+    jaxtune.save_merged(model, tmp_path / "merged", base=tmp_path / "base", dtype="float32")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids = np.random.default_rng(4).integers(0, len(tiny_tokenizer), (1, 20))
+    reference, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32")
+    jaxtune.get_peft_model(reference, r=4)
+    nnx.update(reference, nnx.state(model, nnx.LoRAParam))  # the trained adapters on the unquantized base
+    _close(_hf_logits(merged, ids), np.asarray(reference(ids)))
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    assert np.abs(_hf_logits(base, ids) - _hf_logits(merged, ids)).max() > 1e-2  # the adapters are in it
 
 
 def test_mxfp4_checkpoints_are_refused_in_one_line(tmp_path):

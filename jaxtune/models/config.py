@@ -100,12 +100,12 @@ class ModelConfig:
                 f"{what} is not supported yet for mixture-of-experts models ({self.model_type}); the run directory's "
                 "checkpoint keeps the trained adapters (jaxtune train --resume continues from it)")
 
-    def export_gap(self) -> str | None:
-        """What PEFT and merged export do not write for this model yet (None: they write it all)."""
+    def export_gap(self, peft: bool) -> str | None:
+        """What PEFT (or merged) export does not write for this model yet; None: it writes it all."""
         if self.shared_expert_intermediate_size:
             return f"{self.model_type}'s shared experts"
-        if self.model_type == "gpt_oss":
-            return "gpt_oss's fused experts (biased, gate and up interleaved)"
+        if peft and self.model_type == "gpt_oss":
+            return "gpt_oss's fused experts (gate and up interleaved in one tensor)"
         return None
 
     @property
