@@ -81,6 +81,7 @@ def attention_reference(
     sliding_window: int | None = None,
     scale: float | None = None,
     shared_prefix: bool = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Pure-jnp attention with the kernel's semantics (builds the [T, T] mask; for tests and CPU)."""
     b, t, hq, d = q.shape
@@ -97,7 +98,11 @@ def attention_reference(
     if segment_ids is not None:
         mask = mask & segments_visible(segment_ids[:, :, None], segment_ids[:, None, :], shared_prefix)
     s = jnp.where(mask[:, None, None], s, _MASKED)
-    p = jax.nn.softmax(s, axis=-1)
+    if sinks is None:
+        p = jax.nn.softmax(s, axis=-1)
+    else:  # a logit per head in the normalizer, attending to nothing
+        sink = jnp.broadcast_to(sinks.astype(s.dtype).reshape(1, hkv, hq // hkv, 1, 1), (*s.shape[:-1], 1))
+        p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
     out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype) if v.dtype != jnp.float64 else p, v,
                      preferred_element_type=jnp.float32 if v.dtype != jnp.float64 else None)
     return out.reshape(b, t, hq, d).astype(q.dtype)
@@ -209,9 +214,10 @@ def _query_tile_plan(refs, n_out, i, n_k, *, block_q, block_k, causal, window, h
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qk_scale, causal, window, block_q, block_k, has_segments,
-                shared_prefix=False):
+                shared_prefix=False, has_sinks=False):
     i = pl.program_id(0)
     n_k = k_ref.shape[0] // block_k
+    sink_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
     tile_mask, loops, (o_ref, lse_ref) = _query_tile_plan(
         refs, 2, i, n_k, block_q=block_q, block_k=block_k, causal=causal, window=window, has_segments=has_segments,
         shared_prefix=shared_prefix)
@@ -233,10 +239,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qk_scale, causal, window, block_q, b
         acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v)
         return acc, m_new, l
 
+    # the online softmax starts from the sink's logit (log2 units) where there is one: it joins every row's
+    # normalizer and the log-sum-exp the backward reads, and attends to nothing
     carry = (
         jnp.zeros((block_q, d), jnp.float32),
-        jnp.full((block_q,), -jnp.inf, jnp.float32),
-        jnp.zeros((block_q,), jnp.float32),
+        sink_ref[...] if has_sinks else jnp.full((block_q,), -jnp.inf, jnp.float32),
+        jnp.ones((block_q,), jnp.float32) if has_sinks else jnp.zeros((block_q,), jnp.float32),
     )
     for start, stop, masked in loops:
         carry = jax.lax.fori_loop(start, stop, functools.partial(step, masked=masked), carry)
@@ -245,8 +253,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qk_scale, causal, window, block_q, b
     lse_ref[...] = m + jnp.log2(l)
 
 
-def _forward(q, k, v, segment_ids, *, scale, causal, window, tiles: AttentionTiles, interpret, shared_prefix=False):
-    """Padded inputs -> (out [B, Tp, Hq, D], lse [B, Hq, Tp] in log2 units)."""
+def _forward(q, k, v, segment_ids, *, scale, causal, window, tiles: AttentionTiles, interpret, shared_prefix=False,
+             sinks=None):
+    """Padded inputs -> (out [B, Tp, Hq, D], lse [B, Hq, Tp] in log2 units); sinks [Hq] or None."""
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     group = hq // hkv
@@ -254,7 +263,7 @@ def _forward(q, k, v, segment_ids, *, scale, causal, window, tiles: AttentionTil
     has_segments = segment_ids is not None
     kernel = functools.partial(
         _fwd_kernel, qk_scale=scale * _LOG2E, causal=causal, window=window, block_q=bq, block_k=bk,
-        has_segments=has_segments, shared_prefix=shared_prefix,
+        has_segments=has_segments, shared_prefix=shared_prefix, has_sinks=sinks is not None,
     )
     in_specs = [
         pl.BlockSpec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0)),
@@ -262,6 +271,9 @@ def _forward(q, k, v, segment_ids, *, scale, causal, window, tiles: AttentionTil
         pl.BlockSpec((None, t, None, d), lambda i, bi, h: (bi, 0, h // group, 0)),
     ]
     args = [q, k, v]
+    if sinks is not None:  # each head's sink logit in log2 units, as a row of the query tile's length
+        in_specs.append(pl.BlockSpec((None, bq), lambda i, bi, h: (h, i)))
+        args.append(jnp.broadcast_to((sinks.astype(jnp.float32) * _LOG2E)[:, None], (hq, t)))
     if has_segments:
         in_specs += _query_segment_specs(bq, t, shared_prefix)
         args += _query_segment_args(segment_ids, shared_prefix)
@@ -499,27 +511,29 @@ def _prepare(q, k, v, segment_ids, causal, tiles, shared_prefix=False):
     return q, k, v, segment_ids, tiles
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _flash(q, k, v, segment_ids, scale, causal, window, tiles, interpret, shared_prefix):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def _flash(q, k, v, segment_ids, sinks, scale, causal, window, tiles, interpret, shared_prefix):
     t = q.shape[1]
     qp, kp, vp, seg, tl = _prepare(q, k, v, segment_ids, causal, tiles, shared_prefix)
     out, _ = _forward(qp, kp, vp, seg, scale=scale, causal=causal, window=window, tiles=tl, interpret=interpret,
-                      shared_prefix=shared_prefix)
+                      shared_prefix=shared_prefix, sinks=sinks)
     return out[:, :t]
 
 
-def _flash_fwd(q, k, v, segment_ids, scale, causal, window, tiles, interpret, shared_prefix):
+def _flash_fwd(q, k, v, segment_ids, sinks, scale, causal, window, tiles, interpret, shared_prefix):
     t = q.shape[1]
     qp, kp, vp, seg, tl = _prepare(q, k, v, segment_ids, causal, tiles, shared_prefix)
     out, lse = _forward(qp, kp, vp, seg, scale=scale, causal=causal, window=window, tiles=tl, interpret=interpret,
-                        shared_prefix=shared_prefix)
+                        shared_prefix=shared_prefix, sinks=sinks)
     # named so a selective remat policy can keep them rather than re-running the forward kernel
     out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
-    return (out if out.shape[1] == t else out[:, :t]), (q, k, v, segment_ids, out, lse)
+    return (out if out.shape[1] == t else out[:, :t]), (q, k, v, segment_ids, sinks, out, lse)
 
 
 def _flash_bwd(scale, causal, window, tiles, interpret, shared_prefix, residuals, do):
-    q, k, v, segment_ids, out_p, lse = residuals
+    """The kernels' dq, dk, dv read the log-sum-exp, which holds the sink: they need nothing else for it. The
+    sink's own gradient is -sum_i P_sink,i * delta_i (it has no value: dP_sink = 0), summed over rows and batch."""
+    q, k, v, segment_ids, sinks, out_p, lse = residuals
     t = q.shape[1]
     qp, kp, vp, seg, tl = _prepare(q, k, v, segment_ids, causal, tiles, shared_prefix)
     dop = _pad_to(do, qp.shape[1], 1)
@@ -527,7 +541,12 @@ def _flash_bwd(scale, causal, window, tiles, interpret, shared_prefix, residuals
         qp, kp, vp, seg, out_p, lse, dop, scale=scale, causal=causal, window=window, tiles=tl, interpret=interpret,
         shared_prefix=shared_prefix,
     )
-    return dq[:, :t], dk[:, :t], dv[:, :t], None
+    dsinks = None
+    if sinks is not None:
+        delta = jnp.einsum("bthd,bthd->bht", out_p[:, :t].astype(jnp.float32), do.astype(jnp.float32))
+        p_sink = jnp.exp2(sinks.astype(jnp.float32)[None, :, None] * _LOG2E - lse[:, :, :t])
+        dsinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
+    return dq[:, :t], dk[:, :t], dv[:, :t], None, dsinks
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -545,15 +564,19 @@ def flash_attention(
     tiles: AttentionTiles = DEFAULT_TILES,
     interpret: bool = False,
     shared_prefix: bool = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """softmax(q kᵀ·scale + mask) v over [B, T, H, D] tensors, differentiable in q, k and v.
+    """softmax(q kᵀ·scale + mask) v over [B, T, H, D] tensors, differentiable in q, k and v (and `sinks`).
 
     `segment_ids` [B, T] (each id one contiguous run) keeps attention inside a packed sample;
     `shared_prefix` lets negative ids see their prefix run (module docstring); `sliding_window` w lets a query
-    see only the last w keys (Mistral). `interpret=True` runs the kernels' logic on CPU.
+    see only the last w keys (Mistral); `sinks` [Hq] (gpt-oss) adds a logit per query head to the softmax's
+    normalizer that attends to nothing. `interpret=True` runs the kernels' logic on CPU.
     """
     _check(q, k, v, segment_ids)
     if shared_prefix and (segment_ids is None or not causal):
         raise ValueError("flash_attention: shared_prefix needs segment_ids and causal attention")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _flash(q, k, v, segment_ids, scale, causal, sliding_window, tiles, interpret, shared_prefix)
+    if sinks is not None and sinks.shape != (q.shape[2],):
+        raise ValueError(f"flash_attention: sinks has shape {sinks.shape}, not one per query head ({q.shape[2]},)")
+    return _flash(q, k, v, segment_ids, sinks, scale, causal, sliding_window, tiles, interpret, shared_prefix)

@@ -35,14 +35,25 @@ def test_logits_equal_transformers_beyond_the_window(tmp_path):
     _close(np.asarray(model(ids)), _hf_logits(hf, ids))
 
 
-def test_packed_rows_give_each_sample_its_own_logits(tmp_path):
-    hf = build_hf_model(GptOssConfig(**SHAPES), tmp_path)
+@pytest.mark.parametrize("kernels", ["xla", "pallas-interpret"])
+def test_packed_rows_give_each_sample_its_own_logits(tmp_path, kernels, monkeypatch):
+    """Two samples packed in one row, each longer than the window, get the logits each has alone in transformers;
+    under the Pallas modes (heads of 64) attention runs the flash kernel with the sinks."""
+    import jax
+
+    from jaxtune.ops import dispatch
+
+    monkeypatch.setattr(dispatch, "_mode", kernels)
+    hf = build_hf_model(GptOssConfig(**{**SHAPES, "head_dim": 64}), tmp_path)
     model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32")
     rng = np.random.default_rng(1)
     a, b = rng.integers(0, 128, 20), rng.integers(0, 128, 13)
     row = np.concatenate([a, b])[None]
     seg = np.concatenate([np.ones(20, np.int32), np.full(13, 2, np.int32)])[None]
-    got = np.asarray(model(row, segment_ids=seg))[0]
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(model(row, segment_ids=seg))[0]
+    assert ("flash_attention_fwd" in str(jax.make_jaxpr(lambda r: model(r, segment_ids=seg))(row))) == (
+        kernels == "pallas-interpret")
     _close(got[:20], _hf_logits(hf, a[None])[0])
     _close(got[20:], _hf_logits(hf, b[None])[0])
 

@@ -12,8 +12,9 @@ from jax.experimental.pallas.triton import CUSTOM_CALL_TARGET_NAME as CUSTOM_CAL
 from pallas_kernels.flash_attention import AttentionTiles, attention_reference, flash_attention
 
 
-def numpy_attention(q, k, v, do, segment_ids=None, window=None, shared_prefix=False):
-    """float64 softmax attention and its gradients, written out by hand (independent of jax)."""
+def numpy_attention(q, k, v, do, segment_ids=None, window=None, shared_prefix=False, sinks=None):
+    """float64 softmax attention and its gradients, written out by hand (independent of jax); with sinks [Hq] a
+    logit per head in each row's normalizer (and its gradient last)."""
     q, k, v, do = (np.asarray(a, np.float64) for a in (q, k, v, do))
     b, t, hq, d = q.shape
     g = hq // k.shape[2]
@@ -32,8 +33,12 @@ def numpy_attention(q, k, v, do, segment_ids=None, window=None, shared_prefix=Fa
             visible = visible | ((q_seg < 0) & (k_seg == -q_seg // 2))
         mask = mask & visible
     s = np.where(mask, s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
+    sink = None if sinks is None else np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None, None],
+                                                      (*s.shape[:-1], 1))
+    top = s.max(-1, keepdims=True) if sink is None else np.maximum(s.max(-1, keepdims=True), sink)
+    p = np.exp(s - top)
+    norm = p.sum(-1, keepdims=True) + (0.0 if sink is None else np.exp(sink - top))
+    p /= norm
     out = np.einsum("bhts,bshd->bthd", p, v_r)
     dv_r = np.einsum("bhts,bthd->bshd", p, do)
     dp = np.einsum("bthd,bshd->bhts", do, v_r)
@@ -41,7 +46,11 @@ def numpy_attention(q, k, v, do, segment_ids=None, window=None, shared_prefix=Fa
     dq = np.einsum("bhts,bshd->bthd", ds, k_r) * scale
     dk_r = np.einsum("bhts,bthd->bshd", ds, q) * scale
     fold = lambda a: a.reshape(b, t, k.shape[2], g, d).sum(3)  # noqa: E731
-    return out, dq, fold(dk_r), fold(dv_r)
+    if sink is None:
+        return out, dq, fold(dk_r), fold(dv_r)
+    p_sink = (np.exp(sink - top) / norm)[..., 0]  # [b, h, t]
+    dsinks = -(p_sink * (dp * p).sum(-1)).sum((0, 2))
+    return out, dq, fold(dk_r), fold(dv_r), dsinks
 
 
 def packed_ids(b, t, rng, max_len):
@@ -104,6 +113,31 @@ def test_flash_attention_matches_float64(b, t, hq, hkv, d, segments, window):
     want = numpy_attention(q, k, v, do, seg, window)
     for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), want):
         np.testing.assert_allclose(np.asarray(got, np.float64), ref, atol=2e-5, rtol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("b,t,hq,hkv,d,segments,window", [c for c in CASES if c[1] > 1][:2] + CASES[-3:])
+def test_attention_sinks_match_float64(b, t, hq, hkv, d, segments, window):
+    """gpt-oss's sinks: a learned logit per query head in every row's normalizer. Outputs, dq/dk/dv and the sinks'
+    own gradient against the float64 reference, on packed rows and windows."""
+    rng = np.random.default_rng(t * 7 + hq)
+    q, do = (rng.standard_normal((b, t, hq, d)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((b, t, hkv, d)).astype(np.float32) for _ in range(2))
+    sinks = rng.standard_normal(hq).astype(np.float32) * 2
+    seg = packed_ids(b, t, rng, max_len=max(2, t // 9)) if segments else None
+    tiles = AttentionTiles(block_q=64, block_k=32, bwd_block_q=32, bwd_block_k=64)
+
+    def f(q, k, v, sinks):
+        return flash_attention(q, k, v, None if seg is None else jnp.asarray(seg), sliding_window=window,
+                               tiles=tiles, interpret=True, sinks=sinks)
+
+    out, vjp = jax.vjp(f, *(jnp.asarray(a) for a in (q, k, v, sinks)))
+    grads = vjp(jnp.asarray(do))
+    want = numpy_attention(q, k, v, do, seg, window, sinks=sinks)
+    for name, got, ref in zip(("out", "dq", "dk", "dv", "dsinks"), (out, *grads), want):
+        np.testing.assert_allclose(np.asarray(got, np.float64), ref, atol=5e-5, rtol=2e-5, err_msg=name)
+    ref = attention_reference(*(jnp.asarray(a) for a in (q, k, v)), None if seg is None else jnp.asarray(seg),
+                              sliding_window=window, sinks=jnp.asarray(sinks))
+    np.testing.assert_allclose(np.asarray(ref, np.float64), want[0], atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("b,t,hq,hkv,max_len", [(1, 64, 4, 2, 9), (2, 301, 8, 2, 60), (1, 700, 4, 1, 200),
@@ -184,10 +218,13 @@ def test_flash_attention_lowers_for_cuda(cuda_export, t, segments, tiles, hq, hk
     k = jax.ShapeDtypeStruct((2, t, hkv, 128), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((2, t), jnp.int32) if segments else None
 
-    def loss(q, k, v, seg):
-        return flash_attention(q, k, v, seg, tiles=tiles, shared_prefix=segments == "shared").astype(jnp.float32).sum()
+    sinks = jax.ShapeDtypeStruct((hq,), jnp.float32) if t == 17 else None  # gpt-oss's sinks on one case
 
-    module = cuda_export(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
+    def loss(q, k, v, seg, sinks):
+        return flash_attention(q, k, v, seg, tiles=tiles, shared_prefix=segments == "shared",
+                               sinks=sinks).astype(jnp.float32).sum()
+
+    module = cuda_export(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg, sinks)
     assert module.count(f"@{CUSTOM_CALL}(") == 3  # forward, dq, dk+dv kernels
 
 

@@ -54,8 +54,7 @@ def attention(
     contiguous run, as packing lays them out). Sinks [Hq] (gpt-oss): one more logit per head in the softmax's
     denominator, attending to nothing. A fast kernel runs where `dispatch` picks one, else XLA.
     """
-    fast = None if sinks is not None else _fast_attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset,
-                                                          sliding_window)
+    fast = _fast_attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, sliding_window, sinks)
     if fast is not None:
         return fast
     b, t, hq, d = q.shape
@@ -77,12 +76,15 @@ def attention(
     return out.reshape(b, t, hq, d).astype(q.dtype)
 
 
-def _fast_attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, sliding_window) -> jax.Array | None:
-    """Flash attention (Pallas) or cuDNN for the full-sequence case, per `dispatch`; None: use the reference."""
+def _fast_attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, sliding_window,
+                    sinks=None) -> jax.Array | None:
+    """Flash attention (Pallas) or cuDNN for the full-sequence case, per `dispatch`; None: use the reference.
+    Sinks run the Pallas kernel (cuDNN has none)."""
     full_sequence = isinstance(q_offset, int) and q_offset == 0 and kv_segment_ids is None and k.shape[1] == q.shape[1]
     if not full_sequence:
         return None
-    plain = q_segment_ids is None and sliding_window is None and q.dtype in (jnp.bfloat16, jnp.float16)
+    plain = (q_segment_ids is None and sliding_window is None and sinks is None
+             and q.dtype in (jnp.bfloat16, jnp.float16))
     impl = dispatch.attention_impl(plain_causal=plain and q.shape[1] % 64 == 0, head_dim=q.shape[-1])
     if impl == "cudnn":
         try:
@@ -98,7 +100,7 @@ def _fast_attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, sliding_wi
 
         def flash(q, k, v, *seg):
             return flash_attention(q, k, v, *seg, sliding_window=sliding_window, interpret=dispatch.interpret(),
-                                   shared_prefix=shared)
+                                   shared_prefix=shared, sinks=sinks)
 
         seg = () if q_segment_ids is None else (q_segment_ids,)
         return per_batch_shard(flash, q, k, v, *seg)
