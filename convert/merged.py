@@ -93,18 +93,18 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
             w = w + np.float32(proj.scale) * (b @ a)
         return w
 
-    dequantized: dict[tuple[str, int], np.ndarray] = {}  # the current layer's base experts, for its 3E tensors
+    dequantized: dict[tuple[str, str, int], np.ndarray] = {}  # the current layer's base experts, for its 3E tensors
 
-    def merged_expert(key: str, name: str, i: int, e: int) -> np.ndarray:
-        proj = projection(model, name)
+    def merged_expert(key: str, name: str, attr: str, i: int, e: int) -> np.ndarray:
+        proj = projection(model, name, attr)
         if source is not None:
             w = np.asarray(source.get(key), np.float32)
         else:
-            if (name, i) not in dequantized:
-                if any(held != i for _, held in dequantized):
+            if (name, attr, i) not in dequantized:
+                if any((held_attr, held) != (attr, i) for _, held_attr, held in dequantized):
                     dequantized.clear()
-                dequantized[(name, i)] = _layer_experts(proj, i)
-            w = dequantized[(name, i)][e]
+                dequantized[(name, attr, i)] = _layer_experts(proj, i)
+            w = dequantized[(name, attr, i)][e]
         if isinstance(proj, LoRAExperts):
             a, b = (np.asarray(f[...][i, e], np.float32) for f in (proj.lora_a, proj.lora_b))
             w = w + np.float32(proj.scale) * (b @ a)
@@ -151,12 +151,12 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
                            lambda i=i: merged_stack(attr, "down_proj", i, down).swapaxes(-1, -2).copy())
         yield layer(f"{down}_bias", _base(mlp.down_proj).bias[...], i)
 
-    def experts(p: str, i: int) -> Iterator[MergedTensor]:  # i: the layer's position in the sparse stack
-        yield layer(f"{p}.{parent}.gate.weight", model.layers.mlp.router.weight[...], i)
+    def experts(p: str, attr: str, i: int) -> Iterator[MergedTensor]:  # i: the layer's position in stack `attr`
+        yield layer(f"{p}.{parent}.gate.weight", getattr(model, attr).mlp.router.weight[...], i)
         for e in range(cfg.num_experts):
             for name, hub_name in hub_names.items():
                 key = f"{p}.{parent}.experts.{e}.{hub_name}.weight"
-                yield MergedTensor(key, expert_shapes[name], functools.partial(merged_expert, key, name, i, e))
+                yield MergedTensor(key, expert_shapes[name], functools.partial(merged_expert, key, name, attr, i, e))
 
     def norms(stack: Any) -> list[tuple[str, Any]]:
         """The layer's tensors beside its projections (norms; a Gated DeltaNet layer's conv, decay and norm)."""
@@ -182,7 +182,15 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
         if sparse and cfg.model_type == "gpt_oss":
             yield from fused_experts(p, kind.attr, j)
         elif sparse:
-            yield from experts(p, j)
+            yield from experts(p, kind.attr, j)
+        shared = getattr(stack.mlp, "shared_expert", None) if sparse else None
+        if shared is not None:  # Qwen3.5-MoE: a dense MLP beside the routed experts, and its sigmoid gate's weight
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                proj, key = getattr(shared, name), f"{p}.mlp.shared_expert.{name}.weight"
+                yield MergedTensor(key, _weight_shape(proj), functools.partial(merged_weight, key, proj, j))
+            gate = stack.mlp.shared_expert_gate
+            yield MergedTensor(f"{p}.mlp.shared_expert_gate.weight", _weight_shape(gate),
+                               functools.partial(merged_weight, f"{p}.mlp.shared_expert_gate.weight", gate, j))
         for name in projection_names(stack):
             if sparse and PARENT_MODULE[name] == "mlp":
                 continue

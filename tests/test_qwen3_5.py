@@ -221,11 +221,25 @@ def test_a_4bit_moe_run_trains_the_routed_and_shared_experts(tmp_path, tiny_toke
     for proj in (shared.down_proj, model.gated_deltanet_layers.mlp.shared_expert.up_proj,
                  model.gated_deltanet_layers.mlp.down_proj):
         assert np.abs(np.asarray(proj.lora_b[...])).max() > 0
-    for export in (lambda: jaxtune.save_peft(model, tmp_path / "peft"),
-                   lambda: jaxtune.save_merged(model, tmp_path / "merged")):
-        with pytest.raises(jaxtune.CheckpointError, match="shared experts is not supported yet") as e:
-            export()
-        assert "\n" not in str(e.value)
+    with pytest.raises(jaxtune.CheckpointError, match="shared experts is not supported yet") as e:
+        jaxtune.save_peft(model, tmp_path / "peft")
+    assert "\n" not in str(e.value) and not (tmp_path / "peft").exists()
+    # merged onto the original weights, the routed and the shared experts' adapters in: transformers' logits are
+    # those of jaxtune's adapters on the unquantized base
+    from flax import nnx
+    from transformers import AutoModelForCausalLM
+
+    jaxtune.save_merged(model, tmp_path / "merged", base=tmp_path / "base", dtype="float32")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    reference, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32")
+    jaxtune.get_peft_model(reference, r=4)
+    nnx.update(reference, nnx.state(model, nnx.LoRAParam))
+    ids = np.random.default_rng(4).integers(0, len(tiny_tokenizer), (1, 40))
+    with torch.no_grad():
+        got = merged(torch.as_tensor(ids)).logits.numpy()
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+        assert np.abs(base(torch.as_tensor(ids)).logits.numpy() - got).max() > 1e-2  # the adapters are in it
+    _assert_close(got, _logits(reference, ids))
 
 
 def test_a_tiny_hybrid_model_trains_through_the_cli(tmp_path, tiny_tokenizer):

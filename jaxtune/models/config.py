@@ -102,7 +102,7 @@ class ModelConfig:
 
     def export_gap(self, peft: bool) -> str | None:
         """What PEFT (or merged) export does not write for this model yet; None: it writes it all."""
-        if self.shared_expert_intermediate_size:
+        if peft and self.shared_expert_intermediate_size:
             return f"{self.model_type}'s shared experts"
         if peft and self.model_type == "gpt_oss":
             return "gpt_oss's fused experts (gate and up interleaved in one tensor)"
