@@ -45,13 +45,18 @@ def lora_modules(model: CausalLM) -> dict[tuple[str, int], tuple[LoRALinear, int
     return out
 
 
-def expert_lora_modules(model: CausalLM) -> dict[str, LoRAExperts]:
-    """The expert projections (gate_proj, up_proj, down_proj) of a mixture-of-experts model that carry LoRA (in
-    the stack of sparse layers, `layers`)."""
+def expert_lora_modules(model: CausalLM, stack: str = "layers") -> dict[str, LoRAExperts]:
+    """The expert projections (gate_proj, up_proj, down_proj) of a mixture-of-experts model that carry LoRA, in
+    one stack of sparse layers (`layers`, or gpt-oss's `sliding_attention_layers`)."""
     if not model.config.num_experts:
         return {}
-    return {name: projection(model, name) for name in ("gate_proj", "up_proj", "down_proj")
-            if isinstance(projection(model, name), LoRAExperts)}
+    return {name: projection(model, name, stack) for name in ("gate_proj", "up_proj", "down_proj")
+            if isinstance(projection(model, name, stack), LoRAExperts)}
+
+
+def _sparse_stacks(model: CausalLM) -> list:
+    """The stacks of layers whose MLP routes to experts."""
+    return [stack for stack, _ in model.layer_stacks() if has_experts(model.config, stack)]
 
 
 def _module_layers(model: CausalLM, name: str) -> list[int]:
@@ -67,11 +72,13 @@ def _expert_param_modules(params: list[str]) -> dict[str, str]:
     return {p: "experts" + ".base_layer" * (len(params) - 1 - k) for k, p in enumerate(params)}
 
 
-def _expert_tensors(experts: dict[str, LoRAExperts], layers: tuple[int, ...]) -> tuple[list[str], dict[str, np.ndarray]]:
+def _expert_tensors(experts: dict[str, LoRAExperts], layers: tuple[int, ...],
+                    interleaved: bool = False) -> tuple[list[str], dict[str, np.ndarray]]:
     """(targeted parameters, tensors) of PEFT's LoRA on transformers' fused expert parameters
     (`target_parameters`): gate_up_proj [E, 2I, H] takes the gate and up adapters as one of rank 2r (A stacked,
     B block-diagonal; zeros for the one without LoRA), down_proj [E, H, I] its own. PEFT stores A as [E * r, in]
-    (expert-major) and B as [out, r * E] (rank-major)."""
+    (expert-major) and B as [out, r * E] (rank-major). `interleaved` (gpt-oss, whose gate_up_proj holds gate and
+    up in alternate output columns): B's gate rows are the even ones, up's the odd."""
     def factors(name: str, like: LoRAExperts) -> tuple[np.ndarray, np.ndarray]:
         """name's (A, B), or zeros of the shapes of `like`'s when name has no LoRA."""
         proj = experts.get(name, like)
@@ -84,7 +91,10 @@ def _expert_tensors(experts: dict[str, LoRAExperts], layers: tuple[int, ...]) ->
         (ga, gb), (ua, ub) = factors("gate_proj", like), factors("up_proj", like)
         inter, r = gb.shape[-2], gb.shape[-1]
         b = np.zeros((*gb.shape[:2], 2 * inter, 2 * r), np.float32)
-        b[..., :inter, :r], b[..., inter:, r:] = gb, ub
+        if interleaved:
+            b[..., 0::2, :r], b[..., 1::2, r:] = gb, ub
+        else:
+            b[..., :inter, :r], b[..., inter:, r:] = gb, ub
         stacks["gate_up_proj"] = (np.concatenate([ga, ua], axis=-2), b)
     if "down_proj" in experts:
         stacks["down_proj"] = factors("down_proj", experts["down_proj"])
@@ -130,8 +140,10 @@ def save_peft(model: CausalLM, out_dir: str | os.PathLike, *, base_model_name_or
         config["target_modules"] = [name for name in config["target_modules"] if name not in dense_mlp]
         config["target_parameters"] = [f"mlp.{name}.weight" for name in dense_mlp]
     if experts:
-        params, expert_tensors = _expert_tensors(experts, sparse_layers(model.config))
-        tensors.update(expert_tensors)
+        interleaved = model.config.model_type == "gpt_oss"
+        for stack in _sparse_stacks(model):  # each sparse stack's adapters at its own decoder layers
+            params, expert_tensors = _expert_tensors(expert_lora_modules(model, stack.attr), stack.layers, interleaved)
+            tensors.update(expert_tensors)
         # gate_up_proj's adapter has rank 2r; PEFT forbids rank patterns with rsLoRA, so the scale s = alpha / r
         # (or alpha / sqrt(r)) is written as a plain alpha for each rank
         doubled = {"gate_up_proj": 2 * first.r} if "gate_up_proj" in params else {}
@@ -236,6 +248,9 @@ def _load_expert_peft(model: CausalLM, cfg: dict[str, Any], adapter_dir: str) ->
             b = b.reshape(b.shape[0], r, experts).transpose(2, 0, 1) * _peft_scale(cfg, f"model.layers.{i}.mlp.experts.{p}", r)
             if p == "down_proj":
                 adapters.setdefault("down_proj", {})[i] = (a, b)
+            elif c.model_type == "gpt_oss":  # gate and up in alternate output columns
+                adapters.setdefault("gate_proj", {})[i] = (a, b[:, 0::2])
+                adapters.setdefault("up_proj", {})[i] = (a, b[:, 1::2])
             else:
                 inter = b.shape[1] // 2
                 adapters.setdefault("gate_proj", {})[i] = (a, b[:, :inter])

@@ -71,8 +71,8 @@ def test_greedy_generation_equals_transformers(tmp_path, monkeypatch):
 
 def test_a_4bit_run_trains_the_experts_and_refuses_exports_it_cannot_write(tmp_path, tiny_tokenizer):
     """NF4 experts (each quantized on its own from the fused tensors) with LoRA on every expert and attention
-    projection train with falling loss; merged export writes the hub's fused layout; PEFT and GGUF export refuse
-    in one line, before writing."""
+    projection train with falling loss; merged export writes the hub's fused layout; GGUF export refuses in one
+    line, before writing."""
     build_hf_model(GptOssConfig(**{**SHAPES, "vocab_size": len(tiny_tokenizer)}), tmp_path / "base")
     model, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=True)
     assert type(model.layers.mlp.gate_proj).__name__ == "NF4Experts" and model.layers.mlp.gate_proj.bias is not None
@@ -84,9 +84,6 @@ def test_a_4bit_run_trains_the_experts_and_refuses_exports_it_cannot_write(tmp_p
     for proj in (model.layers.mlp.down_proj, model.sliding_attention_layers.mlp.gate_proj,
                  model.sliding_attention_layers.self_attn.q_proj):
         assert np.abs(np.asarray(proj.lora_b[...])).max() > 0
-    with pytest.raises(jaxtune.CheckpointError, match="PEFT export of gpt_oss's fused experts .* not supported yet") as e:
-        jaxtune.save_peft(model, tmp_path / "peft")
-    assert "\n" not in str(e.value) and not (tmp_path / "peft").exists()
     with pytest.raises(jaxtune.UnsupportedModelError, match="not 'gpt_oss'"):
         jaxtune.save_gguf(model, tmp_path / "out" / "m.gguf", tokenizer=tiny_tokenizer)
     # merged onto the original bf16 weights: the hub's fused layout, which transformers reads to jaxtune's logits
@@ -128,3 +125,32 @@ def test_converted_checkpoint_reloads_as_loaded(tmp_path):
     assert a.keys() == b.keys() and any("sinks" in p for p in a) and any("bias" in p and "mlp" in p for p in a)
     for path in a:
         np.testing.assert_array_equal(a[path], b[path], err_msg=str(path))
+
+
+def test_peft_adapters_load_in_peft_with_jaxtunes_logits(tmp_path):
+    """LoRA on attention and every expert: PEFT's adapter on the fused `gate_up_proj` (gate and up in alternate
+    columns, one adapter of rank 2r) and `down_proj` of both kinds of layers; peft on transformers gives jaxtune's
+    logits, and the adapter reads back into jaxtune."""
+    from peft import PeftModel
+
+    from conftest import set_random_lora
+
+    build_hf_model(GptOssConfig(**SHAPES), tmp_path / "base")
+    model, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32")
+    jaxtune.get_peft_model(model, r=4, lora_alpha=8, seed=1)
+    set_random_lora(model, seed=2)
+    ids = np.random.default_rng(3).integers(0, 128, (2, 24))
+    ours = np.asarray(model(ids))
+    jaxtune.save_peft(model, tmp_path / "peft")
+    import json
+
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf, tmp_path / "peft").eval()
+    _close(_hf_logits(peft_model, ids), ours)
+    with peft_model.disable_adapter():
+        assert np.abs(_hf_logits(peft_model, ids) - ours).max() > 1e-2
+    fresh, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32")
+    jaxtune.load_peft(fresh, tmp_path / "peft")
+    _close(np.asarray(fresh(ids)), ours, tol=1e-5)

@@ -104,8 +104,6 @@ class ModelConfig:
         """What PEFT (or merged) export does not write for this model yet; None: it writes it all."""
         if peft and self.shared_expert_intermediate_size:
             return f"{self.model_type}'s shared experts"
-        if peft and self.model_type == "gpt_oss":
-            return "gpt_oss's fused experts (gate and up interleaved in one tensor)"
         return None
 
     @property
