@@ -243,7 +243,6 @@ class TensorPlan:
             key = path[:-1] + (field,)
             yield key, layer, jnp.asarray(getattr(q, field), self.expected[key].dtype)
 
-
     def _fused_arrays(self, name: str, target: Path, layer: int):
         """A fused expert tensor split into its projections, each expert's weight quantized on its own (as the
         per-expert layout's are) where the slot is NF4."""
