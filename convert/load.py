@@ -51,14 +51,12 @@ def hf_name_to_path(name: str) -> tuple[Path, Index] | None:
         fused = moe_names.FUSED.fullmatch(rest)  # gpt-oss: every expert of the layer in one tensor
         if fused:
             return ("fused", fused.group(1), "bias" if fused.group(2) else "weight"), layer
-        if rest in ("mlp.router.weight", "mlp.router.bias"):  # gpt-oss's router
-            return ("layers", "mlp", "router", rest.rsplit(".", 1)[1]), layer
         expert = moe_names.EXPERT.fullmatch(rest)  # a mixture of experts' tensors -> the stacks under `mlp`
         if expert:
             proj = moe_names.projection_name(expert.group(2))
             return ("layers", "mlp", proj, *expert.group(3).split(".")), (layer, int(expert.group(1)))
-        if moe_names.ROUTER.fullmatch(rest):
-            return ("layers", "mlp", "router", "weight"), layer
+        if router := moe_names.ROUTER.fullmatch(rest):
+            return ("layers", "mlp", "router", router.group(1) or "weight"), layer
         return ("layers", *rest.split(".")), layer
     if name.startswith("model."):
         return tuple(name[len("model."):].split(".")), None

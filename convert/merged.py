@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from convert.atomic import atomic_directory
 from convert.jaxtune_format import write_generation_config
-from convert.moe_names import expert_layout, split_fused
+from convert.moe_names import expert_layout, fused_projections, fused_shape, join_fused, split_fused, stores_fused
 from convert.safetensors_writer import ShardedSafetensorsWriter
 from convert.safetensors_source import SafetensorsSource
 from jaxtune.quant import nf4
@@ -48,6 +48,14 @@ def _base_weight(proj, i: int) -> np.ndarray:
     if isinstance(base, Linear):
         return _layer(base.weight[...], i)
     raise TypeError(f"unexpected projection {type(base).__name__}")
+
+
+def _with_expert_lora(w: np.ndarray, proj, i: int, e: int | None = None) -> np.ndarray:
+    """Layer i's base experts w [E, out, in] (or expert e's [out, in]) plus their LoRA, where proj has one."""
+    if not isinstance(proj, LoRAExperts):
+        return w
+    a, b = (np.asarray(f[...][i] if e is None else f[...][i, e], np.float32) for f in (proj.lora_a, proj.lora_b))
+    return w + np.float32(proj.scale) * (b @ a)
 
 
 def _weight_shape(proj) -> tuple[int, int]:
@@ -105,51 +113,36 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
                     dequantized.clear()
                 dequantized[(name, attr, i)] = _layer_experts(proj, i)
             w = dequantized[(name, attr, i)][e]
-        if isinstance(proj, LoRAExperts):
-            a, b = (np.asarray(f[...][i, e], np.float32) for f in (proj.lora_a, proj.lora_b))
-            w = w + np.float32(proj.scale) * (b @ a)
-        return w
+        return _with_expert_lora(w, proj, i, e)
 
     parent, hub_names = expert_layout(cfg.model_type) if cfg.num_experts else (None, {})
     expert_shapes = {name: _weight_shape(projection(model, name)) for name in hub_names}
 
-    def merged_stack(attr: str, name: str, i: int, fused_key: str | None) -> np.ndarray:
-        """Layer i's merged experts [E, out, in] of one projection of stack `attr`, from the base's fused tensor
-        `fused_key` (gpt-oss) or the model's own (dequantized) weights."""
-        proj = projection(model, name, attr)
-        if source is not None and fused_key is not None:
-            w = split_fused(fused_key.rsplit(".", 1)[1], False, np.asarray(source.get(fused_key), np.float32))[name]
+    def merged_fused(attr: str, key: str, i: int, bias: bool) -> np.ndarray:
+        """A fused tensor (gpt-oss) of layer i of stack `attr`: its projections' merged experts (the base's fused
+        tensor read once and split, or the model's own dequantized weights), or their biases, joined again."""
+        hub = key.rsplit(".", 1)[1].removesuffix("_bias")
+        names = fused_projections(hub)
+        mlp = getattr(model, attr).mlp
+        if bias:
+            parts = {n: _layer(_base(getattr(mlp, n)).bias[...], i) for n in names}
         else:
-            w = _layer_experts(proj, i)
-        if isinstance(proj, LoRAExperts):
-            a, b = (np.asarray(f[...][i], np.float32) for f in (proj.lora_a, proj.lora_b))
-            w = w + np.float32(proj.scale) * (b @ a)
-        return w
+            base = (split_fused(hub, False, np.asarray(source.get(key), np.float32)) if source is not None
+                    else {n: _layer_experts(getattr(mlp, n), i) for n in names})
+            parts = {n: _with_expert_lora(base[n], getattr(mlp, n), i) for n in names}
+        return join_fused(hub, bias, parts)
 
     def fused_experts(p: str, attr: str, i: int) -> Iterator[MergedTensor]:
         """gpt-oss's layout: the router with its bias, and every expert in one tensor per projection."""
-        mlp = getattr(model, attr).mlp
-        yield layer(f"{p}.mlp.router.weight", mlp.router.weight[...], i)
-        yield layer(f"{p}.mlp.router.bias", mlp.router.bias[...], i)
+        router = getattr(model, attr).mlp.router
+        yield layer(f"{p}.mlp.router.weight", router.weight[...], i)
+        yield layer(f"{p}.mlp.router.bias", router.bias[...], i)
         e, width, hidden = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        gate_up, down = f"{p}.mlp.experts.gate_up_proj", f"{p}.mlp.experts.down_proj"
-
-        def interleaved(i: int) -> np.ndarray:
-            gate, up = (merged_stack(attr, n, i, gate_up).swapaxes(-1, -2) for n in ("gate_proj", "up_proj"))
-            out = np.empty((e, hidden, 2 * width), np.float32)
-            out[..., 0::2], out[..., 1::2] = gate, up
-            return out
-
-        def interleaved_bias(i: int) -> np.ndarray:
-            out = np.empty((e, 2 * width), np.float32)
-            out[:, 0::2], out[:, 1::2] = (_layer(_base(getattr(mlp, n)).bias[...], i) for n in ("gate_proj", "up_proj"))
-            return out
-
-        yield MergedTensor(gate_up, (e, hidden, 2 * width), functools.partial(interleaved, i))
-        yield MergedTensor(f"{gate_up}_bias", (e, 2 * width), functools.partial(interleaved_bias, i))
-        yield MergedTensor(down, (e, width, hidden),
-                           lambda i=i: merged_stack(attr, "down_proj", i, down).swapaxes(-1, -2).copy())
-        yield layer(f"{down}_bias", _base(mlp.down_proj).bias[...], i)
+        for hub in ("gate_up_proj", "down_proj"):
+            for bias in (False, True):
+                key = f"{p}.mlp.experts.{hub}" + ("_bias" if bias else "")
+                shape = fused_shape(hub, bias, e, hidden, width)
+                yield MergedTensor(key, shape, functools.partial(merged_fused, attr, key, i, bias))
 
     def experts(p: str, attr: str, i: int) -> Iterator[MergedTensor]:  # i: the layer's position in stack `attr`
         yield layer(f"{p}.{parent}.gate.weight", getattr(model, attr).mlp.router.weight[...], i)
@@ -179,7 +172,7 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
         p = f"model.layers.{i}"
         for name, param in norms(stack):
             yield layer(f"{p}.{name}", param[...], j)
-        if sparse and cfg.model_type == "gpt_oss":
+        if sparse and stores_fused(cfg.model_type):
             yield from fused_experts(p, kind.attr, j)
         elif sparse:
             yield from experts(p, kind.attr, j)

@@ -13,6 +13,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from convert.atomic import atomic_directory
+from convert.moe_names import stores_fused
 from convert.safetensors_source import SafetensorsSource
 from jaxtune.errors import CheckpointError
 from jaxtune.io.jsonfile import read_json_file
@@ -140,7 +141,7 @@ def save_peft(model: CausalLM, out_dir: str | os.PathLike, *, base_model_name_or
         config["target_modules"] = [name for name in config["target_modules"] if name not in dense_mlp]
         config["target_parameters"] = [f"mlp.{name}.weight" for name in dense_mlp]
     if experts:
-        interleaved = model.config.model_type == "gpt_oss"
+        interleaved = stores_fused(model.config.model_type)
         for stack in _sparse_stacks(model):  # each sparse stack's adapters at its own decoder layers
             params, expert_tensors = _expert_tensors(expert_lora_modules(model, stack.attr), stack.layers, interleaved)
             tensors.update(expert_tensors)
@@ -248,7 +249,7 @@ def _load_expert_peft(model: CausalLM, cfg: dict[str, Any], adapter_dir: str) ->
             b = b.reshape(b.shape[0], r, experts).transpose(2, 0, 1) * _peft_scale(cfg, f"model.layers.{i}.mlp.experts.{p}", r)
             if p == "down_proj":
                 adapters.setdefault("down_proj", {})[i] = (a, b)
-            elif c.model_type == "gpt_oss":  # gate and up in alternate output columns
+            elif stores_fused(c.model_type):  # gpt-oss: gate and up in alternate output columns
                 adapters.setdefault("gate_proj", {})[i] = (a, b[:, 0::2])
                 adapters.setdefault("up_proj", {})[i] = (a, b[:, 1::2])
             else:

@@ -4,6 +4,7 @@ Segment ids [B, T] name contiguous runs; a query sees keys of its own run. With 
 pairs: one prompt, two responses in one row) a negative id s marks a branch that also sees the run of id
 (-s) // 2 before it (the prompt run p, its branches -2p and -2p-1); prefix ids are positive and below T.
 Everything here is O(T) per row (segment reductions), never [T, T], except `segments_visible` on what it is given.
+The references' softmax with attention sinks (`softmax_with_sinks`) lives here too, shared as the segment rule is.
 """
 
 from __future__ import annotations
@@ -73,3 +74,13 @@ def prefix_gap(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     idx, own, prefix = _runs_and_prefixes(segment_ids)
     prefix_end = _reduce_by_id(idx, own, jax.ops.segment_max, prefix)
     return own_start, jnp.where(segment_ids < 0, jnp.minimum(prefix_end, own_start - 1), own_start - 1)
+
+
+def softmax_with_sinks(scores, sinks, kv_heads: int):
+    """softmax over the last axis of scores [B, Hkv, G, T, S] with one more logit per query head (sinks [Hkv * G],
+    gpt-oss) in each row's normalizer, which attends to nothing: the row's weights without it."""
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1)
+    sink = sinks.astype(scores.dtype).reshape(1, kv_heads, -1, 1, 1)
+    sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
+    return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]

@@ -30,7 +30,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.attention_segments import prefix_gap, prefix_ids, segments_visible, visible_bounds
+from pallas_kernels.attention_segments import (prefix_gap, prefix_ids, segments_visible, softmax_with_sinks,
+                                               visible_bounds)
 
 _LOG2E = math.log2(math.e)
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -98,11 +99,7 @@ def attention_reference(
     if segment_ids is not None:
         mask = mask & segments_visible(segment_ids[:, :, None], segment_ids[:, None, :], shared_prefix)
     s = jnp.where(mask[:, None, None], s, _MASKED)
-    if sinks is None:
-        p = jax.nn.softmax(s, axis=-1)
-    else:  # a logit per head in the normalizer, attending to nothing
-        sink = jnp.broadcast_to(sinks.astype(s.dtype).reshape(1, hkv, hq // hkv, 1, 1), (*s.shape[:-1], 1))
-        p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
+    p = softmax_with_sinks(s, sinks, hkv)
     out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype) if v.dtype != jnp.float64 else p, v,
                      preferred_element_type=jnp.float32 if v.dtype != jnp.float64 else None)
     return out.reshape(b, t, hq, d).astype(q.dtype)

@@ -278,16 +278,15 @@ def yarn_attention_factor(factor: float, mscale: float | None = None, mscale_all
 
 def _yarn_fields(rope: dict[str, Any], model_type: str) -> dict[str, Any]:
     """YaRN's settings from a config's rope_parameters / rope_scaling, refused in one line where incomplete."""
-    try:
+    try:  # the factor and the original context are read with the other scalings' fields; YaRN needs both
         factor = float(rope["factor"])
-        original = int(rope["original_max_position_embeddings"])
+        int(rope["original_max_position_embeddings"])
     except (KeyError, TypeError, ValueError) as e:
         raise UnsupportedModelError(f"{model_type} config.json's yarn RoPE lacks {e}; it needs factor and "
                                     "original_max_position_embeddings") from None
     explicit = rope.get("attention_factor")
     scale = (float(explicit) if explicit is not None
              else yarn_attention_factor(factor, rope.get("mscale"), rope.get("mscale_all_dim")))
-    del original  # read with the other families' RoPE fields; required here
     return dict(rope_beta_fast=float(rope.get("beta_fast") or 32.0), rope_beta_slow=float(rope.get("beta_slow") or 1.0),
                 rope_truncate=bool(rope.get("truncate", True)), rope_attention_factor=scale)
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtune.ops import dispatch
 from jaxtune.ops.context import segments_share_prefixes
 from jaxtune.ops.sharded import per_batch_shard
-from pallas_kernels.attention_segments import segments_visible  # the flash kernel's own rule
+from pallas_kernels.attention_segments import segments_visible, softmax_with_sinks  # the flash kernel's own rules
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -67,11 +67,7 @@ def attention(
         sliding_window=sliding_window,
     )
     scores = jnp.where(mask[:, None, None], scores, _MASKED)
-    if sinks is None:
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    else:  # the sink joins each row's normalizer and is dropped from its weights
-        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, g, 1, 1), (*scores.shape[:-1], 1))
-        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(v.dtype)
+    probs = softmax_with_sinks(scores, sinks, hkv).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, hq, d).astype(q.dtype)
 
