@@ -9,11 +9,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 # What the "selective" policy keeps per layer: every projection output but down_proj's (whose only user is the
 # residual add), the attention output and its logsumexp, LoRA's rank-r hidden; in a Gated DeltaNet layer its input
-# projections' outputs and the gated delta rule's output. The backward pass then recomputes only norms, RoPE,
-# the short convolution and SwiGLU (elementwise) and never a matmul, the attention forward or the rule's forward.
+# projections' outputs and the gated delta rule's output; in a sparse MoE layer the routed rows' gate/up outputs
+# and the routing (jaxtune/moe/expert_mlp.py). The backward pass then recomputes only norms, RoPE, the short
+# convolution and SwiGLU (elementwise) and never a matmul, the attention forward or the rule's forward.
 SELECTIVE_SAVED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "attention_out",
                    "attention_lse", "lora_hidden", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
-                   "linear_attention_out")
+                   "linear_attention_out", "expert_gate_up", "expert_routing")
 
 
 # cuDNN's fused attention forward (its output and softmax statistics): kept like the Pallas kernel's residuals

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtune.moe import balancing
-from jaxtune.moe.experts import ExpertLinear, NF4Experts
+from jaxtune.moe.expert_mlp import ExpertMLPSpec, expert_mlp
+from jaxtune.moe.experts import ExpertLinear, NF4Experts, expert_projection
 from jaxtune.moe.layout import tile_layout
 from jaxtune.moe.routing import route
 from jaxtune.ops.sharded import per_batch_shard_with
@@ -23,13 +24,6 @@ class Router(nnx.Module):
     def __init__(self, experts: int, hidden: int, *, dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = False):
         self.weight = nnx.Param(0.02 * jax.random.normal(rngs.params(), (experts, hidden), dtype))
         self.bias = nnx.Param(jnp.zeros((experts,), dtype)) if bias else None
-
-
-def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
-    """gpt-oss's expert activation: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)."""
-    g = jnp.minimum(gate.astype(jnp.float32), limit)
-    u = jnp.clip(up.astype(jnp.float32), -limit, limit)
-    return ((u + 1.0) * g * jax.nn.sigmoid(alpha * g)).astype(gate.dtype)
 
 
 class SparseMoE(nnx.Module):
@@ -72,20 +66,12 @@ class SparseMoE(nnx.Module):
         routing = route(flat, self.router.weight[...], self.top_k, self.normalize, bias)
         stats = None if mask is None else balancing.statistics(routing, self.num_experts, mask.reshape(-1))
         layout = tile_layout(routing.experts, self.num_experts)
-        # each token's k copies are a broadcast (its gradient a sum, not a scatter-add); every routed row has a
-        # padded row of its own (unique indices: no atomic updates either way)
-        copies = jnp.broadcast_to(flat[:, None, :], (b * t, self.top_k, hidden)).reshape(-1, hidden)
-        rows = jnp.zeros((layout.rows, hidden), x.dtype).at[layout.position].set(copies, unique_indices=True)
         key = (lambda i: None) if rng is None else (lambda i: jax.random.fold_in(rng, i))  # noqa: E731
-        gate, up = self.gate_proj(rows, layout, key(4)), self.up_proj(rows, layout, key(5))
-        if self.activation == "clamped_swiglu":
-            h = clamped_swiglu(gate, up, self.swiglu_alpha, self.swiglu_limit)
-        else:
-            h = jax.nn.silu(gate) * up
-        out = self.down_proj(h, layout, key(6)).at[layout.position].get(unique_indices=True)
-        out = out.reshape(b * t, self.top_k, hidden)
-        weights = routing.weights.astype(x.dtype)[..., None]
-        out = jnp.sum((out * weights).astype(jnp.float32), axis=1).astype(x.dtype).reshape(b, t, hidden)
+        parts = [expert_projection(p, x.dtype) for p in (self.gate_proj, self.up_proj, self.down_proj)]
+        spec = ExpertMLPSpec(self.top_k, layout.rows, layout.block_m, self.activation, self.swiglu_alpha,
+                             self.swiglu_limit, tuple(p[1] for p in parts), tuple(p[2] for p in parts))
+        out = expert_mlp(flat, routing.weights, layout, tuple(p[0] for p in parts), spec, (key(4), key(5), key(6)))
+        out = out.reshape(b, t, hidden)
         return out, stats
 
 

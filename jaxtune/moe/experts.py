@@ -13,6 +13,7 @@ from flax import nnx
 from jaxtune import ops
 
 from jaxtune.quant import nf4
+from jaxtune.moe.expert_mlp import ExpertProjection, add_expert_bias
 from jaxtune.moe.grouped import grouped_matmul
 from jaxtune.moe.layout import TileLayout
 from jaxtune.ops import dispatch
@@ -22,14 +23,8 @@ from jaxtune.quant.weights import QuantizedWeight
 _INIT_STD = 0.02
 
 
-def with_expert_bias(y: jax.Array, bias: nnx.Param | None, layout: TileLayout) -> jax.Array:
-    """y [rows, out] plus each row's expert's bias [E, out] (gpt-oss), read per tile of the layout (padding rows
-    get some expert's bias; they are never gathered back)."""
-    if bias is None:
-        return y
-    per_tile = jnp.take(bias[...], jnp.maximum(layout.tile_group, 0), axis=0)  # [tiles, out]
-    rows = jnp.repeat(per_tile, layout.block_m, axis=0, total_repeat_length=y.shape[0])
-    return (y.astype(jnp.float32) + rows.astype(jnp.float32)).astype(y.dtype)
+def _array(param: nnx.Param | None) -> jax.Array | None:
+    return None if param is None else param[...]
 
 
 class ExpertLinear(nnx.Module):
@@ -43,7 +38,7 @@ class ExpertLinear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((experts, out_features), dtype)) if bias else None
 
     def __call__(self, x: jax.Array, layout: TileLayout, rng: jax.Array | None = None) -> jax.Array:
-        return with_expert_bias(grouped_matmul(x, self.weight[...], layout), self.bias, layout)
+        return add_expert_bias(grouped_matmul(x, self.weight[...], layout), _array(self.bias), layout)
 
 
 class NF4Experts(nnx.Module):
@@ -69,7 +64,7 @@ class NF4Experts(nnx.Module):
                              self.nested_map[...], layer)
 
     def __call__(self, x: jax.Array, layout: TileLayout, rng: jax.Array | None = None) -> jax.Array:
-        return with_expert_bias(grouped_matmul(x, self.dequantized(x.dtype), layout), self.bias, layout)
+        return add_expert_bias(grouped_matmul(x, self.dequantized(x.dtype), layout), _array(self.bias), layout)
 
     def dequantized(self, dtype: jnp.dtype) -> jax.Array:
         """The experts' weights [E, out, in] in dtype. Where the grouped kernel runs (one device), the Pallas NF4
@@ -120,3 +115,19 @@ class LoRAExperts(nnx.Module):
         base = self.base
         w = nf4.dequantize(base.weight_nf4) if isinstance(base, NF4Experts) else base.weight[...].astype(jnp.float32)
         return w + self.scale * (self.lora_b[...].astype(jnp.float32) @ self.lora_a[...].astype(jnp.float32))
+
+
+def expert_projection(module: nnx.Module, dtype: jnp.dtype) -> tuple[ExpertProjection, float, float]:
+    """(the arrays `moe.expert_mlp` takes for this projection, its LoRA scale, its LoRA dropout)."""
+    base = module.base if isinstance(module, LoRAExperts) else module
+    if isinstance(base, NF4Experts):
+        weight = base.dequantized(dtype)
+    elif isinstance(base, ExpertLinear):
+        weight = base.weight[...].astype(dtype)
+    else:
+        raise TypeError(f"{type(base).__name__} is not an expert projection")
+    bias = _array(base.bias)
+    if not isinstance(module, LoRAExperts):
+        return ExpertProjection(weight, bias), 1.0, 0.0
+    lora = ExpertProjection(weight, bias, module.lora_a[...].astype(dtype), module.lora_b[...].astype(dtype))
+    return lora, module.scale, module.dropout

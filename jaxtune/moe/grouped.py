@@ -40,3 +40,23 @@ def grouped_matmul(x: jax.Array, weight: jax.Array, layout: TileLayout, *, train
             dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
         y = jax.lax.ragged_dot_general(x, weight, layout.group_sizes, dims, preferred_element_type=jnp.float32)
     return y.astype(out_dtype or x.dtype)
+
+
+def grouped_matmul_input_grad(dy: jax.Array, weight: jax.Array, layout: TileLayout) -> jax.Array:
+    """dx[rows of expert e] = dy[rows of expert e] @ weight[e] for frozen HF-layout weights [E, out, in]: the
+    input gradient of `grouped_matmul` (dy [rows, out] in `layout`'s order), float32 accumulation, dy's dtype."""
+    weight = weight.astype(dy.dtype)
+    if dispatch.moe_frozen_impl() == "wgmma" and current_mesh() is None:
+        from pallas_kernels.grouped_matmul_wgmma import fits, ragged_matmul
+
+        if fits(weight.shape[1], weight.shape[2]):
+            return ragged_matmul(dy, weight, layout.group_sizes, transpose=True)
+    if dispatch.moe_impl() == "pallas":
+        from pallas_kernels.grouped_matmul import GroupedTiles, grouped_matmul_tiles
+
+        return grouped_matmul_tiles(dy, weight, layout.tile_group, transpose=True,
+                                    tiles=GroupedTiles(block_m=layout.block_m), interpret=dispatch.interpret())
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (1,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    return jax.lax.ragged_dot_general(dy, weight, layout.group_sizes, dims,
+                                      preferred_element_type=jnp.float32).astype(dy.dtype)

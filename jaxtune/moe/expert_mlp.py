@@ -1,0 +1,223 @@
+"""The routed experts' MLP (gather → gate/up → activation → down → weighted sum per token) with its own VJP,
+which saves the minimum and recomputes no frozen GEMM.
+
+Autodiff of the plain composition keeps (or, under remat, recomputes) every grouped GEMM's input and output:
+the routed rows [rows, hidden] (a gigabyte per layer at Qwen3-30B-A3B's batch 16) and the down projection's
+output, and under remat "selective" its backward ran gate, up and down forward again: a third more expert-GEMM
+FLOPs than the step needs (benchmarks/results/2026-11-28-moe-vs-unsloth-h200.md). Here the forward saves the
+un-routed tokens [tokens, hidden], the routing, and the gate/up outputs of each routed row (named
+`EXPERT_GATE_UP` for the remat policies). The backward:
+- gathers the output's cotangent to the routed rows unweighted (dr) and runs down's input gradient on it once:
+  g = dr @ W_down_eff, so dh = w · g and the routing weight's gradient is <h, g> per row (the down output itself
+  is never needed again);
+- rebuilds h = act(gate, up) from the saved outputs, takes the activation's VJP elementwise;
+- re-gathers the routed rows from the saved tokens for the LoRA factors' gradients (rank r, cheap) and runs the
+  gate/up input gradients.
+So the frozen expert GEMMs run three times forward and three times backward, as with no remat at all.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxtune.moe.grouped import grouped_matmul, grouped_matmul_input_grad
+from jaxtune.moe.layout import TileLayout
+
+EXPERT_GATE_UP = "expert_gate_up"  # the saved gate/up outputs of the routed rows
+EXPERT_ROUTING = "expert_routing"  # the saved routing: weights and the padded layout
+
+
+class ExpertProjection(NamedTuple):
+    """One projection of every expert: the frozen weight [E, out, in] in the compute dtype, its frozen bias
+    [E, out] (gpt-oss) or None, and the LoRA factors A [E, r, in], B [E, out, r] (compute dtype) or None."""
+    weight: jax.Array
+    bias: jax.Array | None = None
+    lora_a: jax.Array | None = None
+    lora_b: jax.Array | None = None
+
+
+@dataclass(frozen=True)
+class ExpertMLPSpec:
+    """What the program depends on but the arrays do not say."""
+    top_k: int
+    rows: int  # the padded layout's row count
+    block_m: int
+    activation: str = "swiglu"  # or "clamped_swiglu" (gpt-oss)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    scales: tuple[float, float, float] = (1.0, 1.0, 1.0)  # LoRA scale of gate, up, down
+    dropouts: tuple[float, float, float] = (0.0, 0.0, 0.0)  # LoRA dropout of gate, up, down
+
+
+def activate(gate: jax.Array, up: jax.Array, spec: ExpertMLPSpec) -> jax.Array:
+    """SwiGLU (silu(gate) * up) or gpt-oss's clamped SwiGLU, in the inputs' dtype."""
+    if spec.activation == "clamped_swiglu":
+        g = jnp.minimum(gate.astype(jnp.float32), spec.swiglu_limit)
+        u = jnp.clip(up.astype(jnp.float32), -spec.swiglu_limit, spec.swiglu_limit)
+        return ((u + 1.0) * g * jax.nn.sigmoid(spec.swiglu_alpha * g)).astype(gate.dtype)
+    return jax.nn.silu(gate) * up
+
+
+def _layout(position, tile_group, group_sizes, spec: ExpertMLPSpec) -> TileLayout:
+    return TileLayout(position, tile_group, group_sizes, spec.rows, spec.block_m)
+
+
+def _to_rows(per_copy: jax.Array, layout: TileLayout) -> jax.Array:
+    """[tokens * k, ...] in token-major order → the padded rows [rows, ...] (padding zeros)."""
+    out = jnp.zeros((layout.rows, *per_copy.shape[1:]), per_copy.dtype)
+    return out.at[layout.position].set(per_copy, unique_indices=True)
+
+
+def _gather_tokens(x: jax.Array, layout: TileLayout, top_k: int) -> jax.Array:
+    """Each token's k copies [tokens, hidden] → the padded rows [rows, hidden]."""
+    copies = jnp.broadcast_to(x[:, None, :], (x.shape[0], top_k, x.shape[1])).reshape(-1, x.shape[1])
+    return _to_rows(copies, layout)
+
+
+def add_expert_bias(y: jax.Array, bias: jax.Array | None, layout: TileLayout) -> jax.Array:
+    """y [rows, out] plus each row's expert's bias (padding rows get some expert's; they are never read back)."""
+    if bias is None:
+        return y
+    per_tile = jnp.take(bias, jnp.maximum(layout.tile_group, 0), axis=0).astype(jnp.float32)  # [tiles, out]
+    tiles = y.shape[0] // layout.block_m
+    out = y.reshape(tiles, layout.block_m, -1).astype(jnp.float32) + per_tile[:, None, :]
+    return out.reshape(y.shape).astype(y.dtype)
+
+
+def _lora(x: jax.Array, a: jax.Array, b: jax.Array, layout: TileLayout, scale: float, dropout: float,
+          key: jax.Array | None) -> jax.Array:
+    """scale * (dropout(x) @ A[e]ᵀ) @ B[e]ᵀ per row's expert (the same key in forward and backward: the same
+    mask)."""
+    if key is not None and dropout > 0.0:
+        keep = jax.random.bernoulli(key, 1.0 - dropout, x.shape)
+        x = jnp.where(keep, x / (1.0 - dropout), 0).astype(x.dtype)
+    hidden = grouped_matmul(x, a, layout, trainable=True) * jnp.asarray(scale, x.dtype)
+    return grouped_matmul(hidden, b, layout, trainable=True)
+
+
+def _project(x: jax.Array, p: ExpertProjection, layout: TileLayout, scale: float, dropout: float,
+             key: jax.Array | None) -> jax.Array:
+    y = add_expert_bias(grouped_matmul(x, p.weight, layout), p.bias, layout)
+    if p.lora_a is None:
+        return y
+    return y + _lora(x, p.lora_a, p.lora_b, layout, scale, dropout, key)
+
+
+def _combine(down_rows: jax.Array, weights: jax.Array, layout: TileLayout, top_k: int) -> jax.Array:
+    """Each token's k expert outputs weighted by its routing weights and summed in float32 (the plain
+    formulation's rounding)."""
+    out = down_rows.at[layout.position].get(unique_indices=True).reshape(-1, top_k, down_rows.shape[-1])
+    w = weights.astype(down_rows.dtype)[..., None]
+    return jnp.sum((out * w).astype(jnp.float32), axis=1).astype(down_rows.dtype)
+
+
+def expert_mlp_reference(x: jax.Array, weights: jax.Array, layout: TileLayout, projections: tuple,
+                         spec: ExpertMLPSpec, keys: tuple = (None, None, None)) -> jax.Array:
+    """The plain composition (autodiff through every step): what `expert_mlp` computes."""
+    gate_p, up_p, down_p = projections
+    rows = _gather_tokens(x, layout, spec.top_k)
+    gate = _project(rows, gate_p, layout, spec.scales[0], spec.dropouts[0], keys[0])
+    up = _project(rows, up_p, layout, spec.scales[1], spec.dropouts[1], keys[1])
+    h = activate(gate, up, spec)
+    down = _project(h, down_p, layout, spec.scales[2], spec.dropouts[2], keys[2])
+    return _combine(down, weights, layout, spec.top_k)
+
+
+def expert_mlp(x: jax.Array, weights: jax.Array, layout: TileLayout, projections: tuple[ExpertProjection, ...],
+               spec: ExpertMLPSpec, keys: tuple = (None, None, None)) -> jax.Array:
+    """The routed experts' output [tokens, hidden] for tokens x [tokens, hidden], their routing weights [tokens,
+    k] (float32) and the padded `layout` of their routed rows; `projections` = (gate, up, down). Gradients flow
+    to x, the weights and the LoRA factors; the frozen weights and biases get zeros."""
+    return _expert_mlp(spec, x, weights, (layout.position, layout.tile_group, layout.group_sizes),
+                       tuple(projections), tuple(keys))
+
+
+def _no_cotangent(tree: Any) -> Any:
+    """Zeros for float leaves, float0 for integer and key leaves."""
+    def zero(a):
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            return jnp.zeros_like(a)
+        return np.zeros(a.shape, jax.dtypes.float0)
+    return jax.tree.map(zero, tree)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _expert_mlp(spec, x, weights, layout_arrays, projections, keys):
+    return expert_mlp_reference(x, weights, _layout(*layout_arrays, spec), projections, spec, keys)
+
+
+def _forward(spec, x, weights, layout_arrays, projections, keys):
+    layout = _layout(*layout_arrays, spec)
+    gate_p, up_p, down_p = projections
+    rows = _gather_tokens(x, layout, spec.top_k)
+    gate = _project(rows, gate_p, layout, spec.scales[0], spec.dropouts[0], keys[0])
+    up = _project(rows, up_p, layout, spec.scales[1], spec.dropouts[1], keys[1])
+    down = _project(activate(gate, up, spec), down_p, layout, spec.scales[2], spec.dropouts[2], keys[2])
+    out = _combine(down, weights, layout, spec.top_k)
+    gate, up = checkpoint_name((gate, up), EXPERT_GATE_UP)
+    weights, layout_arrays = checkpoint_name((weights, layout_arrays), EXPERT_ROUTING)
+    return out, (x, weights, layout_arrays, projections, keys, gate, up)
+
+
+def _lora_vjp(x, p: ExpertProjection, layout, scale, dropout, key, cotangent):
+    """(the LoRA term's output, its gradient wrt x, dA, dB) for `cotangent`."""
+    fn = lambda x, a, b: _lora(x, a, b, layout, scale, dropout, key)  # noqa: E731
+    y, vjp = jax.vjp(fn, x, p.lora_a, p.lora_b)
+    return (y, *vjp(cotangent))
+
+
+def _backward(spec, residuals, dout):
+    x, weights, layout_arrays, projections, keys, gate, up = residuals
+    layout = _layout(*layout_arrays, spec)
+    gate_p, up_p, down_p = projections
+    k, dtype = spec.top_k, x.dtype
+    # the output's cotangent at each routed row, before the routing weight (dr), and the weight per row
+    dr = _gather_tokens(dout.astype(dtype), layout, k)
+    w_rows = _to_rows(weights.astype(dtype).reshape(-1), layout)[:, None]
+    h = activate(gate, up, spec)
+    # g = dr @ W_down_eff: dh = w * g, and d(weight) = <down row, dr> = <h, g> (+ the bias's part)
+    g = grouped_matmul_input_grad(dr, down_p.weight, layout)
+    d_weight = jnp.sum(h.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
+    dh = w_rows * g
+    grads = [None, None, None]
+    if down_p.lora_a is not None:
+        lora_out, dh_lora, da, db = _lora_vjp(h, down_p, layout, spec.scales[2], spec.dropouts[2], keys[2],
+                                              w_rows * dr)
+        d_weight = d_weight + jnp.sum(lora_out.astype(jnp.float32) * dr.astype(jnp.float32), axis=-1)
+        dh = dh + dh_lora
+        grads[2] = (da, db)
+    if down_p.bias is not None:  # <bias[e], dr> per row, tile by tile
+        tiles = layout.rows // layout.block_m
+        per_tile = jnp.take(down_p.bias, jnp.maximum(layout.tile_group, 0), axis=0).astype(jnp.float32)
+        d_weight = d_weight + jnp.einsum("tmh,th->tm", dr.reshape(tiles, layout.block_m, -1).astype(jnp.float32),
+                                         per_tile).reshape(-1)
+    _, act_vjp = jax.vjp(lambda a, b: activate(a, b, spec), gate, up)
+    dgate, dup = act_vjp(dh.astype(h.dtype))
+    drows = grouped_matmul_input_grad(dgate, gate_p.weight, layout) + grouped_matmul_input_grad(
+        dup, up_p.weight, layout)
+    if gate_p.lora_a is not None or up_p.lora_a is not None:
+        rows = _gather_tokens(x, layout, k)
+        for i, (p, d) in enumerate(((gate_p, dgate), (up_p, dup))):
+            if p.lora_a is not None:
+                _, drows_lora, da, db = _lora_vjp(rows, p, layout, spec.scales[i], spec.dropouts[i], keys[i], d)
+                drows = drows + drows_lora
+                grads[i] = (da, db)
+    # each token's k copies summed (in float32, as the broadcast's transpose)
+    dx = drows.at[layout.position].get(unique_indices=True).reshape(-1, k, x.shape[-1])
+    dx = jnp.sum(dx.astype(jnp.float32), axis=1).astype(dtype)
+    d_weights = d_weight.at[layout.position].get(unique_indices=True).reshape(weights.shape).astype(weights.dtype)
+    d_projections = tuple(
+        ExpertProjection(jnp.zeros_like(p.weight), None if p.bias is None else jnp.zeros_like(p.bias),
+                         *(grads[i] if grads[i] is not None else (None, None)))
+        for i, p in enumerate(projections))
+    return dx, d_weights, _no_cotangent(layout_arrays), d_projections, _no_cotangent(keys)
+
+
+_expert_mlp.defvjp(_forward, _backward)
