@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from transformers import Qwen3MoeConfig
 
 import jaxtune
 from conftest import build_hf_model
@@ -147,6 +146,8 @@ def test_lora_dropout_masks_the_same_inputs_in_forward_and_backward():
 def test_selective_remat_runs_every_frozen_expert_gemm_once_each_way(tmp_path, monkeypatch):
     """A Qwen3-MoE layer's backward under remat "selective" runs the frozen experts' three input-gradient GEMMs and
     no forward GEMM again (as with no remat); "per-layer" remat runs the three forward ones again."""
+    from transformers import Qwen3MoeConfig
+
     from jaxtune.ops import dispatch
     from test_kernel_dispatch import kernel_name, live_eqns
 
