@@ -118,16 +118,20 @@ def _combine(down_rows: jax.Array, weights: jax.Array, layout: TileLayout, top_k
     return jnp.sum((out * w).astype(jnp.float32), axis=1).astype(down_rows.dtype)
 
 
-def expert_mlp_reference(x: jax.Array, weights: jax.Array, layout: TileLayout, projections: tuple,
-                         spec: ExpertMLPSpec, keys: tuple = (None, None, None)) -> jax.Array:
-    """The plain composition (autodiff through every step): what `expert_mlp` computes."""
+def _gate_up_down(x, weights, layout, projections, spec, keys):
+    """(the output, the routed rows' gate and up outputs) of the plain composition."""
     gate_p, up_p, down_p = projections
     rows = _gather_tokens(x, layout, spec.top_k)
     gate = _project(rows, gate_p, layout, spec.scales[0], spec.dropouts[0], keys[0])
     up = _project(rows, up_p, layout, spec.scales[1], spec.dropouts[1], keys[1])
-    h = activate(gate, up, spec)
-    down = _project(h, down_p, layout, spec.scales[2], spec.dropouts[2], keys[2])
-    return _combine(down, weights, layout, spec.top_k)
+    down = _project(activate(gate, up, spec), down_p, layout, spec.scales[2], spec.dropouts[2], keys[2])
+    return _combine(down, weights, layout, spec.top_k), gate, up
+
+
+def expert_mlp_reference(x: jax.Array, weights: jax.Array, layout: TileLayout, projections: tuple,
+                         spec: ExpertMLPSpec, keys: tuple = (None, None, None)) -> jax.Array:
+    """The plain composition (autodiff through every step): what `expert_mlp` computes."""
+    return _gate_up_down(x, weights, layout, projections, spec, keys)[0]
 
 
 def expert_mlp(x: jax.Array, weights: jax.Array, layout: TileLayout, projections: tuple[ExpertProjection, ...],
@@ -154,13 +158,7 @@ def _expert_mlp(spec, x, weights, layout_arrays, projections, keys):
 
 
 def _forward(spec, x, weights, layout_arrays, projections, keys):
-    layout = _layout(*layout_arrays, spec)
-    gate_p, up_p, down_p = projections
-    rows = _gather_tokens(x, layout, spec.top_k)
-    gate = _project(rows, gate_p, layout, spec.scales[0], spec.dropouts[0], keys[0])
-    up = _project(rows, up_p, layout, spec.scales[1], spec.dropouts[1], keys[1])
-    down = _project(activate(gate, up, spec), down_p, layout, spec.scales[2], spec.dropouts[2], keys[2])
-    out = _combine(down, weights, layout, spec.top_k)
+    out, gate, up = _gate_up_down(x, weights, _layout(*layout_arrays, spec), projections, spec, keys)
     gate, up = checkpoint_name((gate, up), EXPERT_GATE_UP)
     weights, layout_arrays = checkpoint_name((weights, layout_arrays), EXPERT_ROUTING)
     return out, (x, weights, layout_arrays, projections, keys, gate, up)
