@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from convert import moe_names
 from convert.gguf_source import GGUFSource
 from convert.jaxtune_format import is_jaxtune_checkpoint, read_checkpoint
+from convert.mxfp4_source import Mxfp4Source, is_mxfp4
 from convert.safetensors_source import SafetensorsSource
 from convert.state_tree import Path, expected_arrays, merge_filled
 from jaxtune.io.bundled import model_reference, resolve_model_path
@@ -245,11 +246,12 @@ class TensorPlan:
         """A fused expert tensor split into its projections, each expert's weight quantized on its own (as the
         per-expert layout's are) where the slot is NF4."""
         _, hub, field, attr = target
-        parts = moe_names.split_fused(hub, field == "bias", np.asarray(self.source.get(name), np.float32))
+        # split as stored (a view of the memory-mapped or dequantized bf16 tensor), one expert in float32 at a time
+        parts = moe_names.split_fused(hub, field == "bias", self.source.get(name))
         for proj, stacked in parts.items():
             path = (attr, "mlp", proj, field)
-            for e, array in enumerate(stacked):
-                index = (layer, e)
+            for e in range(stacked.shape[0]):
+                index, array = (layer, e), np.asarray(stacked[e], np.float32)
                 if not self.slots[path][1]:
                     yield path, index, array.astype(self.expected[path].dtype)
                     continue
@@ -328,20 +330,33 @@ def open_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, Any, str | No
         cfg = ModelConfig.from_hf(source.hf_config)
         return dataclasses.replace(cfg, generation_eos_token_ids=source.end_of_generation_ids()), source, path
     cfg = load_hf_config(path)
-    return cfg, SafetensorsSource(path), None
+    source = SafetensorsSource(path)
+    if mxfp4_quantization(path):  # gpt-oss's published experts: read as the dequantized layout
+        source = Mxfp4Source(source)
+    return cfg, source, None
+
+
+def _quantization_config(model_dir: str) -> dict[str, Any] | None:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f).get("quantization_config")
+
+
+def mxfp4_quantization(model_dir: str) -> bool:
+    """True for a checkpoint whose experts are stored in MXFP4 (gpt-oss's published weights), which loading
+    dequantizes; such a checkpoint holds the original weights (a merge base, unlike an NF4 one)."""
+    return is_mxfp4({"quantization_config": _quantization_config(model_dir)})
 
 
 def bnb_quantization(model_dir: str) -> bool:
     """True for a bitsandbytes 4-bit (NF4, double-quant) HF checkpoint; a clear error for other quantizations."""
-    with open(os.path.join(model_dir, "config.json")) as f:
-        qc = json.load(f).get("quantization_config")
-    if not qc:
+    qc = _quantization_config(model_dir)
+    if not qc or is_mxfp4({"quantization_config": qc}):
         return False
     method = qc.get("quant_method")
     if method != "bitsandbytes" or not qc.get("load_in_4bit"):
         raise CheckpointError(
             f"{model_dir} is quantized with {method!r}{'' if qc.get('load_in_4bit') else ' (not 4-bit)'}; "
-            "jaxtune loads bf16/fp16/fp32 or bitsandbytes 4-bit NF4 checkpoints"
+            "jaxtune loads bf16/fp16/fp32, bitsandbytes 4-bit NF4 or (gpt-oss) MXFP4 checkpoints"
         )
     if qc.get("bnb_4bit_quant_type", "nf4") != "nf4":
         raise CheckpointError(f"{model_dir} uses bnb_4bit_quant_type={qc.get('bnb_4bit_quant_type')!r}; only nf4 is supported")

@@ -98,16 +98,113 @@ def test_a_4bit_run_trains_the_experts_and_refuses_exports_it_cannot_write(tmp_p
     assert np.abs(_hf_logits(base, ids) - _hf_logits(merged, ids)).max() > 1e-2  # the adapters are in it
 
 
-def test_mxfp4_checkpoints_are_refused_in_one_line(tmp_path):
+def _write_mxfp4_experts(model_dir, seed: int = 0) -> None:
+    """Rewrites a saved gpt-oss checkpoint as the published one stores it: each fused expert tensor as random
+    MXFP4 `*_blocks` / `*_scales` (weights of about 0.03), and quantization_config saying so."""
     import json
 
+    from safetensors.numpy import load_file, save_file
+
+    rng = np.random.default_rng(seed)
+    tensors = load_file(model_dir / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = tensors.pop(name).shape
+        tensors[name + "_blocks"] = rng.integers(0, 256, (experts, outputs, inputs // 32, 16), dtype=np.uint8)
+        tensors[name + "_scales"] = rng.integers(120, 124, (experts, outputs, inputs // 32), dtype=np.uint8)
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (model_dir / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 1), (3, 10, 2), (4, 64, 5)])
+def test_mxfp4_dequantizes_as_transformers(shape):
+    """Every code and exponent (random bytes, scales across the E8M0 range short of overflow): jaxtune's MXFP4
+    reading equals transformers' own dequantization bit for bit, in the hub's [E, in, out] layout."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from convert.mxfp4_source import Mxfp4Source
+
+    experts, outputs, groups = shape
+    rng = np.random.default_rng(sum(shape))
+    blocks = rng.integers(0, 256, (experts, outputs, groups, 16), dtype=np.uint8)
+    scales = rng.integers(2, 250, (experts, outputs, groups), dtype=np.uint8)
+
+    class Pair:
+        def names(self):
+            return ["w_blocks", "w_scales"]
+
+        def shape(self, name):
+            return (blocks if name == "w_blocks" else scales).shape
+
+        def get(self, name):
+            return blocks if name == "w_blocks" else scales
+
+    source = Mxfp4Source(Pair())
+    assert source.names() == ["w"] and source.shape("w") == (experts, groups * 32, outputs)
+    want = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+    np.testing.assert_array_equal(np.asarray(source.get("w"), np.float32), want.numpy())
+
+
+def test_mxfp4_checkpoints_load_with_transformers_logits(tmp_path):
+    """The published layout (MXFP4 experts): transformers reads the files itself; jaxtune dequantizes them at load
+    to the same logits in float32, quantizes each expert to the NF4 bytes bitsandbytes makes of it, and `convert`
+    writes the NF4 checkpoint a direct 4-bit load makes."""
+    from flax import nnx
+
+    build_hf_model(GptOssConfig(**SHAPES), tmp_path / "hf")
+    _write_mxfp4_experts(tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    model, _ = jaxtune.from_pretrained(tmp_path / "hf", dtype="float32")
+    ids = np.random.default_rng(2).integers(0, 128, (2, 24))
+    want = _hf_logits(hf, ids)
+    _close(np.asarray(model(ids)), want)
+    # merged export onto the MXFP4 base: the hub's bf16 layout, which transformers reads to jaxtune's logits
+    from conftest import set_random_lora
+
+    jaxtune.get_peft_model(model, r=4)
+    set_random_lora(model, seed=3)
+    jaxtune.save_merged(model, tmp_path / "merged", base=tmp_path / "hf", dtype="float32")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    _close(_hf_logits(merged, ids), np.asarray(model(ids)))
+    # 4-bit: each expert's NF4 bytes are bitsandbytes' quantization of transformers' dequantized weight
+    from bitsandbytes import functional as F
+
+    quantized, _ = jaxtune.from_pretrained(tmp_path / "hf", dtype="float32", load_in_4bit=True)
+    gate_up = hf.model.layers[3].mlp.experts.gate_up_proj.detach()[2]  # layer 3 (a full layer: the `layers` stack)
+    for proj, weight in (("gate_proj", gate_up[:, 0::2].T), ("up_proj", gate_up[:, 1::2].T)):
+        codes, _ = F.quantize_4bit(weight.contiguous(), blocksize=64, compress_statistics=True, quant_type="nf4")
+        ours = np.asarray(getattr(quantized.layers.mlp, proj).codes[...][1, 2])
+        np.testing.assert_array_equal(ours.reshape(-1), codes.numpy().reshape(-1))
+    jaxtune.convert(tmp_path / "hf", tmp_path / "nf4", quantize="nf4")
+    converted, _ = jaxtune.from_pretrained(tmp_path / "nf4")
+    direct, _ = jaxtune.from_pretrained(tmp_path / "hf", load_in_4bit=True)
+    arrays = lambda m: {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(m))}  # noqa: E731
+    a, b = arrays(converted), arrays(direct)
+    assert a.keys() == b.keys()
+    for path in a:
+        np.testing.assert_array_equal(a[path], b[path], err_msg=str(path))
+
+
+def test_mxfp4_refusals_are_one_line(tmp_path):
+    """MXFP4 on a family jaxtune reads no MXFP4 tensors of, and a blocks tensor without its scales."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
     build_hf_model(GptOssConfig(**SHAPES), tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(jaxtune.UnsupportedModelError, match="MXFP4 experts .* use the bf16 checkpoint") as e:
+    _write_mxfp4_experts(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(jaxtune.CheckpointError, match="down_proj_blocks has no .*down_proj_scales beside it") as e:
         jaxtune.from_pretrained(tmp_path)
     assert "\n" not in str(e.value)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["model_type"] = "qwen3_moe"
+    with pytest.raises(jaxtune.UnsupportedModelError, match="qwen3_moe checkpoints quantized with mxfp4 are not read"):
+        jaxtune.models.config.ModelConfig.from_hf(config)
 
 
 def test_converted_checkpoint_reloads_as_loaded(tmp_path):

@@ -121,6 +121,10 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"unsupported architecture model_type={model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        method = (hf.get("quantization_config") or {}).get("quant_method")
+        if method == "mxfp4" and model_type not in gpt_oss.MODEL_TYPES:
+            raise UnsupportedModelError(f"{model_type} checkpoints quantized with mxfp4 are not read; jaxtune reads "
+                                        "MXFP4 experts of gpt_oss only: load the bf16 checkpoint")
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"unsupported hidden_act={act!r} in {model_type} config; only 'silu' is implemented")

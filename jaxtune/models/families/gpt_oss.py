@@ -5,7 +5,8 @@ sliding-window (`sliding_window`, 128) and full layers alternating as `layer_typ
 a bias whose top-k logits are softmaxed (the renormalized top-k of the full softmax); experts with biases and the
 clamped SwiGLU `(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`, g = min(gate, limit). The hub stores each
 layer's experts fused: `gate_up_proj` [E, hidden, 2 * width] with gate and up interleaved, `down_proj`
-[E, width, hidden] (split at load: convert/moe_names.py).
+[E, width, hidden] (split at load: convert/moe_names.py). The published checkpoints store those two in MXFP4
+(`*_blocks` / `*_scales`, convert/mxfp4_source.py), dequantized at load.
 """
 
 from __future__ import annotations
@@ -20,11 +21,6 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 
 def fields(hf: dict[str, Any], layers: int) -> dict[str, Any]:
     """The ModelConfig fields particular to gpt-oss, refused in one line where they name no model jaxtune builds."""
-    qc = hf.get("quantization_config") or {}
-    if qc.get("quant_method") == "mxfp4":
-        raise UnsupportedModelError(
-            "gpt_oss checkpoints with MXFP4 experts (quantization_config quant_method mxfp4) are not read yet; use "
-            "the bf16 checkpoint (the hub's dequantized gpt-oss layout, quantized to NF4 at load)")
     types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     if not isinstance(types, list) or len(types) != layers or not set(types) <= set(LAYER_TYPES):
         raise UnsupportedModelError(
