@@ -77,9 +77,12 @@ def test_a_cached_hub_id_loads_as_its_directory_with_only_the_files_loading_read
     np.testing.assert_array_equal(np.asarray(got(ids)), np.asarray(want(ids)))
     assert tok is not None and got.name_or_path == "owner/tiny"
     assert os.path.isfile(snapshot / "pytorch_model.bin")  # cached, but never a pattern the loader asks for
-    from jaxtune.io.hub import MODEL_FILES
-    import fnmatch
-    assert not any(fnmatch.fnmatch("pytorch_model.bin", p) for p in MODEL_FILES)
+    from huggingface_hub.utils import filter_repo_objects
+
+    from jaxtune.io.hub import IGNORED_FILES, MODEL_FILES
+    listed = ["pytorch_model.bin", "model.safetensors", "config.json", "original/model.safetensors", "metal/model.bin"]
+    assert list(filter_repo_objects(listed, allow_patterns=MODEL_FILES, ignore_patterns=IGNORED_FILES)) == [
+        "model.safetensors", "config.json"]  # huggingface_hub's own filter, as snapshot_download applies it
 
     # a revision: the id's @ suffix or the keyword
     _cache_repo(hub_cache, "owner/tiny", {f: _tiny_dir(tmp_path / "v1", tiny_tokenizer, seed=1) / f

@@ -16,6 +16,9 @@ from jaxtune.errors import CheckpointError
 MODEL_FILES = ["*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
                "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "jaxtune.json"]
+# the loader reads the repo's top level only; subfolders hold other formats of the same weights (gpt-oss's `original/`
+# and `metal/`: as large again)
+IGNORED_FILES = ["*/*"]
 _HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+?)(?P<file>/[\w./-]+\.gguf)?(?:@(?P<revision>[\w./-]+))?")
 
 
@@ -48,7 +51,8 @@ def download(name: str, revision: str | None = None) -> str:
     try:
         if gguf_file:
             return huggingface_hub.hf_hub_download(repo, gguf_file, revision=revision)
-        path = huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=MODEL_FILES)
+        path = huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=MODEL_FILES,
+                                                     ignore_patterns=IGNORED_FILES)
     except errors.IncompleteSnapshotError:
         raise CheckpointError(f"the cached copy of {where} is incomplete and the Hub cannot complete it; check the "
                               "network (or unset HF_HUB_OFFLINE) and run again") from None
