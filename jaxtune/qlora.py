@@ -18,7 +18,6 @@ from flax import nnx
 from jaxtune import ops
 from jaxtune.errors import ConfigError
 from jaxtune.models.causal_lm import CausalLM, Linear
-from jaxtune.models.layer_kinds import has_experts
 from jaxtune.moe.experts import ExpertLinear, LoRAExperts, NF4Experts
 from jaxtune.parallel.sharding import whole_on_every_device
 from jaxtune.quant import nf4
@@ -190,10 +189,7 @@ def get_peft_model(
             raise ConfigError(f"{name} already has a LoRA adapter; call get_peft_model once per model")
         key = keys[name] if stack.attr == "layers" else jax.random.fold_in(keys[name], stack_index[stack.attr])
         leading = (len(stack.layers),)
-        out_f, in_f = _features(cfg, name, has_experts(cfg, stack))
-        if parent is getattr(getattr(getattr(model, stack.attr), "mlp", None), "shared_expert", None):
-            h, s = cfg.hidden_size, cfg.shared_expert_intermediate_size
-            out_f, in_f = (h, s) if name == "down_proj" else (s, h)
+        out_f, in_f = _weight_features(proj)
         if isinstance(proj, (ExpertLinear, NF4Experts)):  # an adapter per expert
             setattr(parent, name, LoRAExperts(proj, cfg.num_experts, in_f, out_f, r=r, alpha=lora_alpha,
                                               use_rslora=use_rslora, key=key, leading=leading,
@@ -204,14 +200,10 @@ def get_peft_model(
     return model
 
 
-def _features(cfg, name: str, experts: bool) -> tuple[int, int]:
-    h, d = cfg.hidden_size, cfg.head_dim
-    i = cfg.moe_intermediate_size if experts else cfg.intermediate_size
-    key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
-    value = cfg.linear_num_value_heads * cfg.linear_value_head_dim
-    return {
-        "in_proj_qkv": (2 * key + value, h), "in_proj_z": (value, h), "in_proj_b": (cfg.linear_num_value_heads, h),
-        "in_proj_a": (cfg.linear_num_value_heads, h), "out_proj": (h, value),
-        "q_proj": (cfg.num_heads * d * (2 if cfg.attn_output_gate else 1), h), "k_proj": (cfg.num_kv_heads * d, h), "v_proj": (cfg.num_kv_heads * d, h),
-        "o_proj": (h, cfg.num_heads * d), "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i),
-    }[name]
+def _weight_features(proj) -> tuple[int, int]:
+    """(out, in) of a frozen projection (dense or NF4, one or a stack of experts), read off its arrays: layers of
+    several kinds may differ in width (Gemma 4's full-attention heads)."""
+    codes = getattr(proj, "codes", None)
+    if codes is not None:
+        return codes.shape[-2], codes.shape[-1] * 2
+    return tuple(proj.weight.shape[-2:])

@@ -21,11 +21,12 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtune import ops
 from jaxtune.models.blocks.attention import Attention
 from jaxtune.models.blocks.gated_deltanet import GatedDeltaNet, LinearCache
+from jaxtune.models.blocks.gemma4_layer import Gemma4DecoderLayer
 from jaxtune.models.blocks.mlp import MLP
 from jaxtune.models.cache import KVCache, LayerCache
 from jaxtune.models.config import ModelConfig
 from jaxtune.models.layer_kinds import (DEFAULT, DENSE_MLP, GATED_DELTANET, LayerRun, LayerStack, attention_position,
-                                        attention_window, layer_runs, layer_stacks)
+                                        attention_window, full_rope, layer_runs, layer_stacks)
 from jaxtune.models.layers import Embed, Linear, RMSNorm
 from jaxtune.models.layer_loop import layer_loop
 from jaxtune.moe import balancing
@@ -49,7 +50,7 @@ class DecoderLayer(nnx.Module):
         if self.linear:
             self.linear_attn = GatedDeltaNet(cfg, Linear, dtype=dtype, rngs=rngs)
         else:
-            self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs, sliding_window=attention_window(cfg, kind))
+            self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs, sliding_window=attention_window(cfg, kind), kind=kind)
         self.post_attention_layernorm = norm()
         sparse = cfg.num_experts and kind != DENSE_MLP
         if sparse and cfg.shared_expert_intermediate_size:
@@ -71,10 +72,15 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x), rng, mlp_token_tile), cache
 
 
+# the decoder layer of each `ModelConfig.block`
+LAYER_CLASSES = {"llama": DecoderLayer, "gemma4": Gemma4DecoderLayer}
+
+
 def _stacked_layers(cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, stack: LayerStack) -> DecoderLayer:
-    """The stack's DecoderLayers as one module whose arrays carry a leading layer axis."""
+    """The stack's decoder layers as one module whose arrays carry a leading layer axis."""
     keys = jax.random.split(rngs.params(), len(stack.layers))
-    build = lambda key: DecoderLayer(cfg, dtype=dtype, rngs=nnx.Rngs(key), kind=stack.kind)  # noqa: E731
+    layer_class = LAYER_CLASSES[cfg.block]
+    build = lambda key: layer_class(cfg, dtype=dtype, rngs=nnx.Rngs(key), kind=stack.kind)  # noqa: E731
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: build(0)))
     state = jax.vmap(lambda key: nnx.state(build(key)))(keys)
     return nnx.merge(graphdef, state)
@@ -195,8 +201,10 @@ class CausalLM(nnx.Module):
         return self.embed_tokens.weight[...] if self.lm_head is None else self.lm_head.weight[...]
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """lm_head (or the tied embedding) applied to hidden states, float32 logits."""
-        return ops.linear(hidden, self.head_weight(), out_dtype=jnp.float32)
+        """lm_head (or the tied embedding) applied to hidden states, float32 logits (soft-capped where the config
+        says)."""
+        return softcap(ops.linear(hidden, self.head_weight(), out_dtype=jnp.float32),
+                       self.config.final_logit_softcapping)
 
     def forward_with_cache(
         self,
@@ -216,8 +224,12 @@ class CausalLM(nnx.Module):
         return self.logits(h[:, -1:] if last_only else h), KVCache(written.k, written.v, seg, linear)
 
     def _decode(self, input_ids, positions, segment_ids, cache, cache_args, dropout_rng=None, tokens=None):
-        cos, sin = rope_tables(self.config, positions)
+        # RoPE's tables for each kind of layer that has its own (Gemma 4's full-attention layers), made once
+        tables = {full: rope_tables(self.config, positions, full)
+                  for full in {full_rope(self.config, s.kind) for s in layer_stacks(self.config)}}
         h = self.embed_tokens(input_ids).astype(self.dtype)
+        if self.config.scale_embeddings:  # Gemma: times sqrt(hidden), the factor rounded to the weights' dtype
+            h = h * jnp.asarray(self.config.hidden_size**0.5, self.dtype)
         # the load-balancing loss's statistics ride beside the hidden states through the layers
         aux = self.router_aux and cache is None and bool(self.config.num_experts)
         if aux and tokens is None:
@@ -233,6 +245,7 @@ class CausalLM(nnx.Module):
         for run in layer_runs(self.config):
             after = self.config.num_layers - run.first - run.count
             rngs = None if layer_rngs is None else layer_rngs[run.first:run.first + run.count]
+            cos, sin = tables[full_rope(self.config, run.stack.kind)]
             h, k, v, linear = self._run_layers(run, h, k, v, linear, (cos, sin, segment_ids), cache_seg, cache_index,
                                                rngs, aux, tokens, min(run.count, max(0, on_device - after)))
         if cache is None:
@@ -389,6 +402,11 @@ class CausalLM(nnx.Module):
         traced function: the scales are arrays of that trace."""
         for stack in layer_stacks(self.config):
             setattr(self, stack.attr, self._kernel_ready_layers(stack.attr))
+
+
+def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(logits / cap) (Gemma's final-logit soft-capping); the logits as they are for None."""
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 # long-context mode: the MLP's [tokens, intermediate] tensors of one token tile at most this many elements (16,384

@@ -10,7 +10,7 @@ from typing import Any
 from jaxtune.errors import CheckpointError, UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen3_5", "qwen3_5_text",
-                         "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss")
+                         "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss", "gemma4", "gemma4_text")
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -85,6 +85,24 @@ class ModelConfig:
     moe_activation: str = "swiglu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # Gemma 4: the decoder layer's structure ("llama": pre-norm; "gemma4": norms before and after attention and the
+    # MLP, a learned per-layer output scale); the MLP's activation ("silu": SwiGLU, "gelu_pytorch_tanh": GeGLU);
+    # embeddings times sqrt(hidden_size); logits soft-capped to c * tanh(logits / c)
+    block: str = "llama"
+    hidden_act: str = "silu"
+    scale_embeddings: bool = False
+    final_logit_softcapping: float | None = None
+    # attention's softmax scale (None: 1 / sqrt(head_dim)); an RMSNorm without scale on every value head
+    attention_scale: float | None = None
+    v_norm: bool = False
+    # the full-attention layers' own geometry where it differs from the sliding ones' (Gemma 4; 0: the same): head
+    # size, KV heads, keys serving as values (no v_proj), and RoPE base and rotated fraction (proportional RoPE:
+    # frequencies over the whole head, the pairs beyond the fraction unrotated)
+    full_head_dim: int = 0
+    full_num_kv_heads: int = 0
+    full_k_eq_v: bool = False
+    full_rope_theta: float = 0.0
+    full_partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -113,9 +131,9 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
         """Builds a config from a transformers `config.json` dict (transformers 4.x and 5.x layouts)."""
-        from jaxtune.models.families import gpt_oss, qwen3_5
+        from jaxtune.models.families import gemma4, gpt_oss, qwen3_5
 
-        hf = qwen3_5.text_config(hf)
+        hf = gemma4.text_config(qwen3_5.text_config(hf))
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
@@ -126,7 +144,12 @@ class ModelConfig:
             raise UnsupportedModelError(f"{model_type} checkpoints quantized with mxfp4 are not read; jaxtune reads "
                                         "MXFP4 experts of gpt_oss only: load the bf16 checkpoint")
         act = hf.get("hidden_act", "silu")
-        if act != "silu":
+        if model_type in gemma4.MODEL_TYPES:
+            act = hf.get("hidden_activation", "gelu_pytorch_tanh")
+            if act != "gelu_pytorch_tanh":
+                raise UnsupportedModelError(f"unsupported hidden_activation={act!r} in {model_type} config; only "
+                                            "'gelu_pytorch_tanh' is implemented")
+        elif act != "silu":
             raise UnsupportedModelError(f"unsupported hidden_act={act!r} in {model_type} config; only 'silu' is implemented")
         try:
             hidden = int(hf["hidden_size"])
@@ -167,6 +190,10 @@ class ModelConfig:
             moe = {**moe, **family}
         if model_type == "mixtral":
             sliding_window = hf.get("sliding_window")
+        if model_type in gemma4.MODEL_TYPES:
+            family = gemma4.fields(hf, layers)
+            sliding_window, theta = family.pop("sliding_window"), family.pop("rope_theta")
+            moe = {**moe, **family}
         return cls(
             model_type=model_type,
             vocab_size=vocab,
@@ -190,7 +217,7 @@ class ModelConfig:
             o_bias=model_type in ("llama", "qwen3", "qwen3_moe", *qwen3_5.MODEL_TYPES, *gpt_oss.MODEL_TYPES)
             and attention_bias,
             mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", *qwen3_5.MODEL_TYPES),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", *qwen3_5.MODEL_TYPES, *gemma4.MODEL_TYPES),
             sliding_window=int(sliding_window) if sliding_window else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
@@ -217,7 +244,7 @@ class ModelConfig:
                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                 "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                 "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-                "gpt_oss": "GptOssForCausalLM"}
+                "gpt_oss": "GptOssForCausalLM", "gemma4": "Gemma4ForCausalLM", "gemma4_text": "Gemma4ForCausalLM"}
         out: dict[str, Any] = {
             "architectures": [arch[self.model_type]],
             "model_type": self.model_type,
@@ -268,6 +295,13 @@ class ModelConfig:
             from jaxtune.models.families import gpt_oss
 
             out.update(rope_parameters=rope, **gpt_oss.hf_fields(self))
+        if self.block == "gemma4":
+            from jaxtune.models.families import gemma4
+
+            out.pop("hidden_act")
+            out.pop("rope_scaling")
+            out.pop("rope_theta")
+            out.update(**gemma4.hf_fields(self))
         return out
 
 

@@ -92,6 +92,19 @@ def attention_window(cfg: ModelConfig, kind: str) -> int | None:
     return cfg.sliding_window
 
 
+def attention_geometry(cfg: ModelConfig, kind: str) -> tuple[int, int, bool]:
+    """(head size, KV heads, whether the keys serve as values) of a stack's attention: the full-attention layers'
+    own where the config gives them (Gemma 4), else the model's."""
+    if cfg.full_head_dim and kind != SLIDING:
+        return cfg.full_head_dim, cfg.full_num_kv_heads or cfg.num_kv_heads, cfg.full_k_eq_v
+    return cfg.head_dim, cfg.num_kv_heads, False
+
+
+def full_rope(cfg: ModelConfig, kind: str) -> bool:
+    """Whether a stack's layers use the full-attention layers' own RoPE (Gemma 4's proportional RoPE)."""
+    return bool(cfg.full_head_dim) and kind != SLIDING
+
+
 def attention_layers(cfg: ModelConfig) -> int:
     """How many layers attend (and hold a KV cache): all but a hybrid decoder's linear-attention layers."""
     return sum(layer_kind(cfg, i) != GATED_DELTANET for i in range(cfg.num_layers))

@@ -30,12 +30,20 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.zeros((dim,), dtype) if offset else jnp.ones((dim,), dtype))
         self.eps, self.offset = eps, offset
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    def __call__(self, x: jax.Array, output_scale: float | None = None) -> jax.Array:
+        """`output_scale`: also times this, in float32 before the cast (one rounding)."""
+        normed = rms_normalize(x, self.eps)
+        if output_scale is not None:
+            return (normed * self.weight[...].astype(jnp.float32) * output_scale).astype(x.dtype)
         if self.offset:
             return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * normed.astype(x.dtype)
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) over the last axis in float32: RMSNorm without a scale (Gemma 4's value norm)."""
+    xf = x.astype(jnp.float32)
+    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
 
 
 class Embed(nnx.Module):

@@ -67,9 +67,20 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
     return inv
 
 
-def rope_tables(cfg: ModelConfig, positions: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """cos and sin [..., rotary_dim] in float32 for integer positions [...], times YaRN's attention factor."""
-    inv = jnp.asarray(inverse_frequencies(cfg), dtype=jnp.float32)
+def proportional_inverse_frequencies(theta: float, head_dim: int, rotated: float) -> np.ndarray:
+    """Gemma 4's full-attention RoPE [head_dim // 2]: theta^(-2i/head_dim) for the first `rotated` of the pairs and
+    0 (no rotation) for the rest, so the tables span the whole head."""
+    pairs = int(rotated * head_dim // 2)
+    inv = 1.0 / (theta ** (np.arange(0, 2 * pairs, 2, dtype=np.float64) / head_dim))
+    return np.concatenate([inv, np.zeros(head_dim // 2 - pairs)])
+
+
+def rope_tables(cfg: ModelConfig, positions: jnp.ndarray, full: bool = False) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """cos and sin [..., rotary_dim] in float32 for integer positions [...], times YaRN's attention factor; `full`:
+    the full-attention layers' own RoPE (`layer_kinds.full_rope`)."""
+    inv = jnp.asarray(proportional_inverse_frequencies(cfg.full_rope_theta, cfg.full_head_dim,
+                                                       cfg.full_partial_rotary_factor) if full
+                      else inverse_frequencies(cfg), dtype=jnp.float32)
     angles = positions.astype(jnp.float32)[..., None] * inv
     angles = jnp.concatenate([angles, angles], axis=-1)
     if cfg.rope_attention_factor != 1.0:

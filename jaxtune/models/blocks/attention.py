@@ -1,5 +1,6 @@
 """Causal self-attention with grouped KV heads, optional q/k norms, RoPE (partial where a family sets it), a
-sigmoid output gate (Qwen3.5) and a KV cache for decoding."""
+sigmoid output gate (Qwen3.5), Gemma 4's scale-free value norm, keys serving as values and unscaled logits, and a KV
+cache for decoding."""
 
 from __future__ import annotations
 
@@ -13,21 +14,29 @@ from jaxtune.models import input_stats
 from jaxtune.models.cache import LayerCache
 from jaxtune.models.config import ModelConfig
 from jaxtune.models.dropout_keys import fold_rng
-from jaxtune.models.layers import Linear, RMSNorm
+from jaxtune.models.layer_kinds import DEFAULT, attention_geometry
+from jaxtune.models.layers import Linear, RMSNorm, rms_normalize
 from jaxtune.models.rope import apply_rope
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, sliding_window: int | None = None):
-        h, d = cfg.hidden_size, cfg.head_dim
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, sliding_window: int | None = None,
+                 kind: str = DEFAULT):
+        h = cfg.hidden_size
+        d, kv_heads, k_eq_v = attention_geometry(cfg, kind)
         # with an output gate (Qwen3.5), q_proj yields each head's query then its gate
         self.output_gate = cfg.attn_output_gate
         self.q_proj = Linear(h, cfg.num_heads * d * (2 if self.output_gate else 1), bias=cfg.qkv_bias, dtype=dtype,
                              rngs=rngs)
-        self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(h, kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        # Gemma 4's full layers: the keys' projection serves as the values' too (before the key norm and RoPE)
+        self.v_proj = None if k_eq_v else Linear(h, kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, kv_heads, d
+        # Gemma 4: values RMS-normalized without a scale; attention logits scaled by `attention_scale`, folded into
+        # q (times sqrt(d), which the kernels' 1/sqrt(d) undoes) where q is normalized, in float32
+        self.v_norm_eps = cfg.rms_norm_eps if cfg.v_norm else None
+        self.q_scale = None if cfg.attention_scale is None else cfg.attention_scale * d**0.5
         self.sliding_window = sliding_window
         # gpt-oss: a learned logit per head in the softmax's denominator (frozen: LoRA leaves it)
         self.sinks = nnx.Param(jnp.zeros((cfg.num_heads,), dtype)) if cfg.attention_sinks else None
@@ -60,9 +69,14 @@ class Attention(nnx.Module):
                 q, gate = q[..., :self.head_dim], q[..., self.head_dim:].reshape(b, t, -1)
             q = q.reshape(b, t, self.num_heads, self.head_dim)
             k = checkpoint_name(self.k_proj(x, fold_rng(rng, 1)), "k_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = checkpoint_name(self.v_proj(x, fold_rng(rng, 2)), "v_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = (k if self.v_proj is None else
+             checkpoint_name(self.v_proj(x, fold_rng(rng, 2)), "v_proj").reshape(b, t, self.num_kv_heads, self.head_dim))
+        if self.v_norm_eps is not None:
+            v = rms_normalize(v, self.v_norm_eps).astype(v.dtype)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q, self.q_scale), self.k_norm(k)
+        elif self.q_scale is not None:
+            q = (q.astype(jnp.float32) * self.q_scale).astype(q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
             out = ops.attention(q, k, v, q_segment_ids=segment_ids, sliding_window=self.sliding_window,

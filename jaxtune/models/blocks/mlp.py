@@ -1,4 +1,4 @@
-"""The SwiGLU MLP, with token tiles for long-context training."""
+"""The gated MLP (SwiGLU, or Gemma 4's GeGLU), with token tiles for long-context training."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ class MLP(nnx.Module):
         self.gate_proj = Linear(h, i, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(h, i, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(i, h, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # GeGLU (tanh-approximated GELU), else SwiGLU
 
     def __call__(self, x: jax.Array, rng: jax.Array | None = None, token_tile: int | None = None) -> jax.Array:
         """SwiGLU. With `token_tile`, long inputs run `token_tile` tokens at a time, each tile rematerialized,
@@ -48,6 +49,7 @@ class MLP(nnx.Module):
         # either GEMM; up's input waiting for gate's output keeps one alive at a time (gate's value itself does
         # not pass the barrier, so no rounding moves: the same gradients)
         x_up, _ = ops.barrier(ops.dequantizing_at_use(), x, gate)
-        h = jax.nn.silu(gate) * checkpoint_name(self.up_proj(x_up, fold_rng(rng, 5)), "up_proj")
+        act = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
+        h = act * checkpoint_name(self.up_proj(x_up, fold_rng(rng, 5)), "up_proj")
         input_stats.observe(("down_proj",), h)
         return self.down_proj(h, fold_rng(rng, 6))

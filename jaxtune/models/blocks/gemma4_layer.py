@@ -1,0 +1,32 @@
+"""Gemma 4's decoder layer: attention then the GeGLU MLP, each between two RMSNorms (one on its input, one on its
+output before the residual add), and the layer's output times a learned scalar (frozen, as LoRA leaves it)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtune.models.blocks.attention import Attention
+from jaxtune.models.blocks.mlp import MLP
+from jaxtune.models.config import ModelConfig
+from jaxtune.models.layer_kinds import DEFAULT, attention_window
+from jaxtune.models.layers import RMSNorm
+
+
+class Gemma4DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, kind: str = DEFAULT):
+        norm = lambda: RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)  # noqa: E731
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs, sliding_window=attention_window(cfg, kind), kind=kind)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+        self.layer_scalar = nnx.Param(jnp.ones((1,), dtype))
+
+    def __call__(self, x, cos, sin, segment_ids, cache=None, cache_segment_ids=None, cache_index=None, rng=None,
+                 mlp_token_tile=None) -> tuple[jax.Array, object]:
+        attn, cache = self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, cache, cache_segment_ids,
+                                     cache_index, rng)
+        x = x + self.post_attention_layernorm(attn)
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), rng, mlp_token_tile))
+        return x * self.layer_scalar[...], cache

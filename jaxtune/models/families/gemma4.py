@@ -1,0 +1,119 @@
+"""Gemma 4 (transformers' `gemma4`, the published multimodal layout whose language model is read, and its text-only
+`gemma4_text`): sliding-window and full-attention layers as `layer_types` says, each kind with its own RoPE.
+
+What differs from the Llama block (jaxtune/models/blocks/gemma4_layer.py): norms before and after attention and
+before and after the MLP, and a learned scalar on each layer's output; q/k norms and a scale-free norm on v, no
+1/sqrt(d) on the attention logits; the full layers' own head size (`global_head_dim`), KV heads
+(`num_global_key_value_heads`), keys serving as values (`attention_k_eq_v`) and proportional RoPE (frequencies
+over the whole head, only the first `partial_rotary_factor` of the pairs turning); GeGLU MLPs; embeddings times
+sqrt(hidden_size); tied embeddings; `final_logit_softcapping`.
+
+Not built yet, refused in one line before loading: the mixture-of-experts block (`enable_moe_block`, 26B-A4B), the
+small models' per-layer inputs (`hidden_size_per_layer_input`) and KV sharing (`num_kv_shared_layers`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxtune.errors import UnsupportedModelError
+
+MODEL_TYPES = ("gemma4", "gemma4_text")
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The language model's settings: `text_config` of the published multimodal layout, or the dict itself."""
+    if hf.get("model_type") != "gemma4":
+        return hf
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise UnsupportedModelError("gemma4 config.json has no text_config; is it a complete config?")
+    out = {**text, "model_type": "gemma4"}
+    if "tie_word_embeddings" in hf:
+        out.setdefault("tie_word_embeddings", hf["tie_word_embeddings"])
+    return out
+
+
+def fields(hf: dict[str, Any], layers: int) -> dict[str, Any]:
+    """The ModelConfig fields particular to Gemma 4, refused in one line where they name no model jaxtune builds."""
+    model_type = hf["model_type"]
+    if hf.get("enable_moe_block"):
+        raise UnsupportedModelError(f"{model_type} with enable_moe_block (Gemma 4's mixture of experts, 26B-A4B) is "
+                                    "not supported yet; the dense Gemma 4 models load")
+    if hf.get("hidden_size_per_layer_input") or hf.get("num_kv_shared_layers"):
+        raise UnsupportedModelError(
+            f"{model_type} with per-layer inputs or KV sharing (hidden_size_per_layer_input="
+            f"{hf.get('hidden_size_per_layer_input')}, num_kv_shared_layers={hf.get('num_kv_shared_layers')}: the "
+            "small E2B/E4B models) is not supported yet; the dense 31B layout loads")
+    if hf.get("use_bidirectional_attention") == "all":
+        raise UnsupportedModelError(f"{model_type} with use_bidirectional_attention='all' is not a causal decoder; "
+                                    "jaxtune fine-tunes causal language models")
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or not set(types) <= set(LAYER_TYPES):
+        raise UnsupportedModelError(f"{model_type} config.json has layer_types={types!r}; it must name {layers} "
+                                    f"layers, each one of {', '.join(LAYER_TYPES)}")
+    rope = hf.get("rope_parameters") or {}
+    sliding = rope.get("sliding_attention") or {"rope_type": "default", "rope_theta": 10_000.0}
+    full = rope.get("full_attention") or {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                          "rope_theta": 1_000_000.0}
+    for kind, params in (("sliding_attention", sliding), ("full_attention", full)):
+        if params.get("rope_type", "default") not in ("default", "proportional") or float(params.get("factor", 1.0)) != 1:
+            raise UnsupportedModelError(f"{model_type} {kind} RoPE {params!r} is not supported; jaxtune reads "
+                                        "default and proportional RoPE without scaling factors")
+    if sliding.get("rope_type", "default") != "default" or float(sliding.get("partial_rotary_factor", 1.0)) != 1:
+        raise UnsupportedModelError(f"{model_type} sliding-attention RoPE {sliding!r} is not supported; it must rotate "
+                                    "the whole head (rope_type default)")
+    head_dim = int(hf.get("head_dim") or 256)
+    k_eq_v = bool(hf.get("attention_k_eq_v", False))
+    full_head, full_kv = _full_geometry(hf, types, head_dim, k_eq_v)
+    window = hf.get("sliding_window")
+    if "sliding_attention" in types and not window:
+        raise UnsupportedModelError(f"{model_type} config.json has sliding layers but no sliding_window; is it complete?")
+    softcap = hf.get("final_logit_softcapping")
+    full_rotated = float(full.get("partial_rotary_factor", 1.0))
+    return dict(layer_types=tuple(types), sliding_window=int(window) if window else None,
+                rope_theta=float(sliding.get("rope_theta", 10_000.0)), block="gemma4",
+                hidden_act="gelu_pytorch_tanh", scale_embeddings=True,
+                final_logit_softcapping=float(softcap) if softcap else None, attention_scale=1.0, v_norm=True,
+                full_head_dim=full_head, full_num_kv_heads=full_kv, full_k_eq_v=k_eq_v,
+                full_rope_theta=float(full.get("rope_theta", 1_000_000.0)),
+                full_partial_rotary_factor=full_rotated if full.get("rope_type") == "proportional" else 1.0)
+
+
+def _full_geometry(hf: dict[str, Any], types: list[str], head_dim: int, k_eq_v: bool) -> tuple[int, int]:
+    """(head size, KV heads; 0: the model's) of the full-attention layers: transformers 5's `per_layer_config`
+    ({layer: overrides}, the same for every full layer and none for the sliding ones), or the published configs'
+    `global_head_dim` / `num_global_key_value_heads` (the latter only with attention_k_eq_v, as transformers reads
+    it)."""
+    per_layer = hf.get("per_layer_config")
+    if per_layer is None:
+        kv = int(hf.get("num_global_key_value_heads") or 0) if k_eq_v else 0
+        return int(hf.get("global_head_dim") or 512), kv
+    if not isinstance(per_layer, dict):
+        raise UnsupportedModelError(f"{hf['model_type']} config.json has per_layer_config={per_layer!r}; it must map "
+                                    "layer indices to their overrides")
+    overrides = {int(layer): dict(v) for layer, v in per_layer.items()}
+    full = [overrides.get(i, {}) for i, kind in enumerate(types) if kind == "full_attention"]
+    if any(overrides.get(i) for i, kind in enumerate(types) if kind != "full_attention") or any(
+            o != full[0] or set(o) - {"head_dim", "num_key_value_heads"} for o in full):
+        raise UnsupportedModelError(
+            f"{hf['model_type']} config.json's per_layer_config {per_layer!r} is not supported; jaxtune reads one "
+            "head_dim / num_key_value_heads override shared by every full-attention layer")
+    first = full[0] if full else {}
+    return int(first.get("head_dim", head_dim)), int(first.get("num_key_value_heads", 0))
+
+
+def hf_fields(cfg) -> dict[str, Any]:
+    """config.json's Gemma 4 entries for a ModelConfig (the text-only layout transformers loads)."""
+    full_rope = {"rope_type": "proportional", "partial_rotary_factor": cfg.full_partial_rotary_factor,
+                 "rope_theta": cfg.full_rope_theta}
+    return dict(model_type="gemma4_text", layer_types=list(cfg.layer_types), sliding_window=cfg.sliding_window,
+                hidden_activation=cfg.hidden_act, final_logit_softcapping=cfg.final_logit_softcapping,
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+                                 "full_attention": full_rope},
+                per_layer_config={i: {"head_dim": cfg.full_head_dim, "num_key_value_heads": cfg.full_num_kv_heads
+                                      or cfg.num_kv_heads} for i, kind in enumerate(cfg.layer_types)
+                                  if kind == "full_attention"},
+                attention_k_eq_v=cfg.full_k_eq_v, hidden_size_per_layer_input=0,
+                num_kv_shared_layers=0, enable_moe_block=False, attention_bias=cfg.qkv_bias)
