@@ -32,8 +32,9 @@ from jaxtune.models.layer_kinds import has_experts, layer_stacks, locate
 from jaxtune.qlora import quantize_layers
 
 _IGNORED_TENSORS = re.compile(r"rotary_emb\.inv_freq$")
-# a multimodal checkpoint's parts beside its language model (Qwen3.5's vision tower and multi-token-prediction head)
-_OTHER_TOWERS = re.compile(r"(model\.visual|visual|mtp)\.")
+# a multimodal checkpoint's parts beside its language model (Qwen3.5's vision tower and multi-token-prediction head,
+# Gemma 4's vision and audio towers and their embedders)
+_OTHER_TOWERS = re.compile(r"(model\.visual|visual|mtp|model\.(?:vision|audio)_tower|model\.embed_(?:vision|audio))\.")
 _BNB_COMPANION = re.compile(r"\.weight\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\.bitsandbytes__nf4)$")
 
 

@@ -153,8 +153,11 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
 
     def norms(stack: Any) -> list[tuple[str, Any]]:
         """The layer's tensors beside its projections (norms; a Gated DeltaNet layer's conv, decay and norm)."""
-        names = [(f"{norm}.weight", getattr(stack, norm).weight) for norm in ("input_layernorm",
-                                                                             "post_attention_layernorm")]
+        names = [(f"{norm}.weight", getattr(stack, norm).weight) for norm in (
+            "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+            if hasattr(stack, norm)]  # Gemma 4 has all four
+        if hasattr(stack, "layer_scalar"):
+            names.append(("layer_scalar", stack.layer_scalar))
         if cfg.qk_norm and hasattr(stack, "self_attn"):
             names += [(f"self_attn.{norm}.weight", getattr(stack.self_attn, norm).weight) for norm in ("q_norm", "k_norm")]
         if getattr(getattr(stack, "self_attn", None), "sinks", None) is not None:

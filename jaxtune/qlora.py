@@ -103,8 +103,9 @@ def projection(model: CausalLM, name: str, stack: str = "layers") -> nnx.Module:
 
 def projection_names(layers: nnx.Module) -> list[str]:
     """The projections a stack of decoder layers holds: the 7 of attention and the MLP, or a Gated DeltaNet
-    layer's 5 in place of attention's 4."""
-    return [name for name in ALL_TARGETS if hasattr(layers, PARENT_MODULE[name])]
+    layer's 5 in place of attention's 4 (less v_proj where the keys serve as values: Gemma 4's full layers)."""
+    return [name for name in ALL_TARGETS
+            if getattr(getattr(layers, PARENT_MODULE[name], None), name, None) is not None]
 
 
 def _projections(model: CausalLM):

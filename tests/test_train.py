@@ -816,3 +816,30 @@ def test_a_held_out_split_of_any_size_is_evaluated_by_one_compiled_program(tiny_
     assert eval_fn.fn._cache_size() == 1  # batches of 2, 2 and 1 + 1 padding row: one program
     together, _ = held_out_means(make_eval_step(graphdef, cfg), lora, frozen, rows, micro=5)
     assert np.isfinite(loss) and loss == pytest.approx(together, rel=1e-6)
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_soft_capped_chunked_losses_equal_float64_autodiff(softcap):
+    """Gemma's final-logit soft cap inside the chunked losses: the loss, per-token log-probabilities and both
+    gradients equal numpy float64 of cap * tanh(logits / cap), differentiated by hand."""
+    from jaxtune.training.loss import chunked_token_logps
+
+    rng = np.random.default_rng(7)
+    h = rng.standard_normal((2, 9, 8)).astype(np.float32)
+    w = (2.0 * rng.standard_normal((13, 8))).astype(np.float32)  # large logits: the cap bites
+    labels = rng.integers(0, 13, (2, 9))
+    labels[0, :3] = IGNORE
+    logits = np.einsum("bth,vh->btv", h.astype(np.float64), w.astype(np.float64))
+    capped = logits if softcap is None else softcap * np.tanh(logits / softcap)
+    logp = capped - np.log(np.exp(capped).sum(-1, keepdims=True))
+    valid = labels != IGNORE
+    picked = np.take_along_axis(logp, np.where(valid, labels, 0)[..., None], -1)[..., 0] * valid
+    dcapped = (np.exp(logp) - np.eye(13)[np.where(valid, labels, 0)]) * valid[..., None]
+    dlogits = dcapped if softcap is None else dcapped * (1 - np.tanh(logits / softcap) ** 2)
+    loss, (dh, dw) = jax.value_and_grad(lambda a, b: chunked_cross_entropy(
+        a, b, jnp.asarray(labels), chunk_size=4, softcap=softcap)[0], argnums=(0, 1))(h, w)
+    np.testing.assert_allclose(float(loss), -picked.sum(), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(dh), np.einsum("btv,vh->bth", dlogits, w), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dw), np.einsum("btv,bth->vh", dlogits, h), rtol=1e-4, atol=1e-5)
+    token = chunked_token_logps(jnp.asarray(h), jnp.asarray(w), jnp.asarray(labels), chunk_size=4, softcap=softcap)
+    np.testing.assert_allclose(np.asarray(token), picked, rtol=1e-5, atol=1e-6)

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from jaxtune.models.blocks.gated_deltanet import LinearCache
 from jaxtune.models.config import ModelConfig
-from jaxtune.models.layer_kinds import attention_layers
+from jaxtune.errors import UnsupportedModelError
+from jaxtune.models.layer_kinds import DEFAULT, SLIDING, attention_geometry, attention_layers
 
 
 class LayerCache(NamedTuple):
@@ -40,6 +41,11 @@ class KVCache(NamedTuple):
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, length: int, dtype: jnp.dtype, per_layer: bool = False) -> "KVCache":
+        if cfg.full_head_dim and attention_geometry(cfg, DEFAULT)[:2] != attention_geometry(cfg, SLIDING)[:2]:
+            raise UnsupportedModelError(
+                f"generation (and GRPO's rollouts) for {cfg.model_type} models whose full-attention layers have their "
+                "own head size or KV heads is not supported yet: the KV cache holds one geometry; training and "
+                "exports work")
         shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
         segments = jnp.zeros((batch, length), jnp.int32)
         layers = attention_layers(cfg)

@@ -9,6 +9,8 @@ per chunk (logits, hidden gradient) in the head's dtype with float32 accumulatio
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -18,14 +20,15 @@ from jaxtune.parallel.sharding import batch_shards, current_mesh
 
 
 def chunked_cross_entropy(
-    hidden: jax.Array, head: jax.Array, labels: jax.Array, *, chunk_size: int = 1024
+    hidden: jax.Array, head: jax.Array, labels: jax.Array, *, chunk_size: int = 1024, softcap: float | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """(sum of token losses, number of label tokens) for hidden [..., T, H], head [V, H], labels [..., T].
 
     Logits are computed about `chunk_size` tokens (per device) at a time, in float32 from operands in the
     head's dtype. Chunks run along T with every row in each, so a batch split over devices stays split (each
     device computes the loss of its own rows). Differentiable in `hidden` and `head`; the head's gradient
-    (a [V, H] float32 accumulator) is formed only when something differentiates the head.
+    (a [V, H] float32 accumulator) is formed only when something differentiates the head. `softcap`: the logits are
+    soft-capped to c * tanh(logits / c) first (Gemma), their gradient through the cap.
     """
     h = hidden.reshape(-1, *hidden.shape[-2:])
     y = labels.reshape(-1, labels.shape[-1])
@@ -38,22 +41,23 @@ def chunked_cross_entropy(
     y = jnp.pad(y, ((0, 0), (0, pad)), constant_values=IGNORE)
     n = (t + pad) // steps
     total = _fused_cross_entropy(h.reshape(rows, n, steps, width).swapaxes(0, 1), head,
-                                 y.reshape(rows, n, steps).swapaxes(0, 1))
+                                 y.reshape(rows, n, steps).swapaxes(0, 1), softcap)
     return total, jnp.sum(labels != IGNORE)
 
 
-def chunked_token_logps(hidden: jax.Array, head: jax.Array, labels: jax.Array, *, chunk_size: int = 1024) -> jax.Array:
+def chunked_token_logps(hidden: jax.Array, head: jax.Array, labels: jax.Array, *, chunk_size: int = 1024,
+                        softcap: float | None = None) -> jax.Array:
     """log p(label) of every token [..., T] (0 where the label is IGNORE), for hidden [..., T, H], head [V, H].
 
     The sequence-level losses of preference tuning weight each token's log-probability differently, so this
     returns them one by one; chunking and the fused gradient are those of `chunked_cross_entropy` (each
     token's d logp / d hidden is formed in the forward pass and scaled by its own cotangent in the backward).
     """
-    return chunked_token_logps_and_entropy(hidden, head, labels, chunk_size=chunk_size)[0]
+    return chunked_token_logps_and_entropy(hidden, head, labels, chunk_size=chunk_size, softcap=softcap)[0]
 
 
 def chunked_token_logps_and_entropy(hidden: jax.Array, head: jax.Array, labels: jax.Array, *,
-                                    chunk_size: int = 1024) -> tuple[jax.Array, jax.Array]:
+                                    chunk_size: int = 1024, softcap: float | None = None) -> tuple[jax.Array, jax.Array]:
     """(log p(label), the entropy of the predicted distribution) of every token [..., T], both 0 where the label
     is IGNORE; the entropy (RL's exploration metric) is computed from the same chunk's logits, undifferentiated,
     and costs nothing where unused (dead code to XLA)."""
@@ -68,15 +72,19 @@ def chunked_token_logps_and_entropy(hidden: jax.Array, head: jax.Array, labels: 
     y = jnp.pad(y, ((0, 0), (0, pad)), constant_values=IGNORE)
     n = (t + pad) // steps
     per_chunk = _fused_token_logps(h.reshape(rows, n, steps, width).swapaxes(0, 1), head,
-                                   y.reshape(rows, n, steps).swapaxes(0, 1))
+                                   y.reshape(rows, n, steps).swapaxes(0, 1), softcap)
     unchunk = lambda x: x.swapaxes(0, 1).reshape(rows, t + pad)[:, :t].reshape(labels.shape)  # noqa: E731
     return unchunk(per_chunk[0]), jax.lax.stop_gradient(unchunk(per_chunk[1]))
 
 
-def _token_terms(h_c: jax.Array, head: jax.Array, y_c: jax.Array, entropy: bool = False):
+def _token_terms(h_c: jax.Array, head: jax.Array, y_c: jax.Array, softcap: float | None, entropy: bool = False):
     """(token losses -log p(label) [rows, steps], d loss / d logits in the head's dtype) of one chunk; both zero
-    where the label is IGNORE. With `entropy`, a third: each token's predictive entropy (0 where IGNORE)."""
+    where the label is IGNORE. With `entropy`, a third: each token's predictive entropy (0 where IGNORE). The
+    gradient is with respect to the logits before the soft cap, where there is one."""
     logits = jax.lax.dot_general(h_c, head, (((2,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if softcap is not None:
+        capped = jnp.tanh(logits / softcap)
+        logits, cap_slope = softcap * capped, 1.0 - capped * capped
     lse = jax.nn.logsumexp(logits, axis=-1)
     valid = y_c != IGNORE
     target = jnp.where(valid, y_c, 0)
@@ -84,15 +92,16 @@ def _token_terms(h_c: jax.Array, head: jax.Array, y_c: jax.Array, entropy: bool 
     nll = jnp.where(valid, lse - picked, 0.0)
     probs = jnp.exp(logits - lse[..., None])
     onehot = jax.nn.one_hot(target, logits.shape[-1], dtype=jnp.float32)
-    dlogits = (jnp.where(valid[..., None], probs - onehot, 0.0)).astype(head.dtype)
+    dlogits = jnp.where(valid[..., None], probs - onehot, 0.0)
+    dlogits = (dlogits if softcap is None else dlogits * cap_slope).astype(head.dtype)
     if entropy:
         return nll, dlogits, jnp.where(valid, lse - jnp.sum(probs * logits, axis=-1), 0.0)
     return nll, dlogits
 
 
-def _chunk(h_c: jax.Array, head: jax.Array, y_c: jax.Array, head_grad: bool):
+def _chunk(h_c: jax.Array, head: jax.Array, y_c: jax.Array, head_grad: bool, softcap: float | None):
     """Loss sum, d loss / d h_c and (if asked) d loss / d head of one chunk h_c [rows, steps, H]."""
-    nll, dlogits = _token_terms(h_c, head, y_c)
+    nll, dlogits = _token_terms(h_c, head, y_c, softcap)
     dh = dot_out(dlogits, head, (((2,), (0,)), ((), ())), h_c.dtype)
     dhead = None
     if head_grad:
@@ -100,24 +109,24 @@ def _chunk(h_c: jax.Array, head: jax.Array, y_c: jax.Array, head_grad: bool):
     return jnp.sum(nll), dh, dhead
 
 
-@jax.custom_vjp
-def _fused_cross_entropy(h: jax.Array, head: jax.Array, y: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fused_cross_entropy(h: jax.Array, head: jax.Array, y: jax.Array, softcap: float | None) -> jax.Array:
     """Sum of token losses over chunks h [n, rows, steps, H], y [n, rows, steps]."""
     def body(total, xs):
-        loss, _, _ = _chunk(xs[0], head, xs[1], False)  # the unused gradient is dead code to XLA
+        loss, _, _ = _chunk(xs[0], head, xs[1], False, softcap)  # the unused gradient is dead code to XLA
         return total + loss, None
 
     total, _ = jax.lax.scan(body, jnp.float32(0), (h, y))
     return total
 
 
-def _fused_fwd(h, head, y):
+def _fused_fwd(h, head, y, softcap):
     head_grad = head.perturbed
     h, head, y = h.value, head.value, y.value
 
     def body(carry, xs):
         total, dhead = carry
-        loss, dh, dhead_c = _chunk(xs[0], head, xs[1], head_grad)
+        loss, dh, dhead_c = _chunk(xs[0], head, xs[1], head_grad, softcap)
         return (total + loss, dhead + dhead_c if head_grad else dhead), dh
 
     dhead0 = jnp.zeros(head.shape, jnp.float32) if head_grad else jnp.zeros((), jnp.float32)
@@ -125,7 +134,7 @@ def _fused_fwd(h, head, y):
     return total, (dh, dhead.astype(head.dtype) if head_grad else None)
 
 
-def _fused_bwd(res, g):
+def _fused_bwd(softcap, res, g):
     dh, dhead = res
     if isinstance(g, jax.custom_derivatives.SymbolicZero):
         return jnp.zeros_like(dh), None if dhead is None else jnp.zeros_like(dhead), None
@@ -136,23 +145,24 @@ def _fused_bwd(res, g):
 _fused_cross_entropy.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
 
 
-@jax.custom_vjp
-def _fused_token_logps(h: jax.Array, head: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fused_token_logps(h: jax.Array, head: jax.Array, y: jax.Array, softcap: float | None
+                       ) -> tuple[jax.Array, jax.Array]:
     """(token log-probabilities, entropies) [n, rows, steps] each over chunks h [n, rows, steps, H], y [n, rows,
     steps]; the entropies carry no gradient."""
     def body(_, xs):
-        nll, _, ent = _token_terms(xs[0], head, xs[1], entropy=True)
+        nll, _, ent = _token_terms(xs[0], head, xs[1], softcap, entropy=True)
         return None, (-nll, ent)
 
     return jax.lax.scan(body, None, (h, y))[1]
 
 
-def _token_logps_fwd(h, head, y):
+def _token_logps_fwd(h, head, y, softcap):
     head_grad = head.perturbed
     h, head, y = h.value, head.value, y.value
 
     def body(_, xs):
-        nll, dlogits, ent = _token_terms(xs[0], head, xs[1], entropy=True)
+        nll, dlogits, ent = _token_terms(xs[0], head, xs[1], softcap, entropy=True)
         return None, (-nll, ent, dot_out(dlogits, head, (((2,), (0,)), ((), ())), xs[0].dtype))
 
     _, (logps, entropies, dnll_dh) = jax.lax.scan(body, None, (h, y))
@@ -160,7 +170,7 @@ def _token_logps_fwd(h, head, y):
     return (logps, entropies), (dnll_dh, (h, head, y) if head_grad else None)
 
 
-def _token_logps_bwd(res, gs):
+def _token_logps_bwd(softcap, res, gs):
     dnll_dh, recompute = res
     g = gs[0]  # the entropies' cotangent is ignored: they are a metric
     if isinstance(g, jax.custom_derivatives.SymbolicZero):
@@ -173,7 +183,7 @@ def _token_logps_bwd(res, gs):
 
     def body(acc, xs):
         h_c, y_c, g_c = xs
-        _, dlogits = _token_terms(h_c, head, y_c)
+        _, dlogits = _token_terms(h_c, head, y_c, softcap)
         weighted = (-dlogits.astype(jnp.float32) * g_c[..., None]).astype(head.dtype)
         return acc + jax.lax.dot_general(weighted, h_c, (((0, 1), (0, 1)), ((), ())),
                                          preferred_element_type=jnp.float32), None

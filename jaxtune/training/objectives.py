@@ -57,7 +57,8 @@ class SFT:
                                                                  micro["segment_ids"], dropout_rng=rng)
         else:
             hidden, aux = _hidden(model, micro, rng), None
-        loss_sum, _ = chunked_cross_entropy(hidden, model.head_weight(), micro["labels"], chunk_size=chunk_size)
+        loss_sum, _ = chunked_cross_entropy(hidden, model.head_weight(), micro["labels"], chunk_size=chunk_size,
+                                            softcap=model.config.final_logit_softcapping)
         if aux is None:
             return loss_sum / weights["tokens"], {}
         aux = aux / weights["micro_batches"]
@@ -103,7 +104,7 @@ class Preference:
     def sequence_logps(self, model, micro: Batch, rng, chunk_size: int):
         """(per-token log-probabilities [B, T], response sums (chosen, rejected) [B, P] each)."""
         token = chunked_token_logps(_hidden(model, micro, rng), model.head_weight(), micro["labels"],
-                                    chunk_size=chunk_size)
+                                    chunk_size=chunk_size, softcap=model.config.final_logit_softcapping)
         pairs = micro["pair_mask"].shape[-1]
         return token, sequence_sums(token * micro["response"], micro["segment_ids"], pairs)
 

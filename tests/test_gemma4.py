@@ -1,0 +1,142 @@
+"""Gemma 4, dense (sliding and full layers with their own head size, KV heads and proportional RoPE, keys as values,
+q/k/v norms, unscaled logits, four norms and a scalar per layer, GeGLU, scaled embeddings, soft-capped logits):
+logits against transformers in float32 on rows longer than the window, packed rows, the published multimodal layout,
+NF4 QLoRA training, PEFT and merged export read by transformers; what is not built yet is refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma4TextConfig
+
+import jaxtune
+from conftest import build_hf_model, set_random_lora
+
+LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+SHAPES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=8, layer_types=LAYERS,
+              hidden_size_per_layer_input=0, final_logit_softcapping=30.0)
+
+
+def _hf_logits(model, ids) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.as_tensor(ids)).logits.float().numpy()
+
+
+def _close(got, want, tol=1e-4):
+    assert np.abs(got - want).max() < tol * max(1.0, np.abs(want).max()), np.abs(got - want).max()
+
+
+def _build(tmp_path, **overrides):
+    hf = build_hf_model(Gemma4TextConfig(**{**SHAPES, **overrides}), tmp_path)
+    with torch.no_grad():  # layer scalars away from 1 (a trained model's are)
+        for i, layer in enumerate(hf.model.layers):
+            layer.layer_scalar.fill_(0.5 + 0.25 * i)
+    hf.save_pretrained(tmp_path)
+    return hf
+
+
+@pytest.mark.parametrize("k_eq_v", [False, True])
+def test_logits_equal_transformers_beyond_the_window(tmp_path, k_eq_v):
+    """Both kinds of layers, each with its own geometry and RoPE; with attention_k_eq_v the full layers' keys serve
+    as values and have their own KV heads (no v_proj)."""
+    extra = dict(attention_k_eq_v=True, num_global_key_value_heads=1) if k_eq_v else {}
+    hf = _build(tmp_path, **extra)
+    model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32")
+    cfg = model.config
+    assert (cfg.full_head_dim, cfg.full_k_eq_v, cfg.full_num_kv_heads) == (32, k_eq_v, 1 if k_eq_v else 0)
+    assert (model.layers.self_attn.v_proj is None) == k_eq_v and model.sliding_attention_layers.self_attn.v_proj
+    ids = np.random.default_rng(0).integers(0, 128, (2, 30))
+    _close(np.asarray(model(ids)), _hf_logits(hf, ids))
+
+
+def test_packed_rows_give_each_sample_its_own_logits(tmp_path):
+    hf = _build(tmp_path)
+    model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32")
+    rng = np.random.default_rng(1)
+    a, b = rng.integers(0, 128, 20), rng.integers(0, 128, 13)
+    row = np.concatenate([a, b])[None]
+    seg = np.concatenate([np.ones(20, np.int32), np.full(13, 2, np.int32)])[None]
+    got = np.asarray(model(row, segment_ids=seg))[0]
+    _close(got[:20], _hf_logits(hf, a[None])[0])
+    _close(got[20:], _hf_logits(hf, b[None])[0])
+
+
+def test_the_published_multimodal_layout_loads_its_language_model(tmp_path):
+    """`gemma4` (text settings under text_config, `model.language_model.*`, the towers beside): the language model
+    loads to the text model's logits and the towers are skipped with a note."""
+    from safetensors.numpy import load_file, save_file
+
+    hf = _build(tmp_path / "text")
+    tensors = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in load_file(tmp_path / "text" / "model.safetensors").items()}
+    tensors["model.vision_tower.encoder.layers.0.mlp.up_proj.linear.weight"] = np.zeros((4, 4), np.float32)
+    tensors["model.embed_vision.embedding_projection.weight"] = np.zeros((4, 4), np.float32)
+    (tmp_path / "mm").mkdir()
+    save_file(tensors, tmp_path / "mm" / "model.safetensors", metadata={"format": "pt"})
+    text = json.loads((tmp_path / "text" / "config.json").read_text())
+    (tmp_path / "mm" / "config.json").write_text(json.dumps({
+        "model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "text_config": text,
+        "vision_config": {"model_type": "gemma4_vision"}, "tie_word_embeddings": True}))
+    with pytest.warns(UserWarning, match="skipped 2 tensors of the checkpoint's embed_vision and vision_tower"):
+        model, _ = jaxtune.from_pretrained(tmp_path / "mm", dtype="float32")
+    ids = np.random.default_rng(2).integers(0, 128, (1, 20))
+    _close(np.asarray(model(ids)), _hf_logits(hf, ids))
+
+
+def test_a_4bit_run_trains_and_exports_to_transformers(tmp_path, tiny_tokenizer):
+    """NF4 QLoRA with LoRA on every projection of both kinds of layers trains with falling loss (soft-capped
+    logits in the loss); the PEFT adapter runs in peft + transformers, and the merged checkpoint in transformers, to
+    the logits of jaxtune's adapters on the unquantized base."""
+    from flax import nnx
+    from peft import PeftModel
+
+    _build(tmp_path / "base", vocab_size=len(tiny_tokenizer), attention_k_eq_v=True, num_global_key_value_heads=1)
+    model, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=True)
+    rows = [{"text": f"row {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 3)} for i in range(16)]
+    cfg = jaxtune.TrainConfig(format="text", seq_len=64, micro_batch_size=4, max_steps=6, learning_rate=1e-2,
+                              warmup_steps=0, lora_r=4, save_steps=0)
+    result = jaxtune.train(model, tiny_tokenizer, rows, cfg, progress=False)
+    assert result.losses[-1] < result.losses[0] - 0.1, result.losses
+    for proj in (model.layers.self_attn.k_proj, model.sliding_attention_layers.self_attn.v_proj,
+                 model.layers.mlp.down_proj):
+        assert np.abs(np.asarray(proj.lora_b[...])).max() > 0
+    reference, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32")
+    jaxtune.get_peft_model(reference, r=4)
+    set_random_lora(reference, seed=2)
+    ids = np.random.default_rng(4).integers(0, len(tiny_tokenizer), (1, 20))
+    want = np.asarray(reference(ids))
+    jaxtune.save_peft(reference, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "base"))
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    _close(_hf_logits(PeftModel.from_pretrained(base, tmp_path / "adapter").eval(), ids), want)
+    jaxtune.save_merged(reference, tmp_path / "merged", base=tmp_path / "base", dtype="float32")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    _close(_hf_logits(merged, ids), want)
+    assert nnx.state(reference, nnx.LoRAParam)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+     "enable_moe_block .* not supported yet"),
+    (dict(hidden_size_per_layer_input=16), "per-layer inputs or KV sharing .* not supported yet"),
+    (dict(num_kv_shared_layers=2), "per-layer inputs or KV sharing .* not supported yet"),
+])
+def test_variants_not_built_are_refused_in_one_line_before_loading(tmp_path, change, message):
+    config = Gemma4TextConfig(**SHAPES).to_dict()
+    config.update(change)
+    with pytest.raises(jaxtune.UnsupportedModelError, match=message) as e:
+        jaxtune.models.config.ModelConfig.from_hf(config)
+    assert "\n" not in str(e.value)
+
+
+def test_generation_is_refused_in_one_line(tmp_path):
+    from jaxtune.generate import generate_tokens
+
+    _build(tmp_path)
+    model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32")
+    with pytest.raises(jaxtune.UnsupportedModelError, match="generation .* not supported yet") as e:
+        generate_tokens(model, [[1, 2, 3]], max_new_tokens=2)
+    assert "\n" not in str(e.value)
