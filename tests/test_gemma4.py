@@ -1,7 +1,8 @@
 """Gemma 4, dense (sliding and full layers with their own head size, KV heads and proportional RoPE, keys as values,
 q/k/v norms, unscaled logits, four norms and a scalar per layer, GeGLU, scaled embeddings, soft-capped logits):
 logits against transformers in float32 on rows longer than the window, packed rows, the published multimodal layout,
-NF4 QLoRA training, PEFT and merged export read by transformers; what is not built yet is refused in one line."""
+greedy generation, NF4 QLoRA training, PEFT and merged export read by transformers; what is not built yet is refused
+in one line."""
 
 from __future__ import annotations
 
@@ -132,11 +133,14 @@ def test_variants_not_built_are_refused_in_one_line_before_loading(tmp_path, cha
     assert "\n" not in str(e.value)
 
 
-def test_generation_is_refused_in_one_line(tmp_path):
-    from jaxtune.generate import generate_tokens
+@pytest.mark.parametrize("k_eq_v", [False, True])
+def test_greedy_generation_equals_transformers(tmp_path, monkeypatch, k_eq_v):
+    """Left-padded prompts, one longer than the window: each attention layer decodes on a cache of its own geometry
+    (the full layers' wider heads, fewer KV heads where keys serve as values), as transformers' greedy `generate`."""
+    from conftest import assert_greedy_tokens_are_transformers
 
-    _build(tmp_path)
+    extra = dict(attention_k_eq_v=True, num_global_key_value_heads=1) if k_eq_v else {}
+    hf = _build(tmp_path, **extra)
     model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32")
-    with pytest.raises(jaxtune.UnsupportedModelError, match="generation .* not supported yet") as e:
-        generate_tokens(model, [[1, 2, 3]], max_new_tokens=2)
-    assert "\n" not in str(e.value)
+    prompts = [[int(i) for i in np.random.default_rng(5).integers(3, 128, 13)], [7, 8]]
+    assert_greedy_tokens_are_transformers(model, hf, prompts, monkeypatch, max_new_tokens=10)

@@ -10,8 +10,7 @@ import jax.numpy as jnp
 
 from jaxtune.models.blocks.gated_deltanet import LinearCache
 from jaxtune.models.config import ModelConfig
-from jaxtune.errors import UnsupportedModelError
-from jaxtune.models.layer_kinds import DEFAULT, SLIDING, attention_geometry, attention_layers
+from jaxtune.models.layer_kinds import GATED_DELTANET, attention_geometry, attention_layers, layer_kind
 
 
 class LayerCache(NamedTuple):
@@ -30,7 +29,8 @@ class KVCache(NamedTuple):
 
     Stacked, the model runs its layers as a loop (one layer's program, compiled once). Per layer, it traces one
     layer per decoder layer and each writes and reads its own arrays: on a GPU a token's step is then one straight
-    program with no cache slice copied, which runs faster and compiles slower."""
+    program with no cache slice copied, which runs faster and compiles slower. A model whose attention layers differ
+    in head size or KV heads (Gemma 4's full layers) always has per-layer arrays, each of its layer's shape."""
 
     k: jax.Array | tuple[jax.Array, ...]
     v: jax.Array | tuple[jax.Array, ...]
@@ -41,16 +41,13 @@ class KVCache(NamedTuple):
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, length: int, dtype: jnp.dtype, per_layer: bool = False) -> "KVCache":
-        if cfg.full_head_dim and attention_geometry(cfg, DEFAULT)[:2] != attention_geometry(cfg, SLIDING)[:2]:
-            raise UnsupportedModelError(
-                f"generation (and GRPO's rollouts) for {cfg.model_type} models whose full-attention layers have their "
-                "own head size or KV heads is not supported yet: the KV cache holds one geometry; training and "
-                "exports work")
         shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
         segments = jnp.zeros((batch, length), jnp.int32)
         layers = attention_layers(cfg)
         linear = cfg.num_layers - layers
         linear = LinearCache.empty(cfg, linear, batch, dtype) if linear else None
-        if per_layer:
-            return cls(*(tuple(jnp.zeros(shape, dtype) for _ in range(layers)) for _ in "kv"), segments, linear)
+        shapes = [(batch, length, *attention_geometry(cfg, layer_kind(cfg, i))[1::-1])
+                  for i in range(cfg.num_layers) if layer_kind(cfg, i) != GATED_DELTANET]
+        if per_layer or len(set(shapes)) > 1:  # layers of several geometries (Gemma 4): one array each
+            return cls(*(tuple(jnp.zeros(s, dtype) for s in shapes) for _ in "kv"), segments, linear)
         return cls(jnp.zeros((layers, *shape), dtype), jnp.zeros((layers, *shape), dtype), segments, linear)
