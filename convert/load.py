@@ -50,9 +50,11 @@ def hf_name_to_path(name: str) -> tuple[Path, Index] | None:
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
     if m:
         layer, rest = int(m.group(1)), m.group(2)
-        fused = moe_names.FUSED.fullmatch(rest)  # gpt-oss: every expert of the layer in one tensor
+        fused = moe_names.FUSED.fullmatch(rest)  # gpt-oss, Gemma 4: every expert of the layer in one tensor
         if fused:
-            return ("fused", fused.group(1), "bias" if fused.group(2) else "weight"), layer
+            return ("fused", fused["hub"], "bias" if fused["bias"] else "weight", fused["module"]), layer
+        if router := moe_names.LAYER_ROUTER.fullmatch(rest):
+            return ("layers", "moe", "router", router.group(1).removeprefix("proj.")), layer
         expert = moe_names.EXPERT.fullmatch(rest)  # a mixture of experts' tensors -> the stacks under `mlp`
         if expert:
             proj = moe_names.projection_name(expert.group(2))
@@ -145,10 +147,11 @@ def _plan(source, cfg: ModelConfig, slots: dict[Path, tuple[tuple[int, ...], boo
         plan[name] = target
         filled.add(target)
     stacks = {stack.attr: stack for stack in layer_stacks(cfg)}
+    expert_module = (moe_names.fused_layout(cfg.model_type) or moe_names.GPT_OSS).module
     for path in slots:
         stack = stacks.get(path[0])
         layers = range(len(stack.layers)) if stack else [None]
-        experts = (range(cfg.num_experts) if stack and has_experts(cfg, stack) and path[1] == "mlp"
+        experts = (range(cfg.num_experts) if stack and has_experts(cfg, stack) and path[1] == expert_module
                    and path[2] in ("gate_proj", "up_proj", "down_proj") else None)
         for layer in layers:
             for index in [layer] if experts is None else [(layer, e) for e in experts]:
@@ -167,7 +170,8 @@ def _plan_fused(name: str, target: tuple[Path, Index], source, cfg: ModelConfig,
                 filled: set) -> tuple[Path, Index]:
     """A fused expert tensor's place: (("fused", hub name, weight or bias, the stack), its layer there), every
     expert of the projections it holds marked filled; its shape checked."""
-    (_, hub, field), layer = target
+    (_, hub, field, module), layer = target
+    layout = moe_names.hub_layout(module)
     if layer >= cfg.num_layers or not cfg.num_experts:
         raise CheckpointError(f"checkpoint tensor {name!r} has no place in a {cfg.model_type} model with this config; "
                               "the weights and config.json do not match")
@@ -175,16 +179,17 @@ def _plan_fused(name: str, target: tuple[Path, Index], source, cfg: ModelConfig,
         raise CheckpointError(f"{name} is a quantized fused expert tensor, which jaxtune does not read; load the "
                               "bf16 checkpoint (it is quantized to NF4 at load)")
     stack, local = locate(cfg, layer)
-    want = moe_names.fused_shape(hub, field == "bias", cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+    want = moe_names.fused_shape(hub, field == "bias", cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                 layout)
     if tuple(source.shape(name)) != want:
         raise CheckpointError(f"tensor {name} has shape {tuple(source.shape(name))} but config.json implies {want}")
     for proj in moe_names.fused_projections(hub):
-        path = (stack.attr, "mlp", proj, field)
+        path = (stack.attr, layout.module, proj, field)
         if path not in slots:
             raise CheckpointError(f"checkpoint tensor {name!r} does not belong in layer {layer} of this "
                                   f"{cfg.model_type} model; the weights and config.json do not match")
         filled.update((path, (local, e)) for e in range(cfg.num_experts))
-    return ("fused", hub, field, stack.attr), local
+    return ("fused", hub, field, module, stack.attr), local
 
 
 def abstract_model(cfg: ModelConfig, dtype: jnp.dtype = jnp.bfloat16, load_in_4bit: bool = True) -> CausalLM:
@@ -246,11 +251,12 @@ class TensorPlan:
     def _fused_arrays(self, name: str, target: Path, layer: int):
         """A fused expert tensor split into its projections, each expert's weight quantized on its own (as the
         per-expert layout's are) where the slot is NF4."""
-        _, hub, field, attr = target
+        _, hub, field, module, attr = target
+        layout = moe_names.hub_layout(module)
         # split as stored (a view of the memory-mapped or dequantized bf16 tensor), one expert in float32 at a time
-        parts = moe_names.split_fused(hub, field == "bias", self.source.get(name))
+        parts = moe_names.split_fused(hub, field == "bias", self.source.get(name), layout)
         for proj, stacked in parts.items():
-            path = (attr, "mlp", proj, field)
+            path = (attr, layout.module, proj, field)
             for e in range(stacked.shape[0]):
                 index, array = (layer, e), np.asarray(stacked[e], np.float32)
                 if not self.slots[path][1]:

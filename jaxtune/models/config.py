@@ -103,6 +103,9 @@ class ModelConfig:
     full_k_eq_v: bool = False
     full_rope_theta: float = 0.0
     full_partial_rotary_factor: float = 1.0
+    # Gemma 4's mixture of experts: the router reads the RMS-normalized hidden states times a learned scale, and
+    # each chosen expert's weight is scaled per expert (moe/block.Router)
+    router_scaled: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

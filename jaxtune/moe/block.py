@@ -11,7 +11,8 @@ from jaxtune.moe import balancing
 from jaxtune.moe.expert_mlp import ExpertMLPSpec, expert_mlp
 from jaxtune.moe.experts import ExpertLinear, NF4Experts, expert_projection
 from jaxtune.moe.layout import tile_layout
-from jaxtune.moe.routing import route
+from jaxtune.moe.routing import Routing, route
+from jaxtune.models.layers import rms_normalize
 from jaxtune.ops.sharded import per_batch_shard_with
 from jaxtune.parallel.sharding import batch_shards, current_mesh, whole_on_every_device
 from jaxtune.quant.weights import QuantizedWeight
@@ -19,11 +20,28 @@ from jaxtune.quant.weights import QuantizedWeight
 
 class Router(nnx.Module):
     """The router's weight [E, hidden] (and bias [E], gpt-oss): never quantized, never adapted (it decides which
-    experts run)."""
+    experts run). `scaled` (Gemma 4): its input RMS-normalized, times a learned `scale` [hidden] and
+    1/sqrt(hidden); each chosen expert's weight times its learned `per_expert_scale` [E]."""
 
-    def __init__(self, experts: int, hidden: int, *, dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = False):
+    def __init__(self, experts: int, hidden: int, *, dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = False,
+                 scaled: bool = False, eps: float = 1e-6):
         self.weight = nnx.Param(0.02 * jax.random.normal(rngs.params(), (experts, hidden), dtype))
         self.bias = nnx.Param(jnp.zeros((experts,), dtype)) if bias else None
+        self.scale = nnx.Param(jnp.ones((hidden,), dtype)) if scaled else None
+        self.per_expert_scale = nnx.Param(jnp.ones((experts,), dtype)) if scaled else None
+        self.eps = eps
+
+    def route(self, x: jax.Array, top_k: int, normalize: bool) -> Routing:
+        """The routing of tokens x [N, hidden]."""
+        if self.scale is not None:  # in x's dtype, as the reference computes it
+            normed = rms_normalize(x, self.eps).astype(x.dtype)
+            x = normed * self.scale[...].astype(x.dtype) * jnp.asarray(x.shape[-1] ** -0.5, x.dtype)
+        bias = None if self.bias is None else self.bias[...]
+        routing = route(x, self.weight[...], top_k, normalize, bias)
+        if self.per_expert_scale is None:
+            return routing
+        scales = jnp.take(self.per_expert_scale[...].astype(jnp.float32), routing.experts)
+        return routing._replace(weights=routing.weights * scales)
 
 
 class SparseMoE(nnx.Module):
@@ -35,7 +53,8 @@ class SparseMoE(nnx.Module):
                  shared_expert_gate: nnx.Module | None = None):
         h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         self.num_experts, self.top_k, self.normalize = e, cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.router = Router(e, h, dtype=dtype, rngs=rngs, bias=cfg.moe_bias)
+        self.router = Router(e, h, dtype=dtype, rngs=rngs, bias=cfg.moe_bias, scaled=cfg.router_scaled,
+                             eps=cfg.rms_norm_eps)
         self.gate_proj = ExpertLinear(e, h, i, dtype=dtype, rngs=rngs, bias=cfg.moe_bias)
         self.up_proj = ExpertLinear(e, h, i, dtype=dtype, rngs=rngs, bias=cfg.moe_bias)
         self.down_proj = ExpertLinear(e, i, h, dtype=dtype, rngs=rngs, bias=cfg.moe_bias)
@@ -43,14 +62,17 @@ class SparseMoE(nnx.Module):
         self.swiglu_alpha, self.swiglu_limit = cfg.swiglu_alpha, cfg.swiglu_limit
         self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
 
-    def __call__(self, x: jax.Array, rng: jax.Array | None = None, token_tile: int | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, rng: jax.Array | None = None, token_tile: int | None = None,
+                 router_x: jax.Array | None = None) -> jax.Array:
+        """`router_x`: what the router reads where it is not the experts' input (Gemma 4 routes the layer's
+        un-normed hidden states)."""
         b, t, _ = x.shape
         mask = balancing.collecting_mask()  # the load-balancing loss's tokens, when its statistics are collected
         mask = None if mask is None else mask.reshape(b, t)
         if current_mesh() is None:
-            out, stats = self.routed(x, mask, rng)
+            out, stats = self.routed(x, mask, rng, router_x)
         else:
-            out, stats = _per_batch_shard(self, x, mask, rng)
+            out, stats = _per_batch_shard(self, x, mask, rng, router_x)
         if stats is not None:
             balancing.add(stats)
         if self.shared_expert is not None:  # one dense GEMM per projection beside the routed ones
@@ -58,12 +80,13 @@ class SparseMoE(nnx.Module):
             out = out + gate * self.shared_expert(x, None if rng is None else jax.random.fold_in(rng, 7))
         return out
 
-    def routed(self, x: jax.Array, mask: jax.Array | None, rng: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+    def routed(self, x: jax.Array, mask: jax.Array | None, rng: jax.Array | None,
+               router_x: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
         """(the block's output, its load-balancing statistics over `mask`'s tokens or None) on one device."""
         b, t, hidden = x.shape
         flat = x.reshape(b * t, hidden)
-        bias = None if self.router.bias is None else self.router.bias[...]
-        routing = route(flat, self.router.weight[...], self.top_k, self.normalize, bias)
+        routing = self.router.route(flat if router_x is None else router_x.reshape(b * t, hidden), self.top_k,
+                                    self.normalize)
         stats = None if mask is None else balancing.statistics(routing, self.num_experts, mask.reshape(-1))
         layout = tile_layout(routing.experts, self.num_experts)
         key = (lambda i: None) if rng is None else (lambda i: jax.random.fold_in(rng, i))  # noqa: E731
@@ -75,8 +98,8 @@ class SparseMoE(nnx.Module):
         return out, stats
 
 
-def _per_batch_shard(block: SparseMoE, x: jax.Array, mask: jax.Array | None,
-                     rng: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+def _per_batch_shard(block: SparseMoE, x: jax.Array, mask: jax.Array | None, rng: jax.Array | None,
+                     router_x: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
     """`block.routed` on each device's own rows of a mesh, the layer's weights gathered whole on every device (as
     FSDP gathers a dense layer's, the NF4 codes 1 byte each). Routed on the global rows instead, the grouped
     kernel (a custom call, which XLA cannot partition) ran every expert's GEMM over every device's rows on every
@@ -90,11 +113,11 @@ def _per_batch_shard(block: SparseMoE, x: jax.Array, mask: jax.Array | None,
     # per row of the batch split: the token mask, and a dropout key per device (the first one on every device
     # when the rows do not split and each device computes them all)
     keys = None if rng is None else jax.random.split(rng, batch_shards(current_mesh()))
-    per_row = {"mask": mask, "keys": keys}
+    per_row = {"mask": mask, "keys": keys, "router_x": router_x}
 
     def on_device(x, per_row, weights):
         rng = None if per_row["keys"] is None else per_row["keys"][0]
-        out, stats = nnx.merge(graphdef, weights).routed(x, per_row["mask"], rng)
+        out, stats = nnx.merge(graphdef, weights).routed(x, per_row["mask"], rng, per_row["router_x"])
         return out, (None if stats is None else stats[None])
 
     out, stats = per_batch_shard_with(on_device, (x, per_row), (weights,))

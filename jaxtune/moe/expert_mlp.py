@@ -49,7 +49,7 @@ class ExpertMLPSpec:
     top_k: int
     rows: int  # the padded layout's row count
     block_m: int
-    activation: str = "swiglu"  # or "clamped_swiglu" (gpt-oss)
+    activation: str = "swiglu"  # or "clamped_swiglu" (gpt-oss), "geglu" (Gemma 4)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     scales: tuple[float, float, float] = (1.0, 1.0, 1.0)  # LoRA scale of gate, up, down
@@ -57,7 +57,10 @@ class ExpertMLPSpec:
 
 
 def activate(gate: jax.Array, up: jax.Array, spec: ExpertMLPSpec) -> jax.Array:
-    """SwiGLU (silu(gate) * up) or gpt-oss's clamped SwiGLU, in the inputs' dtype."""
+    """SwiGLU (silu(gate) * up), Gemma 4's GeGLU (tanh-approximated gelu(gate) * up) or gpt-oss's clamped SwiGLU,
+    in the inputs' dtype."""
+    if spec.activation == "geglu":
+        return jax.nn.gelu(gate, approximate=True) * up
     if spec.activation == "clamped_swiglu":
         g = jnp.minimum(gate.astype(jnp.float32), spec.swiglu_limit)
         u = jnp.clip(up.astype(jnp.float32), -spec.swiglu_limit, spec.swiglu_limit)

@@ -1,5 +1,8 @@
 """Gemma 4's decoder layer: attention then the GeGLU MLP, each between two RMSNorms (one on its input, one on its
-output before the residual add), and the layer's output times a learned scalar (frozen, as LoRA leaves it)."""
+output before the residual add), and the layer's output times a learned scalar (frozen, as LoRA leaves it). The
+mixture-of-experts variant runs routed GeGLU experts (`moe`) beside the dense MLP: each branch has its own input
+and output norms, the router reads the un-normed hidden states, and the two outputs are summed before the MLP's
+output norm."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from jaxtune.models.blocks.mlp import MLP
 from jaxtune.models.config import ModelConfig
 from jaxtune.models.layer_kinds import DEFAULT, attention_window
 from jaxtune.models.layers import RMSNorm
+from jaxtune.moe.block import SparseMoE
 
 
 class Gemma4DecoderLayer(nnx.Module):
@@ -21,6 +25,12 @@ class Gemma4DecoderLayer(nnx.Module):
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs, sliding_window=attention_window(cfg, kind), kind=kind)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+        if cfg.num_experts:
+            self.moe = SparseMoE(cfg, dtype=dtype, rngs=rngs)
+            self.post_feedforward_layernorm_1, self.pre_feedforward_layernorm_2 = norm(), norm()
+            self.post_feedforward_layernorm_2 = norm()
+        else:
+            self.moe = None
         self.layer_scalar = nnx.Param(jnp.ones((1,), dtype))
 
     def __call__(self, x, cos, sin, segment_ids, cache=None, cache_segment_ids=None, cache_index=None, rng=None,
@@ -28,5 +38,10 @@ class Gemma4DecoderLayer(nnx.Module):
         attn, cache = self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, cache, cache_segment_ids,
                                      cache_index, rng)
         x = x + self.post_attention_layernorm(attn)
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), rng, mlp_token_tile))
+        out = self.mlp(self.pre_feedforward_layernorm(x), rng, mlp_token_tile)
+        if self.moe is not None:
+            routed = self.moe(self.pre_feedforward_layernorm_2(x), None if rng is None else jax.random.fold_in(rng, 8),
+                              router_x=x)
+            out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(routed)
+        x = x + self.post_feedforward_layernorm(out)
         return x * self.layer_scalar[...], cache

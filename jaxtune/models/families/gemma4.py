@@ -8,8 +8,11 @@ before and after the MLP, and a learned scalar on each layer's output; q/k norms
 over the whole head, only the first `partial_rotary_factor` of the pairs turning); GeGLU MLPs; embeddings times
 sqrt(hidden_size); tied embeddings; `final_logit_softcapping`.
 
-Not built yet, refused in one line before loading: the mixture-of-experts block (`enable_moe_block`, 26B-A4B), the
-small models' per-layer inputs (`hidden_size_per_layer_input`) and KV sharing (`num_kv_shared_layers`).
+The mixture-of-experts variant (`enable_moe_block`, 26B-A4B) adds routed GeGLU experts beside every layer's dense
+MLP, each branch normed on its own before the sum; the router reads the layer's un-normed hidden states.
+
+Not built yet, refused in one line before loading: the small models' per-layer inputs (`hidden_size_per_layer_input`)
+and KV sharing (`num_kv_shared_layers`).
 """
 
 from __future__ import annotations
@@ -38,9 +41,6 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
 def fields(hf: dict[str, Any], layers: int) -> dict[str, Any]:
     """The ModelConfig fields particular to Gemma 4, refused in one line where they name no model jaxtune builds."""
     model_type = hf["model_type"]
-    if hf.get("enable_moe_block"):
-        raise UnsupportedModelError(f"{model_type} with enable_moe_block (Gemma 4's mixture of experts, 26B-A4B) is "
-                                    "not supported yet; the dense Gemma 4 models load")
     if hf.get("hidden_size_per_layer_input") or hf.get("num_kv_shared_layers"):
         raise UnsupportedModelError(
             f"{model_type} with per-layer inputs or KV sharing (hidden_size_per_layer_input="
@@ -70,6 +70,7 @@ def fields(hf: dict[str, Any], layers: int) -> dict[str, Any]:
     window = hf.get("sliding_window")
     if "sliding_attention" in types and not window:
         raise UnsupportedModelError(f"{model_type} config.json has sliding layers but no sliding_window; is it complete?")
+    moe = _moe_fields(hf) if hf.get("enable_moe_block") else {}
     softcap = hf.get("final_logit_softcapping")
     full_rotated = float(full.get("partial_rotary_factor", 1.0))
     return dict(layer_types=tuple(types), sliding_window=int(window) if window else None,
@@ -78,7 +79,19 @@ def fields(hf: dict[str, Any], layers: int) -> dict[str, Any]:
                 final_logit_softcapping=float(softcap) if softcap else None, attention_scale=1.0, v_norm=True,
                 full_head_dim=full_head, full_num_kv_heads=full_kv, full_k_eq_v=k_eq_v,
                 full_rope_theta=float(full.get("rope_theta", 1_000_000.0)),
-                full_partial_rotary_factor=full_rotated if full.get("rope_type") == "proportional" else 1.0)
+                full_partial_rotary_factor=full_rotated if full.get("rope_type") == "proportional" else 1.0, **moe)
+
+
+def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The mixture of experts beside every layer's dense MLP (26B-A4B): softmax over all experts, the top k
+    renormalized, then scaled per expert; GeGLU experts."""
+    experts, top_k, width = hf.get("num_experts"), hf.get("top_k_experts"), hf.get("moe_intermediate_size")
+    if not experts or not top_k or not width or not 0 < int(top_k) <= int(experts):
+        raise UnsupportedModelError(
+            f"{hf['model_type']} config.json has enable_moe_block with num_experts={experts!r}, top_k_experts="
+            f"{top_k!r}, moe_intermediate_size={width!r}; it needs all three, 1 <= top_k_experts <= num_experts")
+    return dict(num_experts=int(experts), num_experts_per_tok=int(top_k), moe_intermediate_size=int(width),
+                norm_topk_prob=True, moe_activation="geglu", router_scaled=True)
 
 
 def _full_geometry(hf: dict[str, Any], types: list[str], head_dim: int, k_eq_v: bool) -> tuple[int, int]:
@@ -116,4 +129,6 @@ def hf_fields(cfg) -> dict[str, Any]:
                                       or cfg.num_kv_heads} for i, kind in enumerate(cfg.layer_types)
                                   if kind == "full_attention"},
                 attention_k_eq_v=cfg.full_k_eq_v, hidden_size_per_layer_input=0,
-                num_kv_shared_layers=0, enable_moe_block=False, attention_bias=cfg.qkv_bias)
+                num_kv_shared_layers=0, enable_moe_block=bool(cfg.num_experts), attention_bias=cfg.qkv_bias,
+                **(dict(num_experts=cfg.num_experts, top_k_experts=cfg.num_experts_per_tok,
+                        moe_intermediate_size=cfg.moe_intermediate_size) if cfg.num_experts else {}))
