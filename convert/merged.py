@@ -16,7 +16,8 @@ from tqdm.auto import tqdm
 
 from convert.atomic import atomic_directory
 from convert.jaxtune_format import write_generation_config
-from convert.moe_names import expert_layout, fused_projections, fused_shape, join_fused, split_fused, stores_fused
+from convert.moe_names import (GEMMA4, expert_layout, fused_layout, fused_projections, fused_shape, join_fused,
+                               split_fused, stores_fused)
 from convert.safetensors_writer import ShardedSafetensorsWriter
 from convert.safetensors_source import SafetensorsSource
 from jaxtune.quant import nf4
@@ -118,30 +119,40 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
     parent, hub_names = expert_layout(cfg.model_type) if cfg.num_experts else (None, {})
     expert_shapes = {name: _weight_shape(projection(model, name)) for name in hub_names}
 
+    layout = fused_layout(cfg.model_type)
+
     def merged_fused(attr: str, key: str, i: int, bias: bool) -> np.ndarray:
-        """A fused tensor (gpt-oss) of layer i of stack `attr`: its projections' merged experts (the base's fused
-        tensor read once and split, or the model's own dequantized weights), or their biases, joined again."""
+        """A fused tensor (gpt-oss, Gemma 4) of layer i of stack `attr`: its projections' merged experts (the base's
+        fused tensor read once and split, or the model's own dequantized weights), or their biases, joined again."""
         hub = key.rsplit(".", 1)[1].removesuffix("_bias")
         names = fused_projections(hub)
-        mlp = getattr(model, attr).mlp
+        module = getattr(getattr(model, attr), layout.module)
         if bias:
-            parts = {n: _layer(_base(getattr(mlp, n)).bias[...], i) for n in names}
+            parts = {n: _layer(_base(getattr(module, n)).bias[...], i) for n in names}
         else:
-            base = (split_fused(hub, False, np.asarray(source.get(key), np.float32)) if source is not None
-                    else {n: _layer_experts(getattr(mlp, n), i) for n in names})
-            parts = {n: _with_expert_lora(base[n], getattr(mlp, n), i) for n in names}
-        return join_fused(hub, bias, parts)
+            base = (split_fused(hub, False, np.asarray(source.get(key), np.float32), layout) if source is not None
+                    else {n: _layer_experts(getattr(module, n), i) for n in names})
+            parts = {n: _with_expert_lora(base[n], getattr(module, n), i) for n in names}
+        return join_fused(hub, bias, parts, layout)
 
     def fused_experts(p: str, attr: str, i: int) -> Iterator[MergedTensor]:
-        """gpt-oss's layout: the router with its bias, and every expert in one tensor per projection."""
-        router = getattr(model, attr).mlp.router
-        yield layer(f"{p}.mlp.router.weight", router.weight[...], i)
-        yield layer(f"{p}.mlp.router.bias", router.bias[...], i)
+        """The fused layouts: gpt-oss's router with its bias and every expert in one tensor per projection, with
+        biases; Gemma 4's scaled router beside the dense MLP, and its experts."""
+        router = getattr(getattr(model, attr), layout.module).router
         e, width, hidden = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        if layout == GEMMA4:
+            yield layer(f"{p}.router.proj.weight", router.weight[...], i)
+            yield layer(f"{p}.router.scale", router.scale[...], i)
+            yield layer(f"{p}.router.per_expert_scale", router.per_expert_scale[...], i)
+            prefix, biases = f"{p}.experts", (False,)
+        else:
+            yield layer(f"{p}.mlp.router.weight", router.weight[...], i)
+            yield layer(f"{p}.mlp.router.bias", router.bias[...], i)
+            prefix, biases = f"{p}.mlp.experts", (False, True)
         for hub in ("gate_up_proj", "down_proj"):
-            for bias in (False, True):
-                key = f"{p}.mlp.experts.{hub}" + ("_bias" if bias else "")
-                shape = fused_shape(hub, bias, e, hidden, width)
+            for bias in biases:
+                key = f"{prefix}.{hub}" + ("_bias" if bias else "")
+                shape = fused_shape(hub, bias, e, hidden, width, layout)
                 yield MergedTensor(key, shape, functools.partial(merged_fused, attr, key, i, bias))
 
     def experts(p: str, attr: str, i: int) -> Iterator[MergedTensor]:  # i: the layer's position in stack `attr`
@@ -154,8 +165,9 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
     def norms(stack: Any) -> list[tuple[str, Any]]:
         """The layer's tensors beside its projections (norms; a Gated DeltaNet layer's conv, decay and norm)."""
         names = [(f"{norm}.weight", getattr(stack, norm).weight) for norm in (
-            "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
-            if hasattr(stack, norm)]  # Gemma 4 has all four
+            "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
+            "post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2")
+            if hasattr(stack, norm)]  # Gemma 4 has the four around attention and the MLP, and three more with experts
         if hasattr(stack, "layer_scalar"):
             names.append(("layer_scalar", stack.layer_scalar))
         if cfg.qk_norm and hasattr(stack, "self_attn"):
@@ -188,8 +200,8 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
             yield MergedTensor(f"{p}.mlp.shared_expert_gate.weight", _weight_shape(gate),
                                functools.partial(merged_weight, f"{p}.mlp.shared_expert_gate.weight", gate, j))
         for name in projection_names(stack):
-            if sparse and PARENT_MODULE[name] == "mlp":
-                continue
+            if sparse and PARENT_MODULE[name] == "mlp" and getattr(stack, "moe", None) is None:
+                continue  # the MLP is the experts (Gemma 4's experts are beside a dense MLP)
             proj = projection(model, name, kind.attr)
             key = f"{p}.{PARENT_MODULE[name]}.{name}"
             yield MergedTensor(f"{key}.weight", _weight_shape(proj),

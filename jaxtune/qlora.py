@@ -110,15 +110,18 @@ def projection_names(layers: nnx.Module) -> list[str]:
 
 def _projections(model: CausalLM):
     """(name, parent module, projection, its LayerStack) for the projections of every stack of decoder layers, a
-    shared expert's included."""
+    shared expert's and Gemma 4's routed experts' included."""
     for stack, layers in model.layer_stacks():
         for name in projection_names(layers):
             parent = getattr(layers, PARENT_MODULE[name])
             yield name, parent, getattr(parent, name), stack
         shared = getattr(getattr(layers, "mlp", None), "shared_expert", None)
-        if shared is not None:  # a shared expert's projections take the MLP's names (gate_proj, ...)
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                yield name, shared, getattr(shared, name), stack
+        # a shared expert's projections, and Gemma 4's routed experts beside its dense MLP (`moe`), take the MLP's
+        # names (gate_proj, ...)
+        for beside in (shared, getattr(layers, "moe", None)):
+            if beside is not None:
+                for name in ("gate_proj", "up_proj", "down_proj"):
+                    yield name, beside, getattr(beside, name), stack
 
 
 # one compiled program per weight shape: run op by op, the vmapped quantizer compiled a dozen small programs per

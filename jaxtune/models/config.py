@@ -125,6 +125,8 @@ class ModelConfig:
         """What PEFT (or merged) export does not write for this model yet; None: it writes it all."""
         if peft and self.shared_expert_intermediate_size:
             return f"{self.model_type}'s shared experts"
+        if peft and self.router_scaled:
+            return f"{self.model_type}'s experts beside the dense MLP"
         return None
 
     @property
