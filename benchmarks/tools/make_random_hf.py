@@ -1,9 +1,10 @@
-"""A random bf16 HF checkpoint of a hybrid Qwen3.5 shape, built by transformers itself on the GPU.
+"""A random bf16 HF checkpoint of a Qwen3.5, gpt-oss or Gemma 4 shape, built by transformers itself on the GPU.
 
-The Qwen3.5 families' tensors (Gated DeltaNet projections, conv, A_log, dt_bias, fused expert stacks) are laid out
-by transformers' own modeling code, so both sides of a benchmark read the same files transformers writes. Weights
-are transformers' initialisation (N(0, 0.02) projections, its A_log / dt_bias draws); `--layers` keeps the model's
-per-layer shapes on fewer layers (the 3:1 linear / full pattern is kept).
+The families' tensors (Gated DeltaNet projections, conv, A_log, dt_bias, fused expert stacks, sinks, routers) are
+laid out by transformers' own modeling code, so both sides of a benchmark read the same files transformers writes.
+Weights are transformers' initialisation (N(0, 0.02) projections, its A_log / dt_bias draws); `--layers` keeps the
+model's per-layer shapes on fewer layers (Qwen3.5's 3:1 linear / full pattern, gpt-oss's alternation, Gemma 4's 5:1
+sliding / full pattern are kept).
 
     python3 benchmarks/tools/make_random_hf.py --model qwen3.5-9b --layers 8 /tmp/q35_9b
 Prints one JSON line: seconds, bytes on disk.
@@ -37,16 +38,37 @@ MODELS: dict[str, dict] = {
                              linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                              num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                              shared_expert_intermediate_size=32, vocab_size=256),
+    # gpt-oss-20b as released (GptOssConfig's defaults are 120b's: 36 layers, 128 experts)
+    "gpt-oss-20b": dict(model_type="gpt_oss", num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4),
+    # Gemma 4 at the published sizes' shapes as this page assumes them (hidden, layers, heads, the full layers'
+    # 512-wide heads and fewer KV heads with keys as values); no per-layer inputs
+    "gemma4-31b": dict(model_type="gemma4_text", hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
+                       num_attention_heads=32, num_key_value_heads=16, head_dim=256, global_head_dim=512,
+                       num_global_key_value_heads=4, attention_k_eq_v=True, sliding_window=1024,
+                       hidden_size_per_layer_input=0, vocab_size=262144),
+    "gemma4-26b-a4b": dict(model_type="gemma4_text", hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+                           num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
+                           num_global_key_value_heads=2, attention_k_eq_v=True, sliding_window=1024,
+                           hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=128, top_k_experts=8,
+                           moe_intermediate_size=704, vocab_size=262144),
 }
 
 
 def config(name: str, layers: int | None):
-    """transformers' config of `name`, on `layers` decoder layers (every fourth one full attention)."""
-    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+    """transformers' config of `name`, on `layers` decoder layers (each family's pattern of layer kinds kept)."""
+    from transformers import Gemma4TextConfig, GptOssConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     fields = dict(MODELS[name])
     kind = fields.pop("model_type")
-    n = layers or fields["num_hidden_layers"]
+    n = layers or fields.get("num_hidden_layers", 24)
+    if kind == "gpt_oss":
+        return GptOssConfig(**{**fields, "num_hidden_layers": n,
+                               "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                               for i in range(n)]})
+    if kind == "gemma4_text":
+        return Gemma4TextConfig(**{**fields, "num_hidden_layers": n,
+                                   "layer_types": ["full_attention" if (i + 1) % 6 == 0 or i == n - 1
+                                                   else "sliding_attention" for i in range(n)]})
     fields.update(num_hidden_layers=n, tie_word_embeddings=False, bos_token_id=fields["vocab_size"] - 2,
                   eos_token_id=fields["vocab_size"] - 1,
                   layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)])
