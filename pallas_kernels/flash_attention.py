@@ -67,6 +67,16 @@ class AttentionTiles:
 
 
 DEFAULT_TILES = AttentionTiles()
+# heads wider than 128 (Qwen3.5's and Gemma 4's sliding layers: 256; Gemma 4's full layers: 512): tiles shrunk so the
+# forward's [block_q, d] float32 accumulator and the dk/dv kernel's two [block_k, d] ones stay at 64 KB (64 registers
+# a thread at 8 warps), and the key and value tiles with the query tile fit shared memory in the stages asked
+WIDE_TILES = {256: AttentionTiles(64, 64, 8, 2, 32, 32, 8, 1), 512: AttentionTiles(32, 32, 8, 1, 16, 16, 8, 1)}
+HEAD_DIMS = (64, 128, *WIDE_TILES)
+
+
+def tiles_for(head_dim: int, tiles: AttentionTiles = DEFAULT_TILES) -> AttentionTiles:
+    """The tiles a head size runs: those asked for, or for wide heads the default's shrunk counterpart."""
+    return WIDE_TILES[head_dim] if tiles == DEFAULT_TILES and head_dim in WIDE_TILES else tiles
 
 
 # --------------------------------------------------------------------------------------------- reference
@@ -470,8 +480,9 @@ def _check(q, k, v, segment_ids):
         raise ValueError(f"flash_attention: q {q.shape} and k/v {k.shape} differ in batch, length or head dim")
     if hq % k.shape[2]:
         raise ValueError(f"flash_attention: {hq} query heads is not a multiple of {k.shape[2]} kv heads")
-    if d not in (64, 128):
-        raise ValueError(f"flash_attention supports head_dim 64 and 128, got {d}; use the XLA reference")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"flash_attention supports head_dim {', '.join(map(str, HEAD_DIMS))}, got {d}; use the XLA "
+                         "reference")
     if segment_ids is not None and segment_ids.shape != (b, t):
         raise ValueError(f"flash_attention: segment_ids must be [B, T] = {(b, t)}, got {segment_ids.shape}")
 
@@ -576,4 +587,5 @@ def flash_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if sinks is not None and sinks.shape != (q.shape[2],):
         raise ValueError(f"flash_attention: sinks has shape {sinks.shape}, not one per query head ({q.shape[2]},)")
-    return _flash(q, k, v, segment_ids, sinks, scale, causal, sliding_window, tiles, interpret, shared_prefix)
+    return _flash(q, k, v, segment_ids, sinks, scale, causal, sliding_window, tiles_for(q.shape[-1], tiles), interpret,
+                  shared_prefix)

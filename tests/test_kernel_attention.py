@@ -93,6 +93,8 @@ CASES = [
     (1, 130, 4, 2, 64, False, 33),
     (2, 90, 6, 2, 64, True, None),  # a group of 3: dk/dv per query head, summed after
     (1, 70, 8, 1, 64, False, 40),  # a group of 8 summed inside the dk/dv kernel, with a window
+    (1, 75, 4, 2, 256, True, 20),  # wide heads (Qwen3.5, Gemma 4's sliding layers) on packed rows with a window
+    (2, 40, 2, 1, 512, False, None),  # Gemma 4's full layers
 ]
 
 
@@ -196,7 +198,7 @@ def test_flash_attention_bf16_close_to_float64():
 
 def test_flash_attention_rejects_unsupported_shapes():
     q = jnp.zeros((1, 8, 2, 96))
-    with pytest.raises(ValueError, match="head_dim 64 and 128"):
+    with pytest.raises(ValueError, match="head_dim 64, 128, 256, 512, got 96"):
         flash_attention(q, q, q, interpret=True)
     with pytest.raises(ValueError, match="not a multiple"):
         flash_attention(jnp.zeros((1, 8, 3, 64)), jnp.zeros((1, 8, 2, 64)), jnp.zeros((1, 8, 2, 64)), interpret=True)
@@ -226,6 +228,24 @@ def test_flash_attention_lowers_for_cuda(cuda_export, t, segments, tiles, hq, hk
 
     module = cuda_export(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg, sinks)
     assert module.count(f"@{CUSTOM_CALL}(") == 3  # forward, dq, dk+dv kernels
+
+
+@pytest.mark.parametrize("d,segments,window", [(256, True, 1024), (512, False, None), (512, True, None)])
+def test_wide_heads_lower_for_cuda(cuda_export, d, segments, window):
+    """Heads of 256 and 512 at Gemma 4's shapes (bf16, seq 2048, its window on the sliding layers): the forward and
+    both backward kernels lower with the wide tiles."""
+    from pallas_kernels.flash_attention import WIDE_TILES, tiles_for
+
+    assert tiles_for(d) == WIDE_TILES[d]
+    q = jax.ShapeDtypeStruct((1, 2048, 16, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 2048, 4, d), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, 2048), jnp.int32) if segments else None
+
+    def loss(q, k, v, seg):
+        return flash_attention(q, k, v, seg, sliding_window=window).astype(jnp.float32).sum()
+
+    module = cuda_export(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
+    assert module.count(f"@{CUSTOM_CALL}(") == 3
 
 
 def test_bad_tiles_fail_cuda_lowering(cuda_export):

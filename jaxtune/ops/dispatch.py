@@ -144,12 +144,15 @@ def check_fp8_device() -> None:
 
 def attention_impl(plain_causal: bool, head_dim: int = 128) -> str:
     """`xla`, `pallas` or `cudnn` for full-sequence (no KV cache) attention; `plain_causal`: no segments/window.
-    Heads of 64 or 128 run the Pallas kernel or cuDNN; wider ones (Qwen3.5's full layers: 256) run cuDNN's flash
-    attention where it has them (Hopper and later, up to 256), else XLA."""
+    Heads of 64 or 128 run the Pallas kernel or cuDNN. Wider ones (Qwen3.5's full layers and Gemma 4's sliding ones:
+    256, Gemma 4's full layers: 512) run cuDNN's flash attention for plain causal rows where it has them (Hopper and
+    later, up to 256), else the Pallas kernel with its wide tiles; other widths XLA."""
     if head_dim in (64, 128):
         return _forced("pallas") or ("cudnn" if plain_causal else "pallas")
-    wide = plain_causal and head_dim <= 256 and head_dim % 8 == 0 and (_compute_capability() or (0, 0))[0] >= 9
-    return "cudnn" if wide and _forced("pallas") is None else "xla"
+    if head_dim not in (256, 512):
+        return "xla"
+    cudnn = plain_causal and head_dim <= 256 and (_compute_capability() or (0, 0))[0] >= 9
+    return _forced("pallas") or ("cudnn" if cudnn else "pallas")
 
 
 def gated_delta_impl(dk: int, dv: int) -> str:
