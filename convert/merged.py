@@ -170,8 +170,12 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
             if hasattr(stack, norm)]  # Gemma 4 has the four around attention and the MLP, and three more with experts
         if hasattr(stack, "layer_scalar"):
             names.append(("layer_scalar", stack.layer_scalar))
+        if getattr(stack, "per_layer_input_gate", None) is not None:  # Gemma 4's per-layer inputs (frozen)
+            names += [(f"{name}.weight", getattr(stack, name).weight)
+                      for name in ("per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm")]
         if cfg.qk_norm and hasattr(stack, "self_attn"):
-            names += [(f"self_attn.{norm}.weight", getattr(stack.self_attn, norm).weight) for norm in ("q_norm", "k_norm")]
+            names += [(f"self_attn.{norm}.weight", getattr(stack.self_attn, norm).weight) for norm in ("q_norm", "k_norm")
+                      if getattr(stack.self_attn, norm) is not None]  # KV-sharing layers have no k_norm
         if getattr(getattr(stack, "self_attn", None), "sinks", None) is not None:
             names.append(("self_attn.sinks", stack.self_attn.sinks))
         if hasattr(stack, "linear_attn"):
@@ -181,6 +185,9 @@ def merged_tensors(model: CausalLM, source: SafetensorsSource | None) -> Iterato
         return names
 
     yield whole("model.embed_tokens.weight", model.embed_tokens.weight[...])
+    if cfg.per_layer_dim:
+        for name in ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm"):
+            yield whole(f"model.{name}.weight", getattr(model, name).weight[...])
     for i in range(cfg.num_layers):
         kind, j = locate(cfg, i)  # the layer's stack and its position there
         stack, sparse = getattr(model, kind.attr), has_experts(cfg, kind)

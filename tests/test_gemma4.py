@@ -120,6 +120,63 @@ def test_a_4bit_run_trains_and_exports_to_transformers(tmp_path, tiny_tokenizer)
     assert nnx.state(reference, nnx.LoRAParam)
 
 
+SMALL = dict(num_hidden_layers=6, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
+             num_kv_shared_layers=2, use_double_wide_mlp=True,
+             layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                          "sliding_attention", "full_attention"])
+
+
+def test_small_model_logits_equal_transformers(tmp_path):
+    """E2B / E4B's layout: per-layer inputs (their own embedding table and a projection of the embeddings, through
+    each layer's gate and projection), the last two layers attending to the keys and values of the last earlier
+    layer of their type, with MLPs twice as wide; the layers run one by one."""
+    hf = _build(tmp_path, **SMALL)
+    model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32")
+    cfg = model.config
+    assert (cfg.per_layer_dim, cfg.num_kv_shared_layers, cfg.double_wide_mlp) == (8, 2, True)
+    assert model.kv_shared_full_layers.self_attn.k_proj is None
+    assert model.kv_shared_sliding_layers.mlp.up_proj.weight.shape == (1, 192, 64)
+    ids = np.random.default_rng(6).integers(0, 128, (2, 30))
+    _close(np.asarray(model(ids)), _hf_logits(hf, ids))
+
+
+def test_small_model_generates_trains_and_exports(tmp_path, monkeypatch, tiny_tokenizer):
+    """Greedy tokens equal transformers' (the sharing layers read their source's cache); NF4 QLoRA trains, the
+    gradient of the layers that share keys and values reaching the layer that makes them; PEFT and merged exports
+    run in transformers to jaxtune's logits."""
+    from conftest import assert_greedy_tokens_are_transformers
+
+    hf = _build(tmp_path / "g", **SMALL)
+    model, _ = jaxtune.from_pretrained(tmp_path / "g", dtype="float32")
+    prompts = [[int(i) for i in np.random.default_rng(5).integers(3, 100, 13)], [7, 8]]
+    assert_greedy_tokens_are_transformers(model, hf, prompts, monkeypatch, max_new_tokens=10)
+    _build(tmp_path / "t", **{**SMALL, "vocab_size": len(tiny_tokenizer),
+                              "vocab_size_per_layer_input": len(tiny_tokenizer)})
+    model, _ = jaxtune.from_pretrained(tmp_path / "t", dtype="float32", load_in_4bit=True)
+    rows = [{"text": f"row {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 3)} for i in range(16)]
+    cfg = jaxtune.TrainConfig(format="text", seq_len=64, micro_batch_size=4, max_steps=6, learning_rate=1e-2,
+                              warmup_steps=0, lora_r=4, save_steps=0)
+    result = jaxtune.train(model, tiny_tokenizer, rows, cfg, progress=False)
+    assert result.losses[-1] < result.losses[0] - 0.1, result.losses
+    for proj in (model.sliding_attention_layers.self_attn.k_proj, model.kv_shared_full_layers.self_attn.q_proj,
+                 model.kv_shared_sliding_layers.mlp.down_proj):
+        assert np.abs(np.asarray(proj.lora_b[...])).max() > 0
+    # the PEFT adapter in peft + transformers, and the merged checkpoint in transformers: jaxtune's logits
+    from peft import PeftModel
+
+    reference, _ = jaxtune.from_pretrained(tmp_path / "t", dtype="float32")
+    jaxtune.get_peft_model(reference, r=4)
+    set_random_lora(reference, seed=5)
+    ids = np.random.default_rng(4).integers(0, len(tiny_tokenizer), (1, 20))
+    want = np.asarray(reference(ids))
+    jaxtune.save_peft(reference, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "t"))
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "t", dtype=torch.float32).eval()
+    _close(_hf_logits(PeftModel.from_pretrained(base, tmp_path / "adapter").eval(), ids), want)
+    jaxtune.save_merged(reference, tmp_path / "merged", base=tmp_path / "t", dtype="float32")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    _close(_hf_logits(merged, ids), want)
+
+
 @pytest.mark.parametrize("kernels", ["xla", "pallas-interpret"])
 def test_moe_logits_equal_transformers(tmp_path, kernels, monkeypatch):
     """26B-A4B's layout: routed GeGLU experts beside the dense MLP (the hub's fused [E, 2 * width, hidden] experts
@@ -169,12 +226,14 @@ def test_moe_4bit_run_trains_the_experts_and_the_dense_mlp(tmp_path, tiny_tokeni
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(hidden_size_per_layer_input=16), "per-layer inputs or KV sharing .* not supported yet"),
-    (dict(num_kv_shared_layers=2), "per-layer inputs or KV sharing .* not supported yet"),
+    (dict(num_kv_shared_layers=3, layer_types=LAYERS[:2] + ["full_attention"] * 2),
+     "num_kv_shared_layers=3 of 4 layers; every sharing layer needs an earlier layer of its type"),
+    (dict(use_bidirectional_attention="all"), "not a causal decoder"),
 ])
 def test_variants_not_built_are_refused_in_one_line_before_loading(tmp_path, change, message):
     config = Gemma4TextConfig(**SHAPES).to_dict()
-    config.update(change)
+    config.pop("per_layer_config")  # the published configs' global_head_dim instead
+    config.update(change, global_head_dim=32)
     with pytest.raises(jaxtune.UnsupportedModelError, match=message) as e:
         jaxtune.models.config.ModelConfig.from_hf(config)
     assert "\n" not in str(e.value)

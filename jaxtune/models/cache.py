@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jaxtune.models.blocks.gated_deltanet import LinearCache
 from jaxtune.models.config import ModelConfig
-from jaxtune.models.layer_kinds import GATED_DELTANET, attention_geometry, attention_layers, layer_kind
+from jaxtune.models.layer_kinds import GATED_DELTANET, attention_geometry, attention_layers, kv_shared, layer_kind
 
 
 class LayerCache(NamedTuple):
@@ -44,10 +44,12 @@ class KVCache(NamedTuple):
         shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
         segments = jnp.zeros((batch, length), jnp.int32)
         layers = attention_layers(cfg)
-        linear = cfg.num_layers - layers
+        linear = sum(layer_kind(cfg, i) == GATED_DELTANET for i in range(cfg.num_layers))
         linear = LinearCache.empty(cfg, linear, batch, dtype) if linear else None
         shapes = [(batch, length, *attention_geometry(cfg, layer_kind(cfg, i))[1::-1])
-                  for i in range(cfg.num_layers) if layer_kind(cfg, i) != GATED_DELTANET]
-        if per_layer or len(set(shapes)) > 1:  # layers of several geometries (Gemma 4): one array each
+                  for i in range(cfg.num_layers) if layer_kind(cfg, i) != GATED_DELTANET
+                  and not kv_shared(layer_kind(cfg, i))]
+        # layers of several geometries (Gemma 4), or run one by one (its small models): one array each
+        if per_layer or len(set(shapes)) > 1 or cfg.per_layer_dim or cfg.num_kv_shared_layers:
             return cls(*(tuple(jnp.zeros(s, dtype) for s in shapes) for _ in "kv"), segments, linear)
         return cls(jnp.zeros((layers, *shape), dtype), jnp.zeros((layers, *shape), dtype), segments, linear)

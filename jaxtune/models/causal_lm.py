@@ -28,6 +28,7 @@ from jaxtune.models.config import ModelConfig
 from jaxtune.models.layer_kinds import (DEFAULT, DENSE_MLP, GATED_DELTANET, LayerRun, LayerStack, attention_position,
                                         attention_window, full_rope, layer_runs, layer_stacks)
 from jaxtune.models.layers import Embed, Linear, RMSNorm
+from jaxtune.models import layer_by_layer
 from jaxtune.models.layer_loop import layer_loop
 from jaxtune.moe import balancing
 from jaxtune.moe.block import SparseMoE
@@ -110,6 +111,9 @@ class CausalLM(nnx.Module):
         # one stack per layer kind (`layer_kinds`): `layers`, and e.g. `dense_mlp_layers` beside it
         for stack in layer_stacks(cfg):
             setattr(self, stack.attr, _stacked_layers(cfg, dtype, rngs, stack))
+        if cfg.per_layer_dim:  # Gemma 4's small models: each token's input to every layer (`layer_by_layer`)
+            for name, module in layer_by_layer.per_layer_modules(cfg, dtype, rngs).items():
+                setattr(self, name, module)
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)
         self.lm_head = (
             None if cfg.tie_word_embeddings
@@ -238,6 +242,12 @@ class CausalLM(nnx.Module):
             h = (h, jnp.zeros(balancing.stats_size(self.config.num_experts), jnp.float32))
         cache_seg, cache_index = cache_args if cache_args is not None else (None, None)
         layer_rngs = None if dropout_rng is None else jax.random.split(dropout_rng, self.config.num_layers)
+        if layer_by_layer.runs_layer_by_layer(self.config):
+            per_layer = (layer_by_layer.per_layer_inputs(self, input_ids, h) if self.config.per_layer_dim else None)
+            kv = None if cache is None else (cache[0].k, cache[0].v)
+            h, kv = layer_by_layer.run_layers(self, h, tables, segment_ids, kv, cache_seg, cache_index, layer_rngs,
+                                              per_layer)
+            return (self.norm(h), None) if cache is None else (self.norm(h), (LayerCache(*kv), cache[1]))
         # the layers run in order, a loop per run of one kind's consecutive layers (one run: every layer alike)
         on_device = self.offload_device_layers if self.remat_policy == "offload" and cache is None else 0
         cache, linear = (None, None) if cache is None else cache
@@ -420,7 +430,7 @@ def offload_mlp_token_tile(cfg: ModelConfig) -> int:
     return max(128, OFFLOAD_MLP_TILE_ELEMENTS // cfg.intermediate_size // 128 * 128)
 
 # variables the layer scan keeps whole (read at the layer's index in place) instead of slicing per layer
-WHOLE_IN_LAYER_SCAN = ("codes", "kernel_absmax", "fp8_scale", "fp8_block_scale", "dense")
+WHOLE_IN_LAYER_SCAN = layer_by_layer.WHOLE
 
 def init_model(cfg: ModelConfig, *, dtype: str | jnp.dtype = "bfloat16", seed: int = 0) -> CausalLM:
     """A randomly initialized model (benchmarks, tests); use `jaxtune.from_pretrained` for checkpoints."""

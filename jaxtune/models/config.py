@@ -106,6 +106,14 @@ class ModelConfig:
     # Gemma 4's mixture of experts: the router reads the RMS-normalized hidden states times a learned scale, and
     # each chosen expert's weight is scaled per expert (moe/block.Router)
     router_scaled: bool = False
+    # Gemma 4's small models: a per-layer input per token (`per_layer_dim` wide, from its own embedding table of
+    # `per_layer_vocab_size` rows and a projection of the embeddings) added through each layer's gate and projection;
+    # the last `num_kv_shared_layers` layers attend to an earlier layer's keys and values, their MLPs twice as wide
+    # with `double_wide_mlp`
+    per_layer_dim: int = 0
+    per_layer_vocab_size: int = 0
+    num_kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -16,6 +16,10 @@ DEFAULT = "decoder"  # the family's own block (attention + its MLP or mixture of
 DENSE_MLP = "dense_mlp"  # a mixture-of-experts model's layer with a dense MLP (Qwen3-MoE's mlp_only_layers)
 GATED_DELTANET = "gated_deltanet"  # a hybrid decoder's linear-attention layer (Qwen3.5's `linear_attention`)
 SLIDING = "sliding_attention"  # a layer attending through the sliding window among full ones (gpt-oss)
+# Gemma 4's last `num_kv_shared_layers` layers: no keys and values of their own, they attend to those of the last
+# earlier layer of their type (sliding or full)
+KV_SHARED_SLIDING = "kv_shared_sliding"
+KV_SHARED_FULL = "kv_shared_full"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +46,8 @@ class LayerRun:
 
 
 def layer_kind(cfg: ModelConfig, layer: int) -> str:
+    if cfg.num_kv_shared_layers and layer >= cfg.num_layers - cfg.num_kv_shared_layers:
+        return KV_SHARED_SLIDING if cfg.layer_types[layer] == "sliding_attention" else KV_SHARED_FULL
     if cfg.layer_types and cfg.layer_types[layer] == "linear_attention":
         return GATED_DELTANET
     if cfg.layer_types and cfg.layer_types[layer] == "sliding_attention":
@@ -84,35 +90,58 @@ def locate(cfg: ModelConfig, layer: int) -> tuple[LayerStack, int]:
     raise IndexError(f"layer {layer} is not one of the model's {cfg.num_layers}")
 
 
+def sliding(kind: str) -> bool:
+    """Whether a stack's layers attend through the sliding window among full ones."""
+    return kind in (SLIDING, KV_SHARED_SLIDING)
+
+
+def kv_shared(kind: str) -> bool:
+    """Whether a stack's layers attend to an earlier layer's keys and values (Gemma 4's KV sharing)."""
+    return kind in (KV_SHARED_SLIDING, KV_SHARED_FULL)
+
+
 def attention_window(cfg: ModelConfig, kind: str) -> int | None:
     """The sliding window of a stack's attention: every layer's where the config names no sliding layers (Mistral,
-    Mixtral), else only the sliding kind's."""
+    Mixtral), else only the sliding kinds'."""
     if cfg.layer_types and "sliding_attention" in cfg.layer_types:
-        return cfg.sliding_window if kind == SLIDING else None
+        return cfg.sliding_window if sliding(kind) else None
     return cfg.sliding_window
 
 
 def attention_geometry(cfg: ModelConfig, kind: str) -> tuple[int, int, bool]:
     """(head size, KV heads, whether the keys serve as values) of a stack's attention: the full-attention layers'
     own where the config gives them (Gemma 4), else the model's."""
-    if cfg.full_head_dim and kind != SLIDING:
+    if cfg.full_head_dim and not sliding(kind):
         return cfg.full_head_dim, cfg.full_num_kv_heads or cfg.num_kv_heads, cfg.full_k_eq_v
     return cfg.head_dim, cfg.num_kv_heads, False
 
 
 def full_rope(cfg: ModelConfig, kind: str) -> bool:
     """Whether a stack's layers use the full-attention layers' own RoPE (Gemma 4's proportional RoPE)."""
-    return bool(cfg.full_head_dim) and kind != SLIDING
+    return bool(cfg.full_head_dim) and not sliding(kind)
+
+
+def kv_source(cfg: ModelConfig, layer: int) -> int:
+    """The decoder layer whose keys and values layer `layer` attends to: itself, or for a KV-sharing layer the last
+    earlier layer of its type that has its own."""
+    if not kv_shared(layer_kind(cfg, layer)):
+        return layer
+    first = cfg.num_layers - cfg.num_kv_shared_layers
+    return max(i for i in range(first) if cfg.layer_types[i] == cfg.layer_types[layer])
+
+
+def _caches(kind: str) -> bool:
+    return kind != GATED_DELTANET and not kv_shared(kind)
 
 
 def attention_layers(cfg: ModelConfig) -> int:
-    """How many layers attend (and hold a KV cache): all but a hybrid decoder's linear-attention layers."""
-    return sum(layer_kind(cfg, i) != GATED_DELTANET for i in range(cfg.num_layers))
+    """How many layers hold a KV cache: all but a hybrid decoder's linear-attention layers and the KV-sharing ones."""
+    return sum(_caches(layer_kind(cfg, i)) for i in range(cfg.num_layers))
 
 
 def attention_position(cfg: ModelConfig, layer: int) -> int:
-    """Decoder layer `layer`'s place among the layers that attend: its KV cache's index."""
-    return sum(layer_kind(cfg, i) != GATED_DELTANET for i in range(layer))
+    """Decoder layer `layer`'s KV cache index among the layers that hold one (a KV-sharing layer's: its source's)."""
+    return sum(_caches(layer_kind(cfg, i)) for i in range(kv_source(cfg, layer)))
 
 
 def has_experts(cfg: ModelConfig, stack: LayerStack) -> bool:

@@ -14,7 +14,7 @@ from jaxtune.models import input_stats
 from jaxtune.models.cache import LayerCache
 from jaxtune.models.config import ModelConfig
 from jaxtune.models.dropout_keys import fold_rng
-from jaxtune.models.layer_kinds import DEFAULT, attention_geometry
+from jaxtune.models.layer_kinds import DEFAULT, attention_geometry, kv_shared
 from jaxtune.models.layers import Linear, RMSNorm, rms_normalize
 from jaxtune.models.rope import apply_rope
 
@@ -28,9 +28,12 @@ class Attention(nnx.Module):
         self.output_gate = cfg.attn_output_gate
         self.q_proj = Linear(h, cfg.num_heads * d * (2 if self.output_gate else 1), bias=cfg.qkv_bias, dtype=dtype,
                              rngs=rngs)
-        self.k_proj = Linear(h, kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        # Gemma 4's KV-sharing layers have no keys and values of their own (`shared_kv` in the call)
+        shared = kv_shared(kind)
+        self.k_proj = None if shared else Linear(h, kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         # Gemma 4's full layers: the keys' projection serves as the values' too (before the key norm and RoPE)
-        self.v_proj = None if k_eq_v else Linear(h, kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = (None if k_eq_v or shared else
+                       Linear(h, kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs))
         self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, kv_heads, d
         # Gemma 4: values RMS-normalized without a scale; attention logits scaled by `attention_scale`, folded into
@@ -43,7 +46,7 @@ class Attention(nnx.Module):
         # Qwen3: per-head RMSNorm on q and k (weights [head_dim], shared by the heads), before RoPE
         norm = lambda: RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)  # noqa: E731
         self.q_norm = norm() if cfg.qk_norm else None
-        self.k_norm = norm() if cfg.qk_norm else None
+        self.k_norm = norm() if cfg.qk_norm and not shared else None
 
     def __call__(
         self,
@@ -55,7 +58,13 @@ class Attention(nnx.Module):
         cache_segment_ids: jax.Array | None = None,
         cache_index: jax.Array | None = None,
         rng: jax.Array | None = None,
+        *,
+        shared_kv: tuple[jax.Array, jax.Array] | None = None,
+        kv_out: list | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
+        """`shared_kv`: a KV-sharing layer's keys and values (another layer's, normed and rotated) where there is no
+        cache (with one, the cache passed is that layer's, read and never written). `kv_out`: a list the keys and
+        values attended to are appended to (the cache's, after this layer's write), for the layers sharing them."""
         b, t, _ = x.shape
         input_stats.observe(("q_proj", "k_proj", "v_proj"), x)
         # q and k never run their forward in FP8: their product is the exponent of the softmax, which turns FP8's
@@ -68,17 +77,35 @@ class Attention(nnx.Module):
                 q = q.reshape(b, t, self.num_heads, 2 * self.head_dim)
                 q, gate = q[..., :self.head_dim], q[..., self.head_dim:].reshape(b, t, -1)
             q = q.reshape(b, t, self.num_heads, self.head_dim)
-            k = checkpoint_name(self.k_proj(x, fold_rng(rng, 1)), "k_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
+            if self.k_proj is not None:
+                k = checkpoint_name(self.k_proj(x, fold_rng(rng, 1)), "k_proj")
+                k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q, self.q_scale)
+        elif self.q_scale is not None:
+            q = (q.astype(jnp.float32) * self.q_scale).astype(q.dtype)
+        q = apply_rope(q, cos, sin)
+        if self.k_proj is None:  # a KV-sharing layer: another layer's keys and values, as they are
+            if cache is None:
+                k, v = shared_kv
+                out = ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), q_segment_ids=segment_ids,
+                                    sliding_window=self.sliding_window, sinks=self._sinks())
+            else:
+                k, v = cache.k, cache.v
+                out = ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), q_segment_ids=segment_ids,
+                                    kv_segment_ids=cache_segment_ids, q_offset=cache_index,
+                                    sliding_window=self.sliding_window, sinks=self._sinks())
+            return self._output(out, gate if self.output_gate else None, rng), cache
         v = (k if self.v_proj is None else
              checkpoint_name(self.v_proj(x, fold_rng(rng, 2)), "v_proj").reshape(b, t, self.num_kv_heads, self.head_dim))
         if self.v_norm_eps is not None:
             v = rms_normalize(v, self.v_norm_eps).astype(v.dtype)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q, self.q_scale), self.k_norm(k)
-        elif self.q_scale is not None:
-            q = (q.astype(jnp.float32) * self.q_scale).astype(q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        k = apply_rope(k, cos, sin)
         if cache is None:
+            if kv_out is not None:
+                kv_out.append((k, v))
             out = ops.attention(q, k, v, q_segment_ids=segment_ids, sliding_window=self.sliding_window,
                                 sinks=self._sinks())
         else:
@@ -94,17 +121,24 @@ class Attention(nnx.Module):
 
             cache = LayerCache(write(cache.k, k), write(cache.v, v), cache.layer)
             layer_k, layer_v = read(cache.k), read(cache.v)
+            if kv_out is not None:
+                kv_out.append((layer_k, layer_v))
             out = ops.attention(
                 q, layer_k.astype(q.dtype), layer_v.astype(q.dtype), q_segment_ids=segment_ids,
                 kv_segment_ids=cache_segment_ids, q_offset=cache_index, sliding_window=self.sliding_window,
                 sinks=self._sinks(),
             )
+        return self._output(out, gate if self.output_gate else None, rng), cache
+
+    def _output(self, out: jax.Array, gate: jax.Array | None, rng: jax.Array | None) -> jax.Array:
+        """o_proj of the heads' outputs [B, T, H, D] (times Qwen3.5's sigmoid gate first)."""
+        b, t = out.shape[:2]
         out = out.reshape(b, t, self.num_heads * self.head_dim)
-        if self.output_gate:
+        if gate is not None:
             out = (out.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(out.dtype)
         input_stats.observe(("o_proj",), out)
         out = self.o_proj(out, fold_rng(rng, 3))
-        return checkpoint_name(out, "o_proj"), cache
+        return checkpoint_name(out, "o_proj")
 
     def _sinks(self) -> jax.Array | None:
         return None if self.sinks is None else self.sinks[...]

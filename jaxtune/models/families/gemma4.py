@@ -11,8 +11,10 @@ sqrt(hidden_size); tied embeddings; `final_logit_softcapping`.
 The mixture-of-experts variant (`enable_moe_block`, 26B-A4B) adds routed GeGLU experts beside every layer's dense
 MLP, each branch normed on its own before the sum; the router reads the layer's un-normed hidden states.
 
-Not built yet, refused in one line before loading: the small models' per-layer inputs (`hidden_size_per_layer_input`)
-and KV sharing (`num_kv_shared_layers`).
+The small models (E2B, E4B) add a per-layer input per token (`hidden_size_per_layer_input`: its own embedding table
+and a projection of the embeddings, added through each layer's gate and projection) and let the last
+`num_kv_shared_layers` layers attend to an earlier layer's keys and values (their MLPs twice as wide with
+`use_double_wide_mlp`); those models run their layers one by one (`CausalLM._decode_per_layer`).
 """
 
 from __future__ import annotations
@@ -41,11 +43,6 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
 def fields(hf: dict[str, Any], layers: int) -> dict[str, Any]:
     """The ModelConfig fields particular to Gemma 4, refused in one line where they name no model jaxtune builds."""
     model_type = hf["model_type"]
-    if hf.get("hidden_size_per_layer_input") or hf.get("num_kv_shared_layers"):
-        raise UnsupportedModelError(
-            f"{model_type} with per-layer inputs or KV sharing (hidden_size_per_layer_input="
-            f"{hf.get('hidden_size_per_layer_input')}, num_kv_shared_layers={hf.get('num_kv_shared_layers')}: the "
-            "small E2B/E4B models) is not supported yet; the dense 31B layout loads")
     if hf.get("use_bidirectional_attention") == "all":
         raise UnsupportedModelError(f"{model_type} with use_bidirectional_attention='all' is not a causal decoder; "
                                     "jaxtune fine-tunes causal language models")
@@ -71,6 +68,7 @@ def fields(hf: dict[str, Any], layers: int) -> dict[str, Any]:
     if "sliding_attention" in types and not window:
         raise UnsupportedModelError(f"{model_type} config.json has sliding layers but no sliding_window; is it complete?")
     moe = _moe_fields(hf) if hf.get("enable_moe_block") else {}
+    small = _small_model_fields(hf, types)
     softcap = hf.get("final_logit_softcapping")
     full_rotated = float(full.get("partial_rotary_factor", 1.0))
     return dict(layer_types=tuple(types), sliding_window=int(window) if window else None,
@@ -79,7 +77,23 @@ def fields(hf: dict[str, Any], layers: int) -> dict[str, Any]:
                 final_logit_softcapping=float(softcap) if softcap else None, attention_scale=1.0, v_norm=True,
                 full_head_dim=full_head, full_num_kv_heads=full_kv, full_k_eq_v=k_eq_v,
                 full_rope_theta=float(full.get("rope_theta", 1_000_000.0)),
-                full_partial_rotary_factor=full_rotated if full.get("rope_type") == "proportional" else 1.0, **moe)
+                full_partial_rotary_factor=full_rotated if full.get("rope_type") == "proportional" else 1.0, **moe,
+                **small)
+
+
+def _small_model_fields(hf: dict[str, Any], types: list[str]) -> dict[str, Any]:
+    """E2B / E4B: the per-layer inputs and the layers sharing keys and values."""
+    per_layer = int(hf.get("hidden_size_per_layer_input") or 0)
+    shared = int(hf.get("num_kv_shared_layers") or 0)
+    if shared:
+        first = len(types) - shared
+        if not 0 < first < len(types) or set(types[first:]) - set(types[:first]):
+            raise UnsupportedModelError(
+                f"{hf['model_type']} config.json has num_kv_shared_layers={shared} of {len(types)} layers; every "
+                "sharing layer needs an earlier layer of its type to share with")
+    return dict(per_layer_dim=per_layer,
+                per_layer_vocab_size=int(hf.get("vocab_size_per_layer_input") or hf["vocab_size"]) if per_layer else 0,
+                num_kv_shared_layers=shared, double_wide_mlp=bool(hf.get("use_double_wide_mlp")) and shared > 0)
 
 
 def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
@@ -128,7 +142,9 @@ def hf_fields(cfg) -> dict[str, Any]:
                 per_layer_config={i: {"head_dim": cfg.full_head_dim, "num_key_value_heads": cfg.full_num_kv_heads
                                       or cfg.num_kv_heads} for i, kind in enumerate(cfg.layer_types)
                                   if kind == "full_attention"},
-                attention_k_eq_v=cfg.full_k_eq_v, hidden_size_per_layer_input=0,
-                num_kv_shared_layers=0, enable_moe_block=bool(cfg.num_experts), attention_bias=cfg.qkv_bias,
+                attention_k_eq_v=cfg.full_k_eq_v, hidden_size_per_layer_input=cfg.per_layer_dim,
+                vocab_size_per_layer_input=cfg.per_layer_vocab_size or cfg.vocab_size,
+                num_kv_shared_layers=cfg.num_kv_shared_layers, use_double_wide_mlp=cfg.double_wide_mlp,
+                enable_moe_block=bool(cfg.num_experts), attention_bias=cfg.qkv_bias,
                 **(dict(num_experts=cfg.num_experts, top_k_experts=cfg.num_experts_per_tok,
                         moe_intermediate_size=cfg.moe_intermediate_size) if cfg.num_experts else {}))
