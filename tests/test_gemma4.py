@@ -6,6 +6,7 @@ in one line."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -39,6 +40,40 @@ def _build(tmp_path, **overrides):
             layer.layer_scalar.fill_(0.5 + 0.25 * i)
     hf.save_pretrained(tmp_path)
     return hf
+
+
+def _train_4bit(path, tiny_tokenizer, trained: tuple[str, ...]):
+    """The NF4 model at `path` after 6 QLoRA steps on short text rows: the loss falls, and every projection named
+    (stack.module.projection) has learned a non-zero LoRA B."""
+    model, _ = jaxtune.from_pretrained(path, dtype="float32", load_in_4bit=True)
+    rows = [{"text": f"row {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 3)} for i in range(16)]
+    cfg = jaxtune.TrainConfig(format="text", seq_len=64, micro_batch_size=4, max_steps=6, learning_rate=1e-2,
+                              warmup_steps=0, lora_r=4, save_steps=0)
+    result = jaxtune.train(model, tiny_tokenizer, rows, cfg, progress=False)
+    assert result.losses[-1] < result.losses[0] - 0.1, result.losses
+    for name in trained:
+        proj = functools.reduce(getattr, name.split("."), model)
+        assert np.abs(np.asarray(proj.lora_b[...])).max() > 0, name
+    return model
+
+
+def _exports_run_in_transformers(base, out, vocab: int, peft: bool = True) -> None:
+    """Random adapters on the unquantized model at `base`: the PEFT adapter in peft + transformers and the merged
+    checkpoint in transformers give jaxtune's logits."""
+    from peft import PeftModel
+
+    reference, _ = jaxtune.from_pretrained(base, dtype="float32")
+    jaxtune.get_peft_model(reference, r=4)
+    set_random_lora(reference, seed=2)
+    ids = np.random.default_rng(4).integers(0, vocab, (1, 20))
+    want = np.asarray(reference(ids))
+    if peft:
+        jaxtune.save_peft(reference, out / "adapter", base_model_name_or_path=str(base))
+        hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+        _close(_hf_logits(PeftModel.from_pretrained(hf, out / "adapter").eval(), ids), want)
+    jaxtune.save_merged(reference, out / "merged", base=base, dtype="float32")
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged", dtype=torch.float32).eval()
+    _close(_hf_logits(merged, ids), want)
 
 
 @pytest.mark.parametrize("k_eq_v", [False, True])
@@ -97,27 +132,9 @@ def test_a_4bit_run_trains_and_exports_to_transformers(tmp_path, tiny_tokenizer)
     from peft import PeftModel
 
     _build(tmp_path / "base", vocab_size=len(tiny_tokenizer), attention_k_eq_v=True, num_global_key_value_heads=1)
-    model, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=True)
-    rows = [{"text": f"row {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 3)} for i in range(16)]
-    cfg = jaxtune.TrainConfig(format="text", seq_len=64, micro_batch_size=4, max_steps=6, learning_rate=1e-2,
-                              warmup_steps=0, lora_r=4, save_steps=0)
-    result = jaxtune.train(model, tiny_tokenizer, rows, cfg, progress=False)
-    assert result.losses[-1] < result.losses[0] - 0.1, result.losses
-    for proj in (model.layers.self_attn.k_proj, model.sliding_attention_layers.self_attn.v_proj,
-                 model.layers.mlp.down_proj):
-        assert np.abs(np.asarray(proj.lora_b[...])).max() > 0
-    reference, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32")
-    jaxtune.get_peft_model(reference, r=4)
-    set_random_lora(reference, seed=2)
-    ids = np.random.default_rng(4).integers(0, len(tiny_tokenizer), (1, 20))
-    want = np.asarray(reference(ids))
-    jaxtune.save_peft(reference, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "base"))
-    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
-    _close(_hf_logits(PeftModel.from_pretrained(base, tmp_path / "adapter").eval(), ids), want)
-    jaxtune.save_merged(reference, tmp_path / "merged", base=tmp_path / "base", dtype="float32")
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
-    _close(_hf_logits(merged, ids), want)
-    assert nnx.state(reference, nnx.LoRAParam)
+    _train_4bit(tmp_path / "base", tiny_tokenizer, ("layers.self_attn.k_proj",
+                                                   "sliding_attention_layers.self_attn.v_proj", "layers.mlp.down_proj"))
+    _exports_run_in_transformers(tmp_path / "base", tmp_path, len(tiny_tokenizer))
 
 
 SMALL = dict(num_hidden_layers=6, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
@@ -152,29 +169,10 @@ def test_small_model_generates_trains_and_exports(tmp_path, monkeypatch, tiny_to
     assert_greedy_tokens_are_transformers(model, hf, prompts, monkeypatch, max_new_tokens=10)
     _build(tmp_path / "t", **{**SMALL, "vocab_size": len(tiny_tokenizer),
                               "vocab_size_per_layer_input": len(tiny_tokenizer)})
-    model, _ = jaxtune.from_pretrained(tmp_path / "t", dtype="float32", load_in_4bit=True)
-    rows = [{"text": f"row {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 3)} for i in range(16)]
-    cfg = jaxtune.TrainConfig(format="text", seq_len=64, micro_batch_size=4, max_steps=6, learning_rate=1e-2,
-                              warmup_steps=0, lora_r=4, save_steps=0)
-    result = jaxtune.train(model, tiny_tokenizer, rows, cfg, progress=False)
-    assert result.losses[-1] < result.losses[0] - 0.1, result.losses
-    for proj in (model.sliding_attention_layers.self_attn.k_proj, model.kv_shared_full_layers.self_attn.q_proj,
-                 model.kv_shared_sliding_layers.mlp.down_proj):
-        assert np.abs(np.asarray(proj.lora_b[...])).max() > 0
-    # the PEFT adapter in peft + transformers, and the merged checkpoint in transformers: jaxtune's logits
-    from peft import PeftModel
-
-    reference, _ = jaxtune.from_pretrained(tmp_path / "t", dtype="float32")
-    jaxtune.get_peft_model(reference, r=4)
-    set_random_lora(reference, seed=5)
-    ids = np.random.default_rng(4).integers(0, len(tiny_tokenizer), (1, 20))
-    want = np.asarray(reference(ids))
-    jaxtune.save_peft(reference, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "t"))
-    base = AutoModelForCausalLM.from_pretrained(tmp_path / "t", dtype=torch.float32).eval()
-    _close(_hf_logits(PeftModel.from_pretrained(base, tmp_path / "adapter").eval(), ids), want)
-    jaxtune.save_merged(reference, tmp_path / "merged", base=tmp_path / "t", dtype="float32")
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
-    _close(_hf_logits(merged, ids), want)
+    _train_4bit(tmp_path / "t", tiny_tokenizer, ("sliding_attention_layers.self_attn.k_proj",
+                                                "kv_shared_full_layers.self_attn.q_proj",
+                                                "kv_shared_sliding_layers.mlp.down_proj"))
+    _exports_run_in_transformers(tmp_path / "t", tmp_path, len(tiny_tokenizer))
 
 
 @pytest.mark.parametrize("kernels", ["xla", "pallas-interpret"])
@@ -198,31 +196,17 @@ def test_moe_logits_equal_transformers(tmp_path, kernels, monkeypatch):
 
 
 def test_moe_4bit_run_trains_the_experts_and_the_dense_mlp(tmp_path, tiny_tokenizer):
+    """NF4 experts and the dense MLP train; merged export writes the hub's layout; PEFT export refuses in one line."""
     _build(tmp_path, vocab_size=len(tiny_tokenizer), **MOE)
-    model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32", load_in_4bit=True)
-    assert type(model.layers.moe.gate_proj).__name__ == "NF4Experts"
-    rows = [{"text": f"row {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 3)} for i in range(16)]
-    cfg = jaxtune.TrainConfig(format="text", seq_len=64, micro_batch_size=4, max_steps=6, learning_rate=1e-2,
-                              warmup_steps=0, lora_r=4, save_steps=0)
-    result = jaxtune.train(model, tiny_tokenizer, rows, cfg, progress=False)
-    assert result.losses[-1] < result.losses[0] - 0.1, result.losses
-    for proj in (model.layers.moe.gate_proj, model.sliding_attention_layers.moe.down_proj, model.layers.mlp.up_proj):
-        assert np.abs(np.asarray(proj.lora_b[...])).max() > 0
+    model = _train_4bit(tmp_path, tiny_tokenizer, ("layers.moe.gate_proj", "sliding_attention_layers.moe.down_proj",
+                                                   "layers.mlp.up_proj"))
+    assert type(model.layers.moe.gate_proj.base).__name__ == "NF4Experts"
     with pytest.raises(jaxtune.CheckpointError, match="PEFT export of gemma4_text's experts beside the dense MLP is "
                                                       "not supported yet") as e:
         jaxtune.save_peft(model, tmp_path / "adapter")
     assert "\n" not in str(e.value) and not (tmp_path / "adapter").exists()
-    # merged onto the original weights: the hub's layout (router, fused experts, every norm), which transformers
-    # reads to the logits of the trained adapters on the unquantized base
-    from flax import nnx
-
-    jaxtune.save_merged(model, tmp_path / "merged", base=tmp_path, dtype="float32")
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
-    reference, _ = jaxtune.from_pretrained(tmp_path, dtype="float32")
-    jaxtune.get_peft_model(reference, r=4)
-    nnx.update(reference, nnx.state(model, nnx.LoRAParam))
-    ids = np.random.default_rng(4).integers(0, len(tiny_tokenizer), (1, 20))
-    _close(_hf_logits(merged, ids), np.asarray(reference(ids)))
+    # merged onto the original weights: the hub's layout (router, fused experts, every norm), read by transformers
+    _exports_run_in_transformers(tmp_path, tmp_path / "out", len(tiny_tokenizer), peft=False)
 
 
 @pytest.mark.parametrize("change, message", [
