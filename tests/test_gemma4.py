@@ -57,9 +57,9 @@ def _train_4bit(path, tiny_tokenizer, trained: tuple[str, ...]):
     return model
 
 
-def _exports_run_in_transformers(base, out, vocab: int, peft: bool = True) -> None:
-    """Random adapters on the unquantized model at `base`: the PEFT adapter in peft + transformers and the merged
-    checkpoint in transformers give jaxtune's logits."""
+def _exports_run_in_transformers(base, out, vocab: int):
+    """Random adapters on the unquantized model at `base`: the PEFT adapter in peft + transformers, the merged
+    checkpoint in transformers, and the adapter read back into jaxtune give jaxtune's logits; returns the last."""
     from peft import PeftModel
 
     reference, _ = jaxtune.from_pretrained(base, dtype="float32")
@@ -67,13 +67,16 @@ def _exports_run_in_transformers(base, out, vocab: int, peft: bool = True) -> No
     set_random_lora(reference, seed=2)
     ids = np.random.default_rng(4).integers(0, vocab, (1, 20))
     want = np.asarray(reference(ids))
-    if peft:
-        jaxtune.save_peft(reference, out / "adapter", base_model_name_or_path=str(base))
-        hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-        _close(_hf_logits(PeftModel.from_pretrained(hf, out / "adapter").eval(), ids), want)
+    jaxtune.save_peft(reference, out / "adapter", base_model_name_or_path=str(base))
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    _close(_hf_logits(PeftModel.from_pretrained(hf, out / "adapter").eval(), ids), want)
     jaxtune.save_merged(reference, out / "merged", base=base, dtype="float32")
     merged = AutoModelForCausalLM.from_pretrained(out / "merged", dtype=torch.float32).eval()
     _close(_hf_logits(merged, ids), want)
+    back, _ = jaxtune.from_pretrained(base, dtype="float32")
+    jaxtune.load_peft(back, out / "adapter")
+    _close(np.asarray(back(ids)), want)
+    return back
 
 
 @pytest.mark.parametrize("k_eq_v", [False, True])
@@ -196,17 +199,15 @@ def test_moe_logits_equal_transformers(tmp_path, kernels, monkeypatch):
 
 
 def test_moe_4bit_run_trains_the_experts_and_the_dense_mlp(tmp_path, tiny_tokenizer):
-    """NF4 experts and the dense MLP train; merged export writes the hub's layout; PEFT export refuses in one line."""
+    """NF4 experts and the dense MLP train; PEFT and merged exports run in transformers."""
     _build(tmp_path, vocab_size=len(tiny_tokenizer), **MOE)
     model = _train_4bit(tmp_path, tiny_tokenizer, ("layers.moe.gate_proj", "sliding_attention_layers.moe.down_proj",
                                                    "layers.mlp.up_proj"))
     assert type(model.layers.moe.gate_proj.base).__name__ == "NF4Experts"
-    with pytest.raises(jaxtune.CheckpointError, match="PEFT export of gemma4_text's experts beside the dense MLP is "
-                                                      "not supported yet") as e:
-        jaxtune.save_peft(model, tmp_path / "adapter")
-    assert "\n" not in str(e.value) and not (tmp_path / "adapter").exists()
-    # merged onto the original weights: the hub's layout (router, fused experts, every norm), read by transformers
-    _exports_run_in_transformers(tmp_path, tmp_path / "out", len(tiny_tokenizer), peft=False)
+    # PEFT (the dense MLP's adapters on its modules, the experts' on the fused `experts` parameters) and merged
+    # export (the hub's router, fused experts and every norm), both run in transformers; the adapter reads back
+    back = _exports_run_in_transformers(tmp_path, tmp_path / "out", len(tiny_tokenizer))
+    assert type(back.layers.moe.gate_proj).__name__ == "LoRAExperts"
 
 
 @pytest.mark.parametrize("change, message", [

@@ -221,12 +221,10 @@ def test_a_4bit_moe_run_trains_the_routed_and_shared_experts(tmp_path, tiny_toke
     for proj in (shared.down_proj, model.gated_deltanet_layers.mlp.shared_expert.up_proj,
                  model.gated_deltanet_layers.mlp.down_proj):
         assert np.abs(np.asarray(proj.lora_b[...])).max() > 0
-    with pytest.raises(jaxtune.CheckpointError, match="shared experts is not supported yet") as e:
-        jaxtune.save_peft(model, tmp_path / "peft")
-    assert "\n" not in str(e.value) and not (tmp_path / "peft").exists()
     # merged onto the original weights, the routed and the shared experts' adapters in: transformers' logits are
     # those of jaxtune's adapters on the unquantized base
     from flax import nnx
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     jaxtune.save_merged(model, tmp_path / "merged", base=tmp_path / "base", dtype="float32")
@@ -239,7 +237,18 @@ def test_a_4bit_moe_run_trains_the_routed_and_shared_experts(tmp_path, tiny_toke
         got = merged(torch.as_tensor(ids)).logits.numpy()
         base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
         assert np.abs(base(torch.as_tensor(ids)).logits.numpy() - got).max() > 1e-2  # the adapters are in it
-    _assert_close(got, _logits(reference, ids))
+    want = _logits(reference, ids)
+    _assert_close(got, want)
+    # PEFT: the shared expert's adapters on its own modules, the routed experts' on the fused parameters, both
+    # run by peft + transformers to the same logits and read back into jaxtune by their module paths
+    jaxtune.save_peft(model, tmp_path / "peft", base_model_name_or_path=str(tmp_path / "base"))
+    with torch.no_grad():
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32),
+                                         tmp_path / "peft").eval()
+        _assert_close(peft(torch.as_tensor(ids)).logits.numpy(), want)
+    back, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32")
+    jaxtune.load_peft(back, tmp_path / "peft")
+    _assert_close(_logits(back, ids), want)
 
 
 def test_a_tiny_hybrid_model_trains_through_the_cli(tmp_path, tiny_tokenizer):

@@ -131,10 +131,6 @@ class ModelConfig:
 
     def export_gap(self, peft: bool) -> str | None:
         """What PEFT (or merged) export does not write for this model yet; None: it writes it all."""
-        if peft and self.shared_expert_intermediate_size:
-            return f"{self.model_type}'s shared experts"
-        if peft and self.router_scaled:
-            return f"{self.model_type}'s experts beside the dense MLP"
         return None
 
     @property
