@@ -210,6 +210,23 @@ def test_moe_4bit_run_trains_the_experts_and_the_dense_mlp(tmp_path, tiny_tokeni
     assert type(back.layers.moe.gate_proj).__name__ == "LoRAExperts"
 
 
+def test_converted_checkpoint_reloads_as_loaded(tmp_path):
+    """`jaxtune convert` of every Gemma 4 part at once (experts, per-layer inputs, KV sharing): the config and every
+    array read back as a direct 4-bit load makes them."""
+    from flax import nnx
+
+    _build(tmp_path / "hf", **SMALL, **MOE)
+    jaxtune.convert(tmp_path / "hf", tmp_path / "nf4", quantize="nf4")
+    converted, _ = jaxtune.from_pretrained(tmp_path / "nf4")
+    direct, _ = jaxtune.from_pretrained(tmp_path / "hf", load_in_4bit=True)
+    assert converted.config == direct.config and direct.config.per_layer_dim and direct.config.num_experts
+    arrays = lambda m: {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(m))}  # noqa: E731
+    a, b = arrays(converted), arrays(direct)
+    assert a.keys() == b.keys() and any("embed_tokens_per_layer" in p for p in a)
+    for path in a:
+        np.testing.assert_array_equal(a[path], b[path], err_msg=str(path))
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(num_kv_shared_layers=3, layer_types=LAYERS[:2] + ["full_attention"] * 2),
      "num_kv_shared_layers=3 of 4 layers; every sharing layer needs an earlier layer of its type"),

@@ -128,7 +128,8 @@ def _full_geometry(hf: dict[str, Any], types: list[str], head_dim: int, k_eq_v: 
             f"{hf['model_type']} config.json's per_layer_config {per_layer!r} is not supported; jaxtune reads one "
             "head_dim / num_key_value_heads override shared by every full-attention layer")
     first = full[0] if full else {}
-    return int(first.get("head_dim", head_dim)), int(first.get("num_key_value_heads", 0))
+    kv = int(first.get("num_key_value_heads", 0))
+    return int(first.get("head_dim", head_dim)), 0 if kv == int(hf.get("num_key_value_heads") or 0) else kv
 
 
 def hf_fields(cfg) -> dict[str, Any]:
