@@ -68,9 +68,9 @@ class AttentionTiles:
 
 DEFAULT_TILES = AttentionTiles()
 # heads wider than 128 (Qwen3.5's and Gemma 4's sliding layers: 256; Gemma 4's full layers: 512): tiles shrunk so the
-# forward's [block_q, d] float32 accumulator and the dk/dv kernel's two [block_k, d] ones stay at 64 KB (64 registers
-# a thread at 8 warps), and the key and value tiles with the query tile fit shared memory in the stages asked
-WIDE_TILES = {256: AttentionTiles(64, 64, 8, 2, 32, 32, 8, 1), 512: AttentionTiles(32, 32, 8, 1, 16, 16, 8, 1)}
+# accumulators fit the registers and the key and value tiles with the query tile fit shared memory in the stages asked;
+# the fastest of a sweep on an H200 at 2048 tokens (benchmarks/results/2026-12-07-wide-heads-and-gpt-oss-h200.md)
+WIDE_TILES = {256: AttentionTiles(64, 64, 8, 2, 32, 32, 8, 1), 512: AttentionTiles(64, 64, 8, 1, 32, 32, 8, 1)}
 HEAD_DIMS = (64, 128, *WIDE_TILES)
 
 

@@ -144,14 +144,17 @@ def check_fp8_device() -> None:
 
 def attention_impl(plain_causal: bool, head_dim: int = 128) -> str:
     """`xla`, `pallas` or `cudnn` for full-sequence (no KV cache) attention; `plain_causal`: no segments/window.
-    Heads of 64 or 128 run the Pallas kernel or cuDNN. Wider ones (Qwen3.5's full layers and Gemma 4's sliding ones:
-    256, Gemma 4's full layers: 512) run cuDNN's flash attention for plain causal rows where it has them (Hopper and
-    later, up to 256), else the Pallas kernel with its wide tiles; other widths XLA."""
+    Heads of 64 or 128 run the Pallas kernel or cuDNN. Heads of 256 (Qwen3.5's full layers, Gemma 4's sliding ones)
+    run cuDNN's flash attention for plain causal rows on Hopper and later, else the Pallas kernel's wide tiles
+    (1.2x-2.3x XLA on packed rows and windows); heads of 512 (Gemma 4's full layers) and other widths XLA, whose
+    attention beat the wide tiles at 512 (benchmarks/results/2026-12-07-wide-heads-and-gpt-oss-h200.md)."""
     if head_dim in (64, 128):
         return _forced("pallas") or ("cudnn" if plain_causal else "pallas")
     if head_dim not in (256, 512):
         return "xla"
-    cudnn = plain_causal and head_dim <= 256 and (_compute_capability() or (0, 0))[0] >= 9
+    if head_dim == 512:  # XLA's attention measured 1.7x the best wide tiles at 2048 tokens (H200, 2026-12-07)
+        return _forced("pallas") or "xla"
+    cudnn = plain_causal and (_compute_capability() or (0, 0))[0] >= 9
     return _forced("pallas") or ("cudnn" if cudnn else "pallas")
 
 
