@@ -47,9 +47,6 @@ def check_model_exportable(model: str, *, gguf: bool, merged_dtype: str | None, 
         return
     cfg, source, _ = open_checkpoint(resolve_model_path(model))
     source.close()
-    if not gguf and (gap := cfg.export_gap(peft=merged_dtype is None)):
-        raise CheckpointError(f"{'merged' if merged_dtype else 'PEFT'} export of {gap} is not supported yet; the run "
-                              "directory keeps the trained adapters (jaxtune train --resume reads them)")
     if gguf:
         from convert.gguf_export import check_gguf_model
 

@@ -351,13 +351,13 @@ def _quantization_config(model_dir: str) -> dict[str, Any] | None:
 def mxfp4_quantization(model_dir: str) -> bool:
     """True for a checkpoint whose experts are stored in MXFP4 (gpt-oss's published weights), which loading
     dequantizes; such a checkpoint holds the original weights (a merge base, unlike an NF4 one)."""
-    return is_mxfp4({"quantization_config": _quantization_config(model_dir)})
+    return is_mxfp4(_quantization_config(model_dir))
 
 
 def bnb_quantization(model_dir: str) -> bool:
     """True for a bitsandbytes 4-bit (NF4, double-quant) HF checkpoint; a clear error for other quantizations."""
     qc = _quantization_config(model_dir)
-    if not qc or is_mxfp4({"quantization_config": qc}):
+    if not qc or is_mxfp4(qc):
         return False
     method = qc.get("quant_method")
     if method != "bitsandbytes" or not qc.get("load_in_4bit"):

@@ -277,9 +277,6 @@ def save_merged(
     """
     if dtype not in MERGED_DTYPES:
         raise CheckpointError(f"unknown dtype {dtype!r}; choose one of: {', '.join(MERGED_DTYPES)}")
-    if gap := model.config.export_gap(peft=False):
-        raise CheckpointError(f"merged export of {gap} is not supported yet; the run directory keeps the trained "
-                              "adapters (jaxtune train --resume reads them)")
     if in_nf4 := dtype == "nf4":
         model.config.require_dense("exporting a merged NF4 checkpoint (use a 16-bit dtype)")
     source = open_original(model, base)

@@ -72,6 +72,6 @@ class Mxfp4Source:
             yield name, self.get(name)
 
 
-def is_mxfp4(hf_config: dict) -> bool:
-    """Whether a config.json says its checkpoint stores MXFP4 tensors."""
-    return (hf_config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+def is_mxfp4(quantization_config: dict | None) -> bool:
+    """Whether a config.json's quantization_config says its checkpoint stores MXFP4 tensors."""
+    return (quantization_config or {}).get("quant_method") == "mxfp4"

@@ -129,9 +129,6 @@ def _expert_tensors(experts: dict[str, LoRAExperts], layers: tuple[int, ...], in
 def save_peft(model: CausalLM, out_dir: str | os.PathLike, *, base_model_name_or_path: str | None = None) -> None:
     """Writes the model's LoRA adapters as a PEFT LoRA adapter directory (atomically). A mixture-of-experts model's
     expert adapters go on transformers' fused expert parameters (`target_parameters`, see `_expert_tensors`)."""
-    if gap := model.config.export_gap(peft=True):
-        raise CheckpointError(f"PEFT export of {gap} is not supported yet; the run directory keeps the trained "
-                              "adapters (jaxtune train --resume reads them)")
     modules, experts = lora_modules(model), expert_lora_modules(model)
     if not modules and not experts:
         raise CheckpointError("the model has no LoRA adapters to save; call jaxtune.get_peft_model first")

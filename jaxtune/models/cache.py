@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from jaxtune.models.blocks.gated_deltanet import LinearCache
 from jaxtune.models.config import ModelConfig
-from jaxtune.models.layer_kinds import GATED_DELTANET, attention_geometry, attention_layers, kv_shared, layer_kind
+from jaxtune.models.layer_kinds import (GATED_DELTANET, attention_geometry, holds_kv_cache, layer_kind,
+                                        runs_layer_by_layer)
 
 
 class LayerCache(NamedTuple):
@@ -41,15 +42,12 @@ class KVCache(NamedTuple):
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, length: int, dtype: jnp.dtype, per_layer: bool = False) -> "KVCache":
-        shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
         segments = jnp.zeros((batch, length), jnp.int32)
-        layers = attention_layers(cfg)
-        linear = sum(layer_kind(cfg, i) == GATED_DELTANET for i in range(cfg.num_layers))
+        kinds = [layer_kind(cfg, i) for i in range(cfg.num_layers)]
+        linear = kinds.count(GATED_DELTANET)
         linear = LinearCache.empty(cfg, linear, batch, dtype) if linear else None
-        shapes = [(batch, length, *attention_geometry(cfg, layer_kind(cfg, i))[1::-1])
-                  for i in range(cfg.num_layers) if layer_kind(cfg, i) != GATED_DELTANET
-                  and not kv_shared(layer_kind(cfg, i))]
+        shapes = [(batch, length, *attention_geometry(cfg, kind)[1::-1]) for kind in kinds if holds_kv_cache(kind)]
         # layers of several geometries (Gemma 4), or run one by one (its small models): one array each
-        if per_layer or len(set(shapes)) > 1 or cfg.per_layer_dim or cfg.num_kv_shared_layers:
+        if per_layer or len(set(shapes)) > 1 or runs_layer_by_layer(cfg):
             return cls(*(tuple(jnp.zeros(s, dtype) for s in shapes) for _ in "kv"), segments, linear)
-        return cls(jnp.zeros((layers, *shape), dtype), jnp.zeros((layers, *shape), dtype), segments, linear)
+        return cls(*(jnp.zeros((len(shapes), *shapes[0]), dtype) for _ in "kv"), segments, linear)

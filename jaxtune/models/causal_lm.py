@@ -26,7 +26,7 @@ from jaxtune.models.blocks.mlp import MLP
 from jaxtune.models.cache import KVCache, LayerCache
 from jaxtune.models.config import ModelConfig
 from jaxtune.models.layer_kinds import (DEFAULT, DENSE_MLP, GATED_DELTANET, LayerRun, LayerStack, attention_position,
-                                        attention_window, full_rope, layer_runs, layer_stacks)
+                                        attention_window, full_rope, layer_runs, layer_stacks, runs_layer_by_layer)
 from jaxtune.models.layers import Embed, Linear, RMSNorm
 from jaxtune.models import layer_by_layer
 from jaxtune.models.layer_loop import layer_loop
@@ -242,7 +242,7 @@ class CausalLM(nnx.Module):
             h = (h, jnp.zeros(balancing.stats_size(self.config.num_experts), jnp.float32))
         cache_seg, cache_index = cache_args if cache_args is not None else (None, None)
         layer_rngs = None if dropout_rng is None else jax.random.split(dropout_rng, self.config.num_layers)
-        if layer_by_layer.runs_layer_by_layer(self.config):
+        if runs_layer_by_layer(self.config):
             per_layer = (layer_by_layer.per_layer_inputs(self, input_ids, h) if self.config.per_layer_dim else None)
             kv = None if cache is None else (cache[0].k, cache[0].v)
             h, kv = layer_by_layer.run_layers(self, h, tables, segment_ids, kv, cache_seg, cache_index, layer_rngs,

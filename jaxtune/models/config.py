@@ -129,10 +129,6 @@ class ModelConfig:
                 f"{what} is not supported yet for mixture-of-experts models ({self.model_type}); the run directory's "
                 "checkpoint keeps the trained adapters (jaxtune train --resume continues from it)")
 
-    def export_gap(self, peft: bool) -> str | None:
-        """What PEFT (or merged) export does not write for this model yet; None: it writes it all."""
-        return None
-
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads

@@ -13,17 +13,13 @@ from flax import nnx
 from jaxtune import ops
 from jaxtune.errors import UnsupportedModelError
 from jaxtune.models.cache import LayerCache
-from jaxtune.models.layer_kinds import attention_position, full_rope, kv_shared, kv_source, layer_stacks, locate
+from jaxtune.models.layer_kinds import (attention_position, full_rope, kv_shared, kv_source, layer_kind, layer_stacks,
+                                        locate)
 from jaxtune.models.layers import Embed, Linear, RMSNorm
 from jaxtune.models.remat import remat_policy
 
 # variables kept whole (read at the layer's index in place), as the stacked loops keep them
 WHOLE = ("codes", "kernel_absmax", "fp8_scale", "fp8_block_scale", "dense")
-
-
-def runs_layer_by_layer(cfg) -> bool:
-    """Whether the model's layers run one by one (per-layer inputs or KV sharing)."""
-    return bool(cfg.per_layer_dim or cfg.num_kv_shared_layers)
 
 
 def per_layer_inputs(model, input_ids: jax.Array, embeds: jax.Array) -> jax.Array:
@@ -63,8 +59,8 @@ def run_layers(model, h: jax.Array, tables: dict, segment_ids, cache, cache_seg,
     for stack in layer_stacks(cfg):
         layers = getattr(model, stack.attr) if training else model._kernel_ready_layers(stack.attr)
         stacks[stack.attr] = nnx.split(layers, whole, ...)
-    sources = {kv_source(cfg, i) for i in range(cfg.num_layers)} - set(range(cfg.num_layers - cfg.num_kv_shared_layers,
-                                                                            cfg.num_layers))
+    # the layers whose keys and values a KV-sharing layer reads: only they hand them on
+    sources = {kv_source(cfg, i) for i in range(cfg.num_layers) if kv_shared(layer_kind(cfg, i))}
     k, v = (None, None) if cache is None else (list(cache[0]), list(cache[1]))
     shared: dict[int, tuple] = {}
     for i in range(cfg.num_layers):

@@ -130,18 +130,21 @@ def kv_source(cfg: ModelConfig, layer: int) -> int:
     return max(i for i in range(first) if cfg.layer_types[i] == cfg.layer_types[layer])
 
 
-def _caches(kind: str) -> bool:
+def holds_kv_cache(kind: str) -> bool:
+    """Whether a stack's layers hold a KV cache: all but a hybrid decoder's linear-attention layers and the
+    KV-sharing ones."""
     return kind != GATED_DELTANET and not kv_shared(kind)
-
-
-def attention_layers(cfg: ModelConfig) -> int:
-    """How many layers hold a KV cache: all but a hybrid decoder's linear-attention layers and the KV-sharing ones."""
-    return sum(_caches(layer_kind(cfg, i)) for i in range(cfg.num_layers))
 
 
 def attention_position(cfg: ModelConfig, layer: int) -> int:
     """Decoder layer `layer`'s KV cache index among the layers that hold one (a KV-sharing layer's: its source's)."""
-    return sum(_caches(layer_kind(cfg, i)) for i in range(kv_source(cfg, layer)))
+    return sum(holds_kv_cache(layer_kind(cfg, i)) for i in range(kv_source(cfg, layer)))
+
+
+def runs_layer_by_layer(cfg: ModelConfig) -> bool:
+    """Whether the model's layers run one by one (`models/layer_by_layer.py`): Gemma 4's per-layer inputs or KV
+    sharing."""
+    return bool(cfg.per_layer_dim or cfg.num_kv_shared_layers)
 
 
 def has_experts(cfg: ModelConfig, stack: LayerStack) -> bool:

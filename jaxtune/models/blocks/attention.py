@@ -85,60 +85,42 @@ class Attention(nnx.Module):
         elif self.q_scale is not None:
             q = (q.astype(jnp.float32) * self.q_scale).astype(q.dtype)
         q = apply_rope(q, cos, sin)
-        if self.k_proj is None:  # a KV-sharing layer: another layer's keys and values, as they are
-            if cache is None:
-                k, v = shared_kv
-                out = ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), q_segment_ids=segment_ids,
-                                    sliding_window=self.sliding_window, sinks=self._sinks())
-            else:
-                k, v = cache.k, cache.v
-                out = ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), q_segment_ids=segment_ids,
-                                    kv_segment_ids=cache_segment_ids, q_offset=cache_index,
-                                    sliding_window=self.sliding_window, sinks=self._sinks())
-            return self._output(out, gate if self.output_gate else None, rng), cache
-        v = (k if self.v_proj is None else
-             checkpoint_name(self.v_proj(x, fold_rng(rng, 2)), "v_proj").reshape(b, t, self.num_kv_heads, self.head_dim))
-        if self.v_norm_eps is not None:
-            v = rms_normalize(v, self.v_norm_eps).astype(v.dtype)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        k = apply_rope(k, cos, sin)
-        if cache is None:
+        if self.k_proj is None:  # a KV-sharing layer: another layer's keys and values (or its cache), as they are
+            k, v = shared_kv if cache is None else (cache.k, cache.v)
+        else:
+            v = (k if self.v_proj is None else checkpoint_name(self.v_proj(x, fold_rng(rng, 2)), "v_proj").reshape(
+                b, t, self.num_kv_heads, self.head_dim))
+            if self.v_norm_eps is not None:
+                v = rms_normalize(v, self.v_norm_eps).astype(v.dtype)
+            if self.k_norm is not None:
+                k = self.k_norm(k)
+            k = apply_rope(k, cos, sin)
+            if cache is not None:
+                stacked = cache.layer is not None  # every layer's stack at this layer, or this layer's own arrays
+                lead = (cache.layer,) if stacked else ()
+
+                def write(stack, new):
+                    new = (new[None] if stacked else new).astype(stack.dtype)
+                    return jax.lax.dynamic_update_slice(stack, new, (*lead, 0, cache_index, 0, 0))
+
+                def read(stack):
+                    return jax.lax.dynamic_index_in_dim(stack, cache.layer, 0, keepdims=False) if stacked else stack
+
+                cache = LayerCache(write(cache.k, k), write(cache.v, v), cache.layer)
+                k, v = read(cache.k), read(cache.v)
             if kv_out is not None:
                 kv_out.append((k, v))
-            out = ops.attention(q, k, v, q_segment_ids=segment_ids, sliding_window=self.sliding_window,
-                                sinks=self._sinks())
-        else:
-            stacked = cache.layer is not None  # every layer's stack at this layer, or this layer's own arrays
-            lead = (cache.layer,) if stacked else ()
-
-            def write(stack, new):
-                new = (new[None] if stacked else new).astype(stack.dtype)
-                return jax.lax.dynamic_update_slice(stack, new, (*lead, 0, cache_index, 0, 0))
-
-            def read(stack):
-                return jax.lax.dynamic_index_in_dim(stack, cache.layer, 0, keepdims=False) if stacked else stack
-
-            cache = LayerCache(write(cache.k, k), write(cache.v, v), cache.layer)
-            layer_k, layer_v = read(cache.k), read(cache.v)
-            if kv_out is not None:
-                kv_out.append((layer_k, layer_v))
-            out = ops.attention(
-                q, layer_k.astype(q.dtype), layer_v.astype(q.dtype), q_segment_ids=segment_ids,
-                kv_segment_ids=cache_segment_ids, q_offset=cache_index, sliding_window=self.sliding_window,
-                sinks=self._sinks(),
-            )
-        return self._output(out, gate if self.output_gate else None, rng), cache
-
-    def _output(self, out: jax.Array, gate: jax.Array | None, rng: jax.Array | None) -> jax.Array:
-        """o_proj of the heads' outputs [B, T, H, D] (times Qwen3.5's sigmoid gate first)."""
-        b, t = out.shape[:2]
+        cached = cache is not None
+        out = ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), q_segment_ids=segment_ids,
+                            kv_segment_ids=cache_segment_ids if cached else None,
+                            q_offset=cache_index if cached else 0, sliding_window=self.sliding_window,
+                            sinks=self._sinks())
         out = out.reshape(b, t, self.num_heads * self.head_dim)
-        if gate is not None:
+        if self.output_gate:
             out = (out.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(out.dtype)
         input_stats.observe(("o_proj",), out)
         out = self.o_proj(out, fold_rng(rng, 3))
-        return checkpoint_name(out, "o_proj")
+        return checkpoint_name(out, "o_proj"), cache
 
     def _sinks(self) -> jax.Array | None:
         return None if self.sinks is None else self.sinks[...]
