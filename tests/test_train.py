@@ -818,10 +818,12 @@ def test_a_held_out_split_of_any_size_is_evaluated_by_one_compiled_program(tiny_
     assert np.isfinite(loss) and loss == pytest.approx(together, rel=1e-6)
 
 
-@pytest.mark.parametrize("softcap", [None, 3.0])
-def test_soft_capped_chunked_losses_equal_float64_autodiff(softcap):
+@pytest.mark.parametrize("softcap,temperature", [(None, 1.0), (3.0, 1.0), (None, 0.7), (3.0, 0.7)])
+def test_soft_capped_chunked_losses_equal_float64_autodiff(softcap, temperature):
     """Gemma's final-logit soft cap inside the chunked losses: the loss, per-token log-probabilities and both
-    gradients equal numpy float64 of cap * tanh(logits / cap), differentiated by hand."""
+    gradients equal numpy float64 of cap * tanh(logits / cap), differentiated by hand; the per-token
+    log-probabilities and their gradients also at a sampling temperature, applied after the cap (as a sampler,
+    and TRL's GRPO, divide the model's capped logits)."""
     from jaxtune.training.loss import chunked_token_logps
 
     rng = np.random.default_rng(7)
@@ -830,16 +832,24 @@ def test_soft_capped_chunked_losses_equal_float64_autodiff(softcap):
     labels = rng.integers(0, 13, (2, 9))
     labels[0, :3] = IGNORE
     logits = np.einsum("bth,vh->btv", h.astype(np.float64), w.astype(np.float64))
-    capped = logits if softcap is None else softcap * np.tanh(logits / softcap)
+    capped = (logits if softcap is None else softcap * np.tanh(logits / softcap)) / temperature
     logp = capped - np.log(np.exp(capped).sum(-1, keepdims=True))
     valid = labels != IGNORE
     picked = np.take_along_axis(logp, np.where(valid, labels, 0)[..., None], -1)[..., 0] * valid
-    dcapped = (np.exp(logp) - np.eye(13)[np.where(valid, labels, 0)]) * valid[..., None]
+    dcapped = (np.exp(logp) - np.eye(13)[np.where(valid, labels, 0)]) * valid[..., None] / temperature
     dlogits = dcapped if softcap is None else dcapped * (1 - np.tanh(logits / softcap) ** 2)
-    loss, (dh, dw) = jax.value_and_grad(lambda a, b: chunked_cross_entropy(
-        a, b, jnp.asarray(labels), chunk_size=4, softcap=softcap)[0], argnums=(0, 1))(h, w)
-    np.testing.assert_allclose(float(loss), -picked.sum(), rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(dh), np.einsum("btv,vh->bth", dlogits, w), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(dw), np.einsum("btv,bth->vh", dlogits, h), rtol=1e-4, atol=1e-5)
-    token = chunked_token_logps(jnp.asarray(h), jnp.asarray(w), jnp.asarray(labels), chunk_size=4, softcap=softcap)
-    np.testing.assert_allclose(np.asarray(token), picked, rtol=1e-5, atol=1e-6)
+    if temperature == 1.0:
+        loss, (dh, dw) = jax.value_and_grad(lambda a, b: chunked_cross_entropy(
+            a, b, jnp.asarray(labels), chunk_size=4, softcap=softcap)[0], argnums=(0, 1))(h, w)
+        np.testing.assert_allclose(float(loss), -picked.sum(), rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(dh), np.einsum("btv,vh->bth", dlogits, w), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(dw), np.einsum("btv,bth->vh", dlogits, h), rtol=1e-4, atol=1e-5)
+    token_fn = lambda a, b: chunked_token_logps(a, b, jnp.asarray(labels), chunk_size=4, softcap=softcap,  # noqa: E731
+                                                temperature=temperature)
+    np.testing.assert_allclose(np.asarray(token_fn(jnp.asarray(h), jnp.asarray(w))), picked, rtol=1e-5, atol=1e-6)
+    # d(sum of token weights * logp) with random token weights: each token's cotangent scales its own gradient
+    g = rng.standard_normal(labels.shape)
+    dh, dw = jax.grad(lambda a, b: jnp.sum(token_fn(a, b) * g), argnums=(0, 1))(h, w)
+    dweighted = -dlogits * g[..., None]
+    np.testing.assert_allclose(np.asarray(dh), np.einsum("btv,vh->bth", dweighted, w), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dw), np.einsum("btv,bth->vh", dweighted, h), rtol=1e-4, atol=1e-5)

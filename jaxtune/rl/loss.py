@@ -11,7 +11,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtune.data.packing import IGNORE
-from jaxtune.errors import ConfigError
 from jaxtune.training.loss import chunked_token_logps_and_entropy
 
 Batch = dict[str, jax.Array]
@@ -139,14 +138,9 @@ class GRPO:
     def token_logps(self, model, micro: Batch, chunk_size: int):
         """(log-probabilities, entropies) of each row's label tokens [B, T]."""
         hidden = model.hidden_states(micro["input_ids"], micro["positions"], micro["segment_ids"])
-        cap = model.config.final_logit_softcapping
-        if self.temperature != 1.0 and cap is not None:
-            raise ConfigError(f"GRPO with temperature={self.temperature} is not supported for models that soft-cap "
-                              f"their logits ({model.config.model_type}); use temperature 1.0")
-        if self.temperature != 1.0:  # logits / T, as hidden / T through the (linear) head
-            hidden = hidden / jnp.asarray(self.temperature, hidden.dtype)
         return chunked_token_logps_and_entropy(hidden, model.head_weight(), micro["labels"], chunk_size=chunk_size,
-                                               softcap=cap)
+                                               softcap=model.config.final_logit_softcapping,
+                                               temperature=self.temperature)
 
     def micro_loss(self, graphdef, lora, frozen, micro: Batch, rng, chunk_size: int, weights) -> tuple:
         frozen, reference = frozen if isinstance(frozen, tuple) else (frozen, None)

@@ -46,21 +46,24 @@ def chunked_cross_entropy(
 
 
 def chunked_token_logps(hidden: jax.Array, head: jax.Array, labels: jax.Array, *, chunk_size: int = 1024,
-                        softcap: float | None = None) -> jax.Array:
+                        softcap: float | None = None, temperature: float = 1.0) -> jax.Array:
     """log p(label) of every token [..., T] (0 where the label is IGNORE), for hidden [..., T, H], head [V, H].
 
     The sequence-level losses of preference tuning weight each token's log-probability differently, so this
     returns them one by one; chunking and the fused gradient are those of `chunked_cross_entropy` (each
     token's d logp / d hidden is formed in the forward pass and scaled by its own cotangent in the backward).
     """
-    return chunked_token_logps_and_entropy(hidden, head, labels, chunk_size=chunk_size, softcap=softcap)[0]
+    return chunked_token_logps_and_entropy(hidden, head, labels, chunk_size=chunk_size, softcap=softcap,
+                                           temperature=temperature)[0]
 
 
 def chunked_token_logps_and_entropy(hidden: jax.Array, head: jax.Array, labels: jax.Array, *,
-                                    chunk_size: int = 1024, softcap: float | None = None) -> tuple[jax.Array, jax.Array]:
+                                    chunk_size: int = 1024, softcap: float | None = None,
+                                    temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """(log p(label), the entropy of the predicted distribution) of every token [..., T], both 0 where the label
     is IGNORE; the entropy (RL's exploration metric) is computed from the same chunk's logits, undifferentiated,
-    and costs nothing where unused (dead code to XLA)."""
+    and costs nothing where unused (dead code to XLA). `temperature`: the distribution of the (soft-capped) logits
+    divided by it, as a sampler at that temperature draws from."""
     h = hidden.reshape(-1, *hidden.shape[-2:])
     y = labels.reshape(-1, labels.shape[-1])
     rows, t, width = h.shape
@@ -72,19 +75,24 @@ def chunked_token_logps_and_entropy(hidden: jax.Array, head: jax.Array, labels: 
     y = jnp.pad(y, ((0, 0), (0, pad)), constant_values=IGNORE)
     n = (t + pad) // steps
     per_chunk = _fused_token_logps(h.reshape(rows, n, steps, width).swapaxes(0, 1), head,
-                                   y.reshape(rows, n, steps).swapaxes(0, 1), softcap)
+                                   y.reshape(rows, n, steps).swapaxes(0, 1), softcap, float(temperature))
     unchunk = lambda x: x.swapaxes(0, 1).reshape(rows, t + pad)[:, :t].reshape(labels.shape)  # noqa: E731
     return unchunk(per_chunk[0]), jax.lax.stop_gradient(unchunk(per_chunk[1]))
 
 
-def _token_terms(h_c: jax.Array, head: jax.Array, y_c: jax.Array, softcap: float | None, entropy: bool = False):
+def _token_terms(h_c: jax.Array, head: jax.Array, y_c: jax.Array, softcap: float | None, entropy: bool = False,
+                 temperature: float = 1.0):
     """(token losses -log p(label) [rows, steps], d loss / d logits in the head's dtype) of one chunk; both zero
     where the label is IGNORE. With `entropy`, a third: each token's predictive entropy (0 where IGNORE). The
-    gradient is with respect to the logits before the soft cap, where there is one."""
+    logits are soft-capped, then divided by `temperature`; the gradient is with respect to the head's product."""
     logits = jax.lax.dot_general(h_c, head, (((2,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    slope = None  # d(final logits) / d(head's product), where it is not 1
     if softcap is not None:
         capped = jnp.tanh(logits / softcap)
-        logits, cap_slope = softcap * capped, 1.0 - capped * capped
+        logits, slope = softcap * capped, 1.0 - capped * capped
+    if temperature != 1.0:
+        logits = logits / temperature
+        slope = (1.0 if slope is None else slope) / temperature
     lse = jax.nn.logsumexp(logits, axis=-1)
     valid = y_c != IGNORE
     target = jnp.where(valid, y_c, 0)
@@ -93,7 +101,7 @@ def _token_terms(h_c: jax.Array, head: jax.Array, y_c: jax.Array, softcap: float
     probs = jnp.exp(logits - lse[..., None])
     onehot = jax.nn.one_hot(target, logits.shape[-1], dtype=jnp.float32)
     dlogits = jnp.where(valid[..., None], probs - onehot, 0.0)
-    dlogits = (dlogits if softcap is None else dlogits * cap_slope).astype(head.dtype)
+    dlogits = (dlogits if slope is None else dlogits * slope).astype(head.dtype)
     if entropy:
         return nll, dlogits, jnp.where(valid, lse - jnp.sum(probs * logits, axis=-1), 0.0)
     return nll, dlogits
@@ -145,24 +153,24 @@ def _fused_bwd(softcap, res, g):
 _fused_cross_entropy.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fused_token_logps(h: jax.Array, head: jax.Array, y: jax.Array, softcap: float | None
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fused_token_logps(h: jax.Array, head: jax.Array, y: jax.Array, softcap: float | None, temperature: float
                        ) -> tuple[jax.Array, jax.Array]:
     """(token log-probabilities, entropies) [n, rows, steps] each over chunks h [n, rows, steps, H], y [n, rows,
     steps]; the entropies carry no gradient."""
     def body(_, xs):
-        nll, _, ent = _token_terms(xs[0], head, xs[1], softcap, entropy=True)
+        nll, _, ent = _token_terms(xs[0], head, xs[1], softcap, True, temperature)
         return None, (-nll, ent)
 
     return jax.lax.scan(body, None, (h, y))[1]
 
 
-def _token_logps_fwd(h, head, y, softcap):
+def _token_logps_fwd(h, head, y, softcap, temperature):
     head_grad = head.perturbed
     h, head, y = h.value, head.value, y.value
 
     def body(_, xs):
-        nll, dlogits, ent = _token_terms(xs[0], head, xs[1], softcap, entropy=True)
+        nll, dlogits, ent = _token_terms(xs[0], head, xs[1], softcap, True, temperature)
         return None, (-nll, ent, dot_out(dlogits, head, (((2,), (0,)), ((), ())), xs[0].dtype))
 
     _, (logps, entropies, dnll_dh) = jax.lax.scan(body, None, (h, y))
@@ -170,7 +178,7 @@ def _token_logps_fwd(h, head, y, softcap):
     return (logps, entropies), (dnll_dh, (h, head, y) if head_grad else None)
 
 
-def _token_logps_bwd(softcap, res, gs):
+def _token_logps_bwd(softcap, temperature, res, gs):
     dnll_dh, recompute = res
     g = gs[0]  # the entropies' cotangent is ignored: they are a metric
     if isinstance(g, jax.custom_derivatives.SymbolicZero):
@@ -183,7 +191,7 @@ def _token_logps_bwd(softcap, res, gs):
 
     def body(acc, xs):
         h_c, y_c, g_c = xs
-        _, dlogits = _token_terms(h_c, head, y_c, softcap)
+        _, dlogits = _token_terms(h_c, head, y_c, softcap, False, temperature)
         weighted = (-dlogits.astype(jnp.float32) * g_c[..., None]).astype(head.dtype)
         return acc + jax.lax.dot_general(weighted, h_c, (((0, 1), (0, 1)), ((), ())),
                                          preferred_element_type=jnp.float32), None
