@@ -64,7 +64,9 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float, top_k: int = 0) -> jax.Array:
+def sample_token(logits: jax.Array, key: jax.Array, temperature: float, top_p: float, top_k: int = 0) -> jax.Array:
+    """One token per row of logits [B, V]: greedy at temperature 0, else drawn from softmax(logits / temperature)
+    within the top k and the top-p nucleus."""
     if temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits.astype(jnp.float32) / temperature
@@ -100,7 +102,7 @@ def decode(model: CausalLM, ids: jax.Array, pad: jax.Array, key: jax.Array, *, m
     def pick(logits, key):
         if ignore_eos and eos_ids:
             logits = logits.at[:, eos].set(-jnp.inf)
-        return _sample(logits, key, temperature, top_p, top_k)
+        return sample_token(logits, key, temperature, top_p, top_k)
 
     key, sub = jax.random.split(key)
     first = pick(logits[:, -1], sub)

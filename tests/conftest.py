@@ -329,12 +329,17 @@ def cuda_export():
 
 
 def assert_greedy_tokens_are_transformers(model, hf_model, prompts, monkeypatch, max_new_tokens: int = 8) -> None:
-    """jaxtune's greedy tokens for left-padded prompts, with the stacked KV cache and with one cache per layer (as
-    GRPO's rollouts decode on a GPU), equal each other and transformers' greedy `generate` on each prompt alone."""
+    """jaxtune's greedy tokens for left-padded prompts, with the stacked KV cache, with one cache per layer (as
+    GRPO's rollouts decode on a GPU) and continuously batched through one slot (the later prompts refill it, on a
+    ring cache), equal each other and transformers' greedy `generate` on each prompt alone."""
     import importlib
 
     import jax
+    import jax.numpy as jnp
+
     import torch
+
+    from jaxtune.rl.continuous import decode_continuous
 
     decoding = importlib.import_module("jaxtune.generate")
     runs = []
@@ -343,6 +348,13 @@ def assert_greedy_tokens_are_transformers(model, hf_model, prompts, monkeypatch,
         with jax.default_matmul_precision("highest"):
             runs.append(decoding.generate_tokens(model, prompts, max_new_tokens=max_new_tokens))
     assert runs[1] == runs[0]
+    ids, pad = decoding.left_padded(prompts, 0)
+    with jax.default_matmul_precision("highest"):
+        out = jax.jit(lambda ids, pad: decode_continuous(
+            model, ids, pad, jax.random.key(0), slots=1, refill_rows=1, max_new_tokens=max_new_tokens,
+            cache_len=decoding.cache_length(ids.shape[1], max_new_tokens), temperature=0.0, top_p=1.0, top_k=0,
+            eos_ids=(), per_layer=True)[0])(jnp.asarray(ids), jnp.asarray(pad))
+    assert [list(map(int, row)) for row in out] == runs[0]
     for prompt, got in zip(prompts, runs[0]):
         with torch.no_grad():
             ids = torch.tensor([list(prompt)])

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.ops import dispatch
-from jaxtune.ops.context import segments_share_prefixes
+from jaxtune.ops.context import kv_cache_is_ring, segments_share_prefixes
 from jaxtune.ops.sharded import per_batch_shard
 from pallas_kernels.attention_segments import segments_visible, softmax_with_sinks  # the flash kernel's own rules
 
@@ -23,12 +23,20 @@ def attention_mask(
     sliding_window: int | None = None,
 ) -> jax.Array:
     """Boolean [B or 1, q_len, kv_len]: causal by index (query i sits at q_offset + i), same segment only (or a
-    branch's prefix run, inside `ops.context.shared_prefix_segments`)."""
+    branch's prefix run, inside `ops.context.shared_prefix_segments`). Inside `ops.context.ring_kv_cache` (one
+    decoding step on a ring cache) every visible entry is in the past, at distance (q_offset - index) mod kv_len."""
     q_idx = jnp.arange(q_len)[:, None] + q_offset
     kv_idx = jnp.arange(kv_len)[None, :]
-    mask = (kv_idx <= q_idx)[None]
-    if sliding_window is not None:
-        mask = mask & ((q_idx - kv_idx) < sliding_window)[None]
+    if kv_cache_is_ring():
+        if q_len != 1:
+            raise ValueError(f"a ring KV cache is read one token at a time, got {q_len} queries")
+        mask = jnp.ones((1, 1, kv_len), bool)
+        if sliding_window is not None:
+            mask = mask & (((q_idx - kv_idx) % kv_len) < sliding_window)[None]
+    else:
+        mask = (kv_idx <= q_idx)[None]
+        if sliding_window is not None:
+            mask = mask & ((q_idx - kv_idx) < sliding_window)[None]
     if q_segment_ids is not None:
         kv_seg = q_segment_ids if kv_segment_ids is None else kv_segment_ids
         mask = mask & segments_visible(q_segment_ids[:, :, None], kv_seg[:, None, :], segments_share_prefixes())

@@ -23,6 +23,7 @@ _shared_prefix: contextvars.ContextVar[bool] = contextvars.ContextVar("shared_pr
 _at_use: contextvars.ContextVar[bool] = contextvars.ContextVar("dequantize_at_use", default=False)
 _fake_quantized: contextvars.ContextVar[str | None] = contextvars.ContextVar("fake_quantized", default=None)
 _static_layer: contextvars.ContextVar[int | None] = contextvars.ContextVar("static_layer", default=None)
+_ring_cache: contextvars.ContextVar[bool] = contextvars.ContextVar("ring_cache", default=False)
 
 
 @contextlib.contextmanager
@@ -99,6 +100,18 @@ def shared_prefix_segments() -> contextlib.AbstractContextManager[None]:
 
 def segments_share_prefixes() -> bool:
     return _shared_prefix.get()
+
+
+def ring_kv_cache() -> contextlib.AbstractContextManager[None]:
+    """Within the block, a KV cache is a ring: a decoding step's token sits at cache index `q_offset` and the
+    entries before it in time wrap around the end, so every entry the segment ids leave visible is in its past,
+    and an entry's distance is (q_offset - index) mod the cache's length (continuous batching's slots,
+    `jaxtune.rl.continuous`)."""
+    return _set_within(_ring_cache, True)
+
+
+def kv_cache_is_ring() -> bool:
+    return _ring_cache.get()
 
 
 def dequantize_at_use(on: bool = True) -> contextlib.AbstractContextManager[None]:
