@@ -91,3 +91,39 @@ def test_sampled_completions_equal_an_uncached_sampler_with_the_same_keys(tmp_pa
         want.append(new)
     assert got == want
     assert any(len(w) < max_new for w in want) and any(len(w) == max_new for w in want)
+
+
+def test_the_decode_bound_counts_the_weights_and_cache_a_step_reads(tmp_path):
+    """A step's bytes: the NF4 codes and scales (or the dequantized copy, 2 bytes a weight in bf16), the other
+    weights but not an untied input embedding, the adapters, and the cache as KVCache allocates it; bandwidth by
+    device kind, none on a CPU."""
+    from types import SimpleNamespace
+
+    from flax import nnx
+
+    from jaxtune.models.cache import KVCache
+    from jaxtune.qlora import get_peft_model
+    from jaxtune.quant.weights import QuantizedWeight
+    from jaxtune.rl import decode_bound
+
+    shapes = {**SHAPES, "hidden_size": 64, "intermediate_size": 128, "head_dim": 16}  # whole 64-weight blocks
+    build_hf_model(LlamaConfig(**shapes, tie_word_embeddings=False), tmp_path)
+    model, _ = jaxtune.from_pretrained(tmp_path, dtype="bfloat16", load_in_4bit=True)
+    get_peft_model(model, r=4)
+    _, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    flat = nnx.to_flat_state(frozen)
+    nbytes = lambda v: v.value.size * v.value.dtype.itemsize  # noqa: E731
+    codes = sum(v.value.size for p, v in flat if isinstance(v, QuantizedWeight) and p[-1] == "codes")
+    quantized = sum(nbytes(v) for _, v in flat if isinstance(v, QuantizedWeight))
+    embed = 64 * 64 * 2
+    rest = sum(nbytes(v) for _, v in flat) - quantized - embed
+    adapters = sum(nbytes(v) for _, v in nnx.to_flat_state(lora))
+    assert codes == 2 * (64 * (64 + 32 + 32 + 64) + 3 * 64 * 128) // 2  # two layers' q, k, v, o and MLP, 4 bits
+    assert decode_bound.weight_bytes(frozen, lora, jnp.bfloat16) == quantized + rest + adapters
+    assert decode_bound.weight_bytes(frozen, lora, jnp.bfloat16, 1.0) == 4 * codes + rest + adapters
+    cache = KVCache.empty(model.config, 3, 48, jnp.bfloat16)
+    assert decode_bound.cache_bytes(model.config, 3, 48, jnp.bfloat16, False) == sum(
+        a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))
+    assert decode_bound.memory_bandwidth(SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")) == 4.8e12
+    assert decode_bound.memory_bandwidth(SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")) == 3.35e12
+    assert decode_bound.memory_bandwidth(SimpleNamespace(platform="cpu", device_kind="cpu")) is None

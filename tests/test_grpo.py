@@ -265,6 +265,7 @@ def test_sampling_uses_the_current_adapters_stops_at_eos_and_is_seeded(tiny_toke
     top1 = completion_lists(sample(0, top_k=1))
     assert [c[:-1] if c and c[-1] in eos else c for c in top1] == greedy
     assert completion_lists(sample(0, top_k=1, rows_per_call=2)) == top1  # in calls of 2, 2 and 1 rows
+    assert completion_lists(sample(0, top_k=1, rows_per_call=2, continuous=True)) == top1  # two slots, refilled
     a, b, c = sample(0), sample(0), sample(1)
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
@@ -305,13 +306,19 @@ def test_the_rollout_is_split_to_fit_the_device_or_refused_in_one_line(tiny_toke
             for rows in (1, 4, 8)}
     assert need[1] < need[4] < need[8]
 
+    records = []
+
     def run(limit):
         monkeypatch.setattr(source, "memory_stats", lambda: {"bytes_limit": limit, "bytes_in_use": 0})
         return jaxtune.train(_tiny_model(tiny_tokenizer), tiny_tokenizer, ADDITIONS, cfg, out_dir=tmp_path / str(limit),
-                             reward_funcs=["last_number"], progress=False)
+                             reward_funcs=["last_number"], progress=False, callback=records.append)
 
     assert run(int((need[4] + need[8]) / 2 / MARGIN)).steps == 1
-    assert "sampling: 4 completions per call, 2 calls per rollout" in capsys.readouterr().out
+    assert "sampling: 4 slots of continuous batching, each refilled" in capsys.readouterr().out
+    # the eight completions through four slots: the first four prefilled at once, the rest as slots free up
+    assert records[0]["rollout/slots"] == 4 and records[0]["rollout/prefills"] >= 2
+    assert 0 < records[0]["rollout/decode_steps"] <= 2 * cfg.max_completion_length
+    assert records[0]["rollout/tokens_per_second"] > 0
     with pytest.raises(StepTooLarge, match="sampling one completion of up to 12 tokens .* lower "
                                            "--max-completion-length"):
         run(int(need[1] / 2 / MARGIN))
@@ -350,8 +357,8 @@ def test_the_rollout_reads_the_base_dequantized_once_where_it_fits(tiny_tokenize
     monkeypatch.setattr(source, "sampling_bytes", lambda *a, dense=0, **kw: sampling_bytes(*a, dense=dense, **kw)
                         + copies(dense))
     calls = []
-    sample = source.sample_completions
-    monkeypatch.setattr(source, "sample_completions",
+    sample = source.sample_rollout
+    monkeypatch.setattr(source, "sample_rollout",
                         lambda *a, **kw: calls.append((kw["dense"], kw["rows_per_call"])) or sample(*a, **kw))
 
     def run(free):

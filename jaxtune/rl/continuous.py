@@ -8,7 +8,8 @@ writes its step's token at one shared index (the clock, mod the cache's length),
 holds its new prompt at [c - P, c) mod S, so a completion of at most `max_new_tokens` never wraps onto its own
 entries; what the previous completion left is emptied (segment 0). The attention of a step sees only its row's
 entries (`ops.context.ring_kv_cache`). A refill prefills up to `refill_rows` prompts at once on a cache of their
-own and copies it into the free slots (`models.cache_rows.place_rows`).
+own and copies it into the free slots (`models.cache_rows.place_rows`); a freed slot idles until that many are
+free (or the prompts left are fewer), since a prefill costs a decoding step's weight reads however few rows it has.
 
 Token t of completion n is drawn with the key fold_in(fold_in(key, n), t), so what a completion samples does not
 depend on the slot, the other rows or when it started: the same tokens as one row decoded alone.
@@ -42,6 +43,11 @@ class Slots(NamedTuple):
     out: jax.Array  # [N, max_new_tokens], -1 past a completion's end
     steps: jax.Array  # decoding steps run
     prefills: jax.Array  # refill prefills run
+
+
+def refill_rows_for(slots: int) -> int:
+    """The default prompts a refill prefills at once: an eighth of the slots."""
+    return max(1, slots // 8)
 
 
 def completion_key(key: jax.Array, row: jax.Array, token: jax.Array) -> jax.Array:
@@ -98,8 +104,15 @@ def decode_continuous(model, ids: jax.Array, pad: jax.Array, key: jax.Array, *, 
             next_row=st.next_row + jnp.sum(valid, dtype=jnp.int32),
             out=st.out.at[jnp.where(valid, rows, n), 0].set(first, mode="drop"), prefills=st.prefills + 1)
 
-    def refill_all(st: Slots) -> Slots:
-        return jax.lax.while_loop(lambda s: jnp.any(~s.active) & (s.next_row < n), refill, st)
+    def refill_all(st: Slots, eager: bool = False) -> Slots:
+        """Refills while `refill_rows` slots are free (fewer where fewer prompts are left; `eager`: any): a prefill
+        reads every weight as a decoding step does, so an idle slot waits for others rather than take its own."""
+        def wanted(s):
+            free = jnp.sum(~s.active, dtype=jnp.int32)
+            left = n - s.next_row
+            return (left > 0) & (free >= (1 if eager else jnp.minimum(r, left)))
+
+        return jax.lax.while_loop(wanted, refill, st)
 
     def step(st: Slots) -> Slots:
         with ring_kv_cache():
@@ -116,7 +129,7 @@ def decode_continuous(model, ids: jax.Array, pad: jax.Array, key: jax.Array, *, 
     start = Slots(jnp.int32(p), KVCache.empty(cfg, slots, cache_len, dtype, per_layer=per_layer), zeros, zeros,
                   zeros, zeros, jnp.zeros((slots,), bool), jnp.int32(0),
                   jnp.full((n, max_new_tokens), -1, jnp.int32), jnp.int32(0), jnp.int32(0))
-    done = jax.lax.while_loop(lambda s: jnp.any(s.active), step, refill_all(start))
+    done = jax.lax.while_loop(lambda s: jnp.any(s.active), step, refill_all(start, eager=True))
     return done.out, done.steps, done.prefills
 
 

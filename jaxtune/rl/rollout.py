@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -90,17 +90,40 @@ def dense_layers(dense: bool | int) -> int:
     return -1 if dense is True else int(dense)
 
 
-def sample_completions(graphdef, lora, frozen, prompt_ids: list[list[int]], key: jax.Array, *, max_new_tokens: int,
-                       temperature: float, top_p: float, top_k: int, eos_ids: tuple[int, ...], pad_id: int,
-                       ignore_eos: bool = False, rows_per_call: int | None = None, mesh=None,
-                       dense: bool | int = 0) -> np.ndarray:
-    """Completions [N, max_new_tokens] of the prompts, `rows_per_call` rows at a time (None: all in one call; in
-    several calls each takes its own key, folded from `key` by the call's index). On a mesh each device samples
-    its share of the rows (split as the training step splits a micro-batch); every process gets all of them.
-    `dense`: from the base dequantized once per call (`sample`; True: every layer, n: the first n)."""
+class RolloutStats(NamedTuple):
+    """How a rollout decoded: decoding steps (each reads every weight once) and the rows they carried, refill
+    prefills (continuous batching), and whether slots were refilled."""
+    steps: int
+    rows: int
+    prefills: int
+    continuous: bool
+
+
+def sample_completions(graphdef, lora, frozen, prompt_ids: list[list[int]], key: jax.Array, **options) -> np.ndarray:
+    """`sample_rollout`'s completions."""
+    return sample_rollout(graphdef, lora, frozen, prompt_ids, key, **options)[0]
+
+
+def sample_rollout(graphdef, lora, frozen, prompt_ids: list[list[int]], key: jax.Array, *, max_new_tokens: int,
+                   temperature: float, top_p: float, top_k: int, eos_ids: tuple[int, ...], pad_id: int,
+                   ignore_eos: bool = False, rows_per_call: int | None = None, mesh=None,
+                   dense: bool | int = 0, continuous: bool = False) -> tuple[np.ndarray, RolloutStats]:
+    """(completions [N, max_new_tokens] of the prompts, how they decoded), `rows_per_call` rows at a time (None: all
+    in one call). In several static calls each takes its own key, folded from `key` by the call's index, and runs
+    to its longest completion; with `continuous` (one device) they run as one call of `rows_per_call` slots, each
+    refilled with the next prompt as its completion ends (`continuous.decode_continuous`, its keys per completion).
+    On a mesh each device samples its share of the rows (split as the training step splits a micro-batch); every
+    process gets all of them. `dense`: from the base dequantized once per call (`sample`; True: every layer, n: the
+    first n)."""
     ids, pad = left_padded(prompt_ids, pad_id)  # one prompt length for every call: one compilation
     options = _options(max_new_tokens, ids.shape[1], temperature, top_p, top_k, eos_ids, ignore_eos, dense)
     step = rows_per_call or len(ids)
+    if continuous and mesh is None and step < len(ids):
+        from jaxtune.rl.continuous import refill_rows_for, sample_continuous
+
+        out, steps, prefills = sample_continuous(graphdef, lora, frozen, jnp.asarray(ids), jnp.asarray(pad), key,
+                                                 slots=step, refill_rows=refill_rows_for(step), **options)
+        return np.asarray(out), RolloutStats(int(steps), step, int(prefills), True)
 
     def call(s: int, key: jax.Array) -> np.ndarray:
         part_ids, part_pad = ids[s:s + step], pad[s:s + step]
@@ -113,8 +136,12 @@ def sample_completions(graphdef, lora, frozen, prompt_ids: list[list[int]], key:
         return np.asarray(process_allgather(out, tiled=True))
 
     if step >= len(ids):
-        return call(0, key)
-    return np.concatenate([call(s, jax.random.fold_in(key, s // step)) for s in range(0, len(ids), step)])
+        out = call(0, key)
+    else:
+        out = np.concatenate([call(s, jax.random.fold_in(key, s // step)) for s in range(0, len(ids), step)])
+    # a static call's loop runs to its longest completion
+    steps = sum(int((out[s:s + step] >= 0).sum(axis=1).max()) for s in range(0, len(ids), step))
+    return out, RolloutStats(steps, min(step, len(ids)), len(range(0, len(ids), step)), False)
 
 
 def sampling_bytes(graphdef, lora, frozen, rows: int, prompt_len: int, *, max_new_tokens: int, temperature: float,

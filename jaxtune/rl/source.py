@@ -18,13 +18,14 @@ from jax.experimental.multihost_utils import process_allgather
 from jaxtune.data import BatchStream, PackedRows
 from jaxtune.data.sources import Row
 from jaxtune.parallel.distributed import agree_min, agree_on_checks, memory_stats
-from jaxtune.generate import eos_token_ids, per_layer_cache
+from jaxtune.generate import eos_token_ids, per_layer_cache, prompt_bucket
 from jaxtune.platform.host_info import GIB
 from jaxtune.rl.advantages import _nanstd, group_advantages
 from jaxtune.rl.loss import GRPO
 from jaxtune.rl.rewards import RewardError, RewardFunction, RewardLogs, TrainerState, score
 from jaxtune.rl import rollout as rollout_module
-from jaxtune.rl.rollout import completion_lists, rollout_rows, rows_per_call, sample_completions, sampling_bytes
+from jaxtune.rl import decode_bound
+from jaxtune.rl.rollout import completion_lists, rollout_rows, rows_per_call, sample_rollout, sampling_bytes
 from jaxtune.parallel.sharding import batch_shards, global_rows
 from jaxtune.training.autobatch import MARGIN, StepTooLarge
 
@@ -52,6 +53,7 @@ class Rollouts:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.sampler_graphdef = nnx.split(model, nnx.LoRAParam, ...)[0]  # the inference flags, no remat
         self.num_layers = model.config.num_layers
+        self.model_config, self.model_dtype = model.config, model.dtype
         self.samples_path = os.path.join(run_dir, "completions.jsonl") if run_dir is not None and lead else None
         self.batch_extra = {"advantages": ((1,), np.dtype(np.float32))}
         if cfg.num_iterations > 1:
@@ -109,9 +111,10 @@ class Rollouts:
         frozen = frozen[0] if isinstance(frozen, tuple) else frozen
         if not self._planned:
             self.rows_per_call, self._planned = self._plan_sampling(lora, frozen, len(prompt_ids)), True
-        completions = completion_lists(sample_completions(
-            self.sampler_graphdef, lora, frozen, prompt_ids, key, pad_id=self.pad_id,
-            rows_per_call=self.rows_per_call, mesh=self.mesh, dense=self.dense, **self._sampling_options()))
+        out, decoded = sample_rollout(self.sampler_graphdef, lora, frozen, prompt_ids, key, pad_id=self.pad_id,
+                                      rows_per_call=self.rows_per_call, mesh=self.mesh, dense=self.dense,
+                                      continuous=True, **self._sampling_options())
+        completions = completion_lists(out)
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         prompts = [r.data["prompt"] for r in prompt_rows]
@@ -135,6 +138,7 @@ class Rollouts:
         self.efficiency = float((batch["segment_ids"] > 0).mean())
         self.metrics = self._metrics(completions, truncated, rewards, reward_metrics, t1 - t0,
                                      time.perf_counter() - t1)
+        self.metrics.update(self._decode_metrics(lora, frozen, decoded, max(len(p) for p in prompt_ids), t1 - t0))
         self.metrics.update(logs.metric_means())
         self._cached = batch
         if self.samples_path is not None and step % cfg.logging_steps == 0:
@@ -201,8 +205,10 @@ class Rollouts:
                 f"hold, over the {MARGIN * stats['bytes_limit'] / GIB:,.1f} GiB the device has to use; lower "
                 "--max-completion-length or shorten the prompts")
         if rows < total and self.lead:
-            print(f"sampling: {rows} completions per call, {total // rows} calls per rollout (all {total} at once "
-                  f"need {needs[total] / GIB:,.1f} GiB; the device has {free / GIB:,.1f} GiB free)")
+            how = (f"{rows} completions per call, {total // rows} calls per rollout" if self.mesh is not None else
+                   f"{rows} slots of continuous batching, each refilled as its completion ends")
+            print(f"sampling: {how} (all {total} at once need {needs[total] / GIB:,.1f} GiB; the device has "
+                  f"{free / GIB:,.1f} GiB free)")
         return None if rows == total else rows
 
     def _sampling_need(self, lora, frozen, rows: int, prompt_len: int, dense: int = 0) -> int:
@@ -284,6 +290,27 @@ class Rollouts:
                   "num_tokens": float(self.tokens_seen),
                   "rollout_seconds": round(generate_s, 3), "reward_seconds": round(score_s, 3),
                   "generated_tokens": float(lengths.sum())})
+        return m
+
+    def _decode_metrics(self, lora, frozen, decoded, prompt_len: int, seconds: float) -> dict[str, float]:
+        """The rollout's decoding: steps, refill prefills, and (on a GPU whose bandwidth is known) the fraction of
+        the memory-bandwidth bound its time reached: every step reads the weights and the cache once."""
+        m = {"rollout/decode_steps": float(decoded.steps), "rollout/prefills": float(decoded.prefills),
+             "rollout/slots": float(decoded.rows),
+             "rollout/tokens_per_second": round(self.metrics["generated_tokens"] / max(seconds, 1e-9), 1)}
+        bandwidth = decode_bound.memory_bandwidth()
+        if bandwidth is None or self.mesh is not None:
+            return m
+        options = rollout_module._options(self.cfg.max_completion_length, prompt_bucket(prompt_len),
+                                          self.cfg.temperature, self.cfg.top_p, self.cfg.top_k, self.eos_ids,
+                                          self.ignore_eos, self.dense)
+        dense = 1.0 if options["dense"] < 0 else options["dense"] / self.num_layers
+        step_bytes = (decode_bound.weight_bytes(frozen, lora, self.model_dtype, dense)
+                      + decode_bound.cache_bytes(self.model_config, decoded.rows, options["cache_len"],
+                                                 self.model_dtype, options["per_layer"]))
+        m["rollout/step_bytes"] = float(step_bytes)
+        m["rollout/hbm_bound_fraction"] = round(
+            decode_bound.bound_seconds(decoded.steps, step_bytes, bandwidth) / max(seconds, 1e-9), 4)
         return m
 
     def _write_samples(self, step: int, prompts: list, texts: list, rewards: np.ndarray,
