@@ -87,6 +87,30 @@ def test_routing_takes_each_tokens_top_k_experts_with_renormalized_weights():
                                / np.take_along_axis(probs, top, -1).sum(-1, keepdims=True), rtol=1e-5)
 
 
+def test_a_bf16_router_is_one_bf16_gemm_with_float32_logits():
+    """bf16 tokens and router: the logits come from one GEMM of the bf16 operands accumulating in float32 (no float32
+    copy of the tokens), equal to float64 of the same bf16 values up to float32 rounding; the tokens' gradient
+    through the routing weights is the float64 one too."""
+    x = jax.random.normal(jax.random.key(0), (40, 64)).astype(jnp.bfloat16)
+    router = (0.3 * jax.random.normal(jax.random.key(1), (8, 64))).astype(jnp.bfloat16)
+    jaxpr = str(jax.make_jaxpr(lambda x: route(x, router, 2, normalize=True).logits)(x))
+    assert "dot_general" in jaxpr and "convert_element_type" not in jaxpr.split("dot_general")[0], jaxpr
+    r = route(x, router, 2, normalize=True)
+    logits = np.asarray(x, np.float64) @ np.asarray(router, np.float64).T
+    np.testing.assert_allclose(np.asarray(r.logits), logits, rtol=1e-6, atol=1e-5)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    np.testing.assert_array_equal(np.asarray(r.experts), np.argsort(-probs, axis=-1)[:, :2])
+    c = np.random.default_rng(0).standard_normal((40, 2))
+    dx = jax.grad(lambda x: jnp.sum(route(x, router, 2, normalize=False).weights * c))(x)
+    top = np.argsort(-probs, axis=-1)[:, :2]
+    dprobs = np.zeros_like(probs)
+    np.put_along_axis(dprobs, top, c, -1)
+    dlogits = probs * (dprobs - (probs * dprobs).sum(-1, keepdims=True))
+    want = dlogits @ np.asarray(router, np.float64)
+    np.testing.assert_allclose(np.asarray(dx, np.float64), want, rtol=2e-2, atol=2e-3)  # dx is bf16
+
+
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_logits_equal_transformers(tmp_path, family):
     hf = build_hf_model(CONFIGS[family](), tmp_path)
