@@ -117,14 +117,15 @@ def grouped_fp8_matmul_tiles(xq: jax.Array, x_scale: jax.Array, wq: jax.Array, w
     )(tile_group.astype(jnp.int32), xq, x_scale.astype(jnp.float32), wq, w_scale.astype(jnp.float32))
 
 
-def _product(xq, x_scale, wq, w_scale, tile_group, tiles, out_dtype, impl):
+def grouped_fp8_product(xq, x_scale, wq, w_scale, tile_group, tiles: GroupedFp8Tiles, out_dtype, impl: str):
+    """`grouped_fp8_matmul_tiles` (impl "pallas" or "pallas-interpret") or its reference ("xla")."""
     if impl == "xla":
         return grouped_fp8_matmul_reference(xq, x_scale, wq, w_scale, tile_group, tiles.block_m, out_dtype)
     return grouped_fp8_matmul_tiles(xq, x_scale, wq, w_scale, tile_group, tiles=tiles, out_dtype=out_dtype,
                                     interpret=impl == "pallas-interpret")
 
 
-def _quantize(a: jax.Array, impl: str) -> tuple[jax.Array, jax.Array]:
+def e4m3_rows(a: jax.Array, impl: str) -> tuple[jax.Array, jax.Array]:
     """a's rows in e4m3 with a power-of-two scale each (the Pallas quantizer off the reference path: same bits)."""
     if impl == "xla":
         q, scale = quantize_rows_reference(a, "e4m3")
@@ -140,8 +141,8 @@ def grouped_fp8_matmul(x: jax.Array, frozen: tuple, tile_group: jax.Array, tiles
     K], w_scale [E, N], wtq [E, K, N], wt_scale [E, K]): W and Wᵀ in e4m3 with their scales. The input gradient
     dx = dy @ W[e] runs the same kernel on dy's e4m3 rows and Wᵀ; the weights get zero cotangents. `impl`:
     "pallas", "pallas-interpret" or "xla" (the reference)."""
-    xq, x_scale = _quantize(jax.lax.stop_gradient(x), impl)
-    return _product(xq, x_scale, frozen[0], frozen[1], tile_group, tiles, x.dtype, impl)
+    xq, x_scale = e4m3_rows(jax.lax.stop_gradient(x), impl)
+    return grouped_fp8_product(xq, x_scale, frozen[0], frozen[1], tile_group, tiles, x.dtype, impl)
 
 
 def _forward(x, frozen, tile_group, tiles, impl):
@@ -150,8 +151,8 @@ def _forward(x, frozen, tile_group, tiles, impl):
 
 def _backward(tiles, impl, residuals, dy):
     frozen, tile_group = residuals
-    gq, g_scale = _quantize(dy, impl)
-    dx = _product(gq, g_scale, frozen[2], frozen[3], tile_group, tiles, dy.dtype, impl)
+    gq, g_scale = e4m3_rows(dy, impl)
+    dx = grouped_fp8_product(gq, g_scale, frozen[2], frozen[3], tile_group, tiles, dy.dtype, impl)
     return dx, jax.tree.map(jnp.zeros_like, frozen), np.zeros(tile_group.shape, jax.dtypes.float0)
 
 

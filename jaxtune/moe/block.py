@@ -13,6 +13,8 @@ from jaxtune.moe.experts import ExpertLinear, NF4Experts, expert_projection
 from jaxtune.moe.layout import tile_layout
 from jaxtune.moe.routing import Routing, route
 from jaxtune.models.layers import rms_normalize
+from jaxtune.ops import dispatch
+from jaxtune.ops.context import frozen_compute_mode
 from jaxtune.ops.sharded import per_batch_shard_with
 from jaxtune.parallel.sharding import batch_shards, current_mesh, whole_on_every_device
 from jaxtune.quant.weights import QuantizedWeight
@@ -90,9 +92,10 @@ class SparseMoE(nnx.Module):
         stats = None if mask is None else balancing.statistics(routing, self.num_experts, mask.reshape(-1))
         layout = tile_layout(routing.experts, self.num_experts)
         key = (lambda i: None) if rng is None else (lambda i: jax.random.fold_in(rng, i))  # noqa: E731
-        parts = [expert_projection(p, x.dtype) for p in (self.gate_proj, self.up_proj, self.down_proj)]
+        fp8 = dispatch.moe_fp8_impl() if frozen_compute_mode() == "fp8" else None
+        parts = [expert_projection(p, x.dtype, fp8 is not None) for p in (self.gate_proj, self.up_proj, self.down_proj)]
         spec = ExpertMLPSpec(self.top_k, layout.rows, layout.block_m, self.activation, self.swiglu_alpha,
-                             self.swiglu_limit, tuple(p[1] for p in parts), tuple(p[2] for p in parts))
+                             self.swiglu_limit, tuple(p[1] for p in parts), tuple(p[2] for p in parts), fp8)
         out = expert_mlp(flat, routing.weights, layout, tuple(p[0] for p in parts), spec, (key(4), key(5), key(6)))
         out = out.reshape(b, t, hidden)
         return out, stats

@@ -35,9 +35,10 @@ EXPERT_ROUTING = "expert_routing"  # the saved routing: weights and the padded l
 
 
 class ExpertProjection(NamedTuple):
-    """One projection of every expert: the frozen weight [E, out, in] in the compute dtype, its frozen bias
-    [E, out] (gpt-oss) or None, and the LoRA factors A [E, r, in], B [E, out, r] (compute dtype) or None."""
-    weight: jax.Array
+    """One projection of every expert: the frozen weight [E, out, in] in the compute dtype (under FP8 experts
+    `fp8_expert_weights`' (wq, w_scale, wtq, wt_scale) instead), its frozen bias [E, out] (gpt-oss) or None, and the
+    LoRA factors A [E, r, in], B [E, out, r] (compute dtype) or None."""
+    weight: jax.Array | tuple
     bias: jax.Array | None = None
     lora_a: jax.Array | None = None
     lora_b: jax.Array | None = None
@@ -54,6 +55,7 @@ class ExpertMLPSpec:
     swiglu_limit: float = 7.0
     scales: tuple[float, float, float] = (1.0, 1.0, 1.0)  # LoRA scale of gate, up, down
     dropouts: tuple[float, float, float] = (0.0, 0.0, 0.0)  # LoRA dropout of gate, up, down
+    fp8: str | None = None  # the frozen GEMMs in e4m3 by this implementation (`dispatch.moe_fp8_impl`), or None
 
 
 def activate(gate: jax.Array, up: jax.Array, spec: ExpertMLPSpec) -> jax.Array:
@@ -105,9 +107,48 @@ def _lora(x: jax.Array, a: jax.Array, b: jax.Array, layout: TileLayout, scale: f
     return grouped_matmul(hidden, b, layout, trainable=True)
 
 
-def _project(x: jax.Array, p: ExpertProjection, layout: TileLayout, scale: float, dropout: float,
-             key: jax.Array | None) -> jax.Array:
-    y = add_expert_bias(grouped_matmul(x, p.weight, layout), p.bias, layout)
+def _fp8_tiles(layout: TileLayout):
+    from pallas_kernels.grouped_fp8_matmul import GroupedFp8Tiles
+
+    return GroupedFp8Tiles(block_m=layout.block_m)
+
+
+def _rows_in(x: jax.Array, spec: ExpertMLPSpec):
+    """What the frozen GEMMs read of rows x: x itself, or under FP8 experts (x, its e4m3 rows, their scales), so
+    projections that share an input (gate and up) quantize it once."""
+    if spec.fp8 is None:
+        return x
+    from pallas_kernels.grouped_fp8_matmul import e4m3_rows
+
+    return (x, *e4m3_rows(x, spec.fp8))
+
+
+def _frozen_product(rows, weight, layout: TileLayout, spec: ExpertMLPSpec) -> jax.Array:
+    """rows (`_rows_in`) times each row's frozen expert weight."""
+    if spec.fp8 is None:
+        return grouped_matmul(rows, weight, layout)
+    from pallas_kernels.grouped_fp8_matmul import grouped_fp8_product
+
+    x, xq, x_scale = rows
+    return grouped_fp8_product(xq, x_scale, weight[0], weight[1], layout.tile_group, _fp8_tiles(layout), x.dtype,
+                               spec.fp8)
+
+
+def _frozen_input_grad(dy: jax.Array, weight, layout: TileLayout, spec: ExpertMLPSpec) -> jax.Array:
+    """dy @ W[e] per row: the frozen product's input gradient (under FP8 experts dy's e4m3 rows times Wᵀ's)."""
+    if spec.fp8 is None:
+        return grouped_matmul_input_grad(dy, weight, layout)
+    from pallas_kernels.grouped_fp8_matmul import e4m3_rows, grouped_fp8_product
+
+    return grouped_fp8_product(*e4m3_rows(dy, spec.fp8), weight[2], weight[3], layout.tile_group, _fp8_tiles(layout),
+                               dy.dtype, spec.fp8)
+
+
+def _project(rows, p: ExpertProjection, layout: TileLayout, scale: float, dropout: float,
+             key: jax.Array | None, spec: ExpertMLPSpec) -> jax.Array:
+    """rows (`_rows_in`) through one projection: the frozen product, its bias, the LoRA term."""
+    x = rows if spec.fp8 is None else rows[0]
+    y = add_expert_bias(_frozen_product(rows, p.weight, layout, spec), p.bias, layout)
     if p.lora_a is None:
         return y
     return y + _lora(x, p.lora_a, p.lora_b, layout, scale, dropout, key)
@@ -124,10 +165,11 @@ def _combine(down_rows: jax.Array, weights: jax.Array, layout: TileLayout, top_k
 def _gate_up_down(x, weights, layout, projections, spec, keys):
     """(the output, the routed rows' gate and up outputs) of the plain composition."""
     gate_p, up_p, down_p = projections
-    rows = _gather_tokens(x, layout, spec.top_k)
-    gate = _project(rows, gate_p, layout, spec.scales[0], spec.dropouts[0], keys[0])
-    up = _project(rows, up_p, layout, spec.scales[1], spec.dropouts[1], keys[1])
-    down = _project(activate(gate, up, spec), down_p, layout, spec.scales[2], spec.dropouts[2], keys[2])
+    rows = _rows_in(_gather_tokens(x, layout, spec.top_k), spec)
+    gate = _project(rows, gate_p, layout, spec.scales[0], spec.dropouts[0], keys[0], spec)
+    up = _project(rows, up_p, layout, spec.scales[1], spec.dropouts[1], keys[1], spec)
+    down = _project(_rows_in(activate(gate, up, spec), spec), down_p, layout, spec.scales[2], spec.dropouts[2],
+                    keys[2], spec)
     return _combine(down, weights, layout, spec.top_k), gate, up
 
 
@@ -184,7 +226,7 @@ def _backward(spec, residuals, dout):
     w_rows = _to_rows(weights.astype(dtype).reshape(-1), layout)[:, None]
     h = activate(gate, up, spec)
     # g = dr @ W_down_eff: dh = w * g, and d(weight) = <down row, dr> = <h, g> (+ the bias's part)
-    g = grouped_matmul_input_grad(dr, down_p.weight, layout)
+    g = _frozen_input_grad(dr, down_p.weight, layout, spec)
     d_weight = jnp.sum(h.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
     dh = w_rows * g
     grads = [None, None, None]
@@ -201,8 +243,8 @@ def _backward(spec, residuals, dout):
                                          per_tile).reshape(-1)
     _, act_vjp = jax.vjp(lambda a, b: activate(a, b, spec), gate, up)
     dgate, dup = act_vjp(dh.astype(h.dtype))
-    drows = grouped_matmul_input_grad(dgate, gate_p.weight, layout) + grouped_matmul_input_grad(
-        dup, up_p.weight, layout)
+    drows = (_frozen_input_grad(dgate, gate_p.weight, layout, spec)
+             + _frozen_input_grad(dup, up_p.weight, layout, spec))
     if gate_p.lora_a is not None or up_p.lora_a is not None:
         rows = _gather_tokens(x, layout, k)
         for i, (p, d) in enumerate(((gate_p, dgate), (up_p, dup))):
@@ -215,7 +257,7 @@ def _backward(spec, residuals, dout):
     dx = jnp.sum(dx.astype(jnp.float32), axis=1).astype(dtype)
     d_weights = d_weight.at[layout.position].get(unique_indices=True).reshape(weights.shape).astype(weights.dtype)
     d_projections = tuple(
-        ExpertProjection(jnp.zeros_like(p.weight), None if p.bias is None else jnp.zeros_like(p.bias),
+        ExpertProjection(jax.tree.map(jnp.zeros_like, p.weight), None if p.bias is None else jnp.zeros_like(p.bias),
                          *(grads[i] if grads[i] is not None else (None, None)))
         for i, p in enumerate(projections))
     return dx, d_weights, _no_cotangent(layout_arrays), d_projections, _no_cotangent(keys)

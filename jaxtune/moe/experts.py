@@ -117,8 +117,10 @@ class LoRAExperts(nnx.Module):
         return w + self.scale * (self.lora_b[...].astype(jnp.float32) @ self.lora_a[...].astype(jnp.float32))
 
 
-def expert_projection(module: nnx.Module, dtype: jnp.dtype) -> tuple[ExpertProjection, float, float]:
-    """(the arrays `moe.expert_mlp` takes for this projection, its LoRA scale, its LoRA dropout)."""
+def expert_projection(module: nnx.Module, dtype: jnp.dtype, fp8: bool = False
+                      ) -> tuple[ExpertProjection, float, float]:
+    """(the arrays `moe.expert_mlp` takes for this projection, its LoRA scale, its LoRA dropout); `fp8`: the frozen
+    weight as e4m3 W and Wᵀ with their scales (`fp8_expert_weights`, from the weight in `dtype`)."""
     base = module.base if isinstance(module, LoRAExperts) else module
     if isinstance(base, NF4Experts):
         weight = base.dequantized(dtype)
@@ -126,6 +128,10 @@ def expert_projection(module: nnx.Module, dtype: jnp.dtype) -> tuple[ExpertProje
         weight = base.weight[...].astype(dtype)
     else:
         raise TypeError(f"{type(base).__name__} is not an expert projection")
+    if fp8:
+        from pallas_kernels.grouped_fp8_matmul import fp8_expert_weights
+
+        weight = fp8_expert_weights(weight)
     bias = _array(base.bias)
     if not isinstance(module, LoRAExperts):
         return ExpertProjection(weight, bias), 1.0, 0.0

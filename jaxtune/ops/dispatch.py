@@ -115,6 +115,23 @@ def moe_frozen_impl() -> str:
     return "wgmma" if MOE_WGMMA_ON_HOPPER and _hopper() else "pallas"
 
 
+# Under compute "fp8", the frozen experts' GEMMs in e4m3 too (pallas_kernels/grouped_fp8_matmul.py, forward and input
+# gradient); off until the grouped FP8 kernel is measured against the bf16 one on the device: the experts then stay
+# in bf16 under "fp8", as before
+MOE_FP8_EXPERTS = False
+
+
+def moe_fp8_impl() -> str | None:
+    """`pallas` (the grouped FP8 kernel), `pallas-interpret`, or `xla` (its jnp reference) for the frozen experts'
+    GEMMs under compute "fp8"; None: they stay in the model's dtype (`MOE_FP8_EXPERTS` off)."""
+    if not MOE_FP8_EXPERTS:
+        return None
+    mode = kernel_mode()
+    if mode == "pallas-interpret":
+        return mode
+    return _forced("pallas") or "pallas"
+
+
 # QAT's q4_0 weights of NF4 projections on a GPU by the one-pass kernel: the 8B step 1.04x plain QLoRA's through it,
 # 1.29x through XLA's passes (H200, benchmarks/results/2026-11-28-qat-q4-0-kernel-h200.md)
 QAT_KERNEL_ON_GPU = True
