@@ -3,7 +3,7 @@ same FLOPs, on a mixture of experts' training shapes, and the NF4 dequantization
 
     PYTHONPATH=. python3 benchmarks/moe/moe_grouped_gemm.py --model qwen3-30b-a3b --tokens 8192
 Prints one JSON line per projection and implementation (the Pallas kernel at several tilings; --xla: also
-XLA's ragged_dot): milliseconds and TFLOP/s of the grouped GEMM (forward; input gradient, as QLoRA's frozen
+XLA's ragged_dot; --fp8: the grouped FP8 kernel at several tilings beside cuBLASLt's dense FP8 GEMM): milliseconds and TFLOP/s of the grouped GEMM (forward; input gradient, as QLoRA's frozen
 experts need) and of the dense GEMM of the same rows, and their ratio.
 """
 
@@ -22,11 +22,14 @@ from jaxtune.quant import nf4
 from jaxtune.moe.grouped import grouped_matmul
 from jaxtune.moe.layout import BLOCK_M, tile_layout
 from pallas_kernels.grouped_matmul import GroupedTiles, grouped_matmul as kernel
+from pallas_kernels.grouped_fp8_matmul import GroupedFp8Tiles, fp8_expert_weights, grouped_fp8_matmul
 from pallas_kernels.grouped_matmul_wgmma import WgmmaTiles, fits, frozen_ragged_matmul
 
 SHAPES = {  # hidden, expert width, experts, experts per token
     "qwen3-30b-a3b": (2048, 768, 128, 8),
     "mixtral-8x7b": (4096, 14336, 8, 2),
+    "gpt-oss-20b": (2880, 2880, 32, 4),
+    "smoke": (128, 64, 4, 2),  # a CPU check of this script (interpret mode)
 }
 
 
@@ -35,6 +38,8 @@ INTERPRET = jax.default_backend() != "gpu"  # a check run on CPU
 TILES = [GroupedTiles(64, 128, 64, 4, 3), GroupedTiles(128, 128, 64, 8, 3), GroupedTiles(64, 256, 64, 8, 3),
          GroupedTiles(128, 256, 64, 8, 3), GroupedTiles(64, 256, 64, 8, 4)]
 # (block_m, block_n, block_k, stages, grid_block_n): JAX's Mosaic GPU ragged dot (--wgmma, Hopper only)
+FP8_TILES = [GroupedFp8Tiles(128, 128, 128, 8, 4), GroupedFp8Tiles(128, 256, 128, 8, 3),
+             GroupedFp8Tiles(64, 128, 128, 4, 4), GroupedFp8Tiles(128, 128, 64, 8, 4), GroupedFp8Tiles(64, 256, 128, 8, 3)]
 WGMMA_TILES = [WgmmaTiles(128, 128, 64, 4, 1), WgmmaTiles(128, 128, 64, 5, 1), WgmmaTiles(128, 256, 64, 3, 1),
                WgmmaTiles(128, 256, 64, 4, 1), WgmmaTiles(128, 128, 64, 4, 2), WgmmaTiles(128, 192, 64, 4, 1),
                WgmmaTiles(64, 256, 64, 4, 1)]
@@ -58,6 +63,7 @@ def main() -> None:
     ap.add_argument("--xla", action="store_true", help="also time XLA's ragged_dot")
     ap.add_argument("--wgmma", action="store_true", help="also time JAX's Mosaic GPU ragged dot (Hopper)")
     ap.add_argument("--only-wgmma", action="store_true", help="time the wgmma kernel's tilings alone")
+    ap.add_argument("--fp8", action="store_true", help="also time the grouped FP8 kernel (and a dense FP8 GEMM)")
     args = ap.parse_args()
     hidden, width, experts, top_k = SHAPES[args.model]
     rows = args.tokens * top_k
@@ -80,16 +86,28 @@ def main() -> None:
                   "device": jax.devices()[0].device_kind, "dense_ms": round(d, 3),
                   "dense_tflops": round(flops / d / 1e9, 1), "dense_dx_ms": round(ddx, 3),
                   "nf4_dequant_all_experts_ms": round(dequant, 3)}
+        if args.fp8 and not INTERPRET:
+            xq, wq = x.astype(jnp.float8_e4m3fn), dense_w.astype(jnp.float8_e4m3fn)
+            dense_fp8 = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                                                 preferred_element_type=jnp.bfloat16))
+            record["dense_fp8_ms"] = round(timed(dense_fp8, xq, wq), 3)
         variants = [("xla", None)] if args.xla else []
         variants += [] if args.only_wgmma else [("pallas", t) for t in TILES]
         variants += [("wgmma", t) for t in WGMMA_TILES if fits(k, n, t) and fits(n, k, t)] \
             if args.wgmma or args.only_wgmma else []
+        variants += [("fp8", t) for t in FP8_TILES] if args.fp8 else []
         for impl, tiles in variants:
             jaxtune.set_kernels("xla" if impl == "xla" else "pallas-interpret" if INTERPRET else "pallas")
             layout = tile_layout(chosen, experts, BLOCK_M if tiles is None else tiles.block_m)
             xp = jax.random.normal(key, (layout.rows, k), jnp.bfloat16)
             dyp = jax.random.normal(key, (layout.rows, n), jnp.bfloat16)
-            if impl == "wgmma":
+            if impl == "fp8":
+                frozen = jax.jit(fp8_expert_weights)(w)
+                fwd = jax.jit(lambda x, w, t=tiles: grouped_fp8_matmul(x, frozen, layout.tile_group, t,
+                                                                        "pallas-interpret" if INTERPRET else "pallas"))
+                dx = jax.jit(lambda x, w, dy, t=tiles: jax.vjp(lambda x: grouped_fp8_matmul(
+                    x, frozen, layout.tile_group, t, "pallas-interpret" if INTERPRET else "pallas"), x)[1](dy)[0])
+            elif impl == "wgmma":
                 fwd = jax.jit(lambda x, w, t=tiles: frozen_ragged_matmul(x, w, layout.group_sizes, t))
                 dx = jax.jit(lambda x, w, dy, t=tiles: jax.vjp(
                     lambda x: frozen_ragged_matmul(x, w, layout.group_sizes, t), x)[1](dy)[0])
