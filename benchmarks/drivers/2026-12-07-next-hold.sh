@@ -16,7 +16,7 @@ for model in qwen3-30b-a3b gpt-oss-20b; do
     --model "$model" --tokens 16384 --xla --only-wgmma > "$OUT/grouped-$model-cudnn-flag.jsonl" \
     2> "$OUT/grouped-$model-cudnn-flag.err"
 done
-timeout 300 python3 benchmarks/tools/make_bnb4_checkpoint.py /tmp/bnb4_8b > "$OUT/checkpoint.txt" 2>&1
+timeout 300 python3 benchmarks/tools/make_bnb4_checkpoint.py --model llama3-8b /tmp/bnb4_8b > "$OUT/checkpoint.txt" 2>&1
 for slots in 64 32; do
   timeout 400 python3 benchmarks/rl/continuous_rollout.py /tmp/bnb4_8b --completions 256 --slots "$slots" \
     >> "$OUT/continuous.jsonl" 2>> "$OUT/continuous.err"
