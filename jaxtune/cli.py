@@ -372,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lora-r", type=int)
     tr.add_argument("--lora-alpha", type=float)
     tr.add_argument("--lora-dropout", type=float)
-    tr.add_argument("--remat", choices=["auto", "none", "selective", "per-layer", "offload"],
+    tr.add_argument("--remat", choices=["auto", "none", "selective", "recompute-experts", "per-layer", "offload"],
                     help="what the backward pass recomputes (default: auto, the fastest policy that fits the device)")
     tr.add_argument("--eval-fraction", type=float)
     tr.add_argument("--eval-steps", type=int)

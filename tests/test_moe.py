@@ -264,6 +264,38 @@ def test_a_qwen3_moe_qlora_run_trains_the_expert_adapters(tmp_path, tiny_tokeniz
     assert (trained >= 6).all(), trained  # the experts the router sent tokens to (all but the odd unused one)
 
 
+def test_remat_auto_recomputes_the_experts_when_keeping_their_rows_does_not_fit(tmp_path, tiny_tokenizer, monkeypatch,
+                                                                               capsys):
+    """For a mixture of experts remat auto tries "recompute-experts" between "selective" and "per-layer": its plan
+    needs less than "selective"'s (the routed rows' gate/up outputs are not kept), and where "selective" does not fit
+    it is the choice, said in the run's line, and the run trains."""
+    import jaxtune.training.remat_choice as remat_choice
+
+    # many layers of wide experts, as the models this is for: the rows every layer keeps outweigh the one layer's
+    # recompute in flight
+    build_hf_model(CONFIGS["qwen3_moe"](vocab_size=len(tiny_tokenizer), moe_intermediate_size=512,
+                                        num_experts_per_tok=4, num_hidden_layers=8), tmp_path / "base")
+    model, _ = jaxtune.from_pretrained(tmp_path / "base", dtype="float32", load_in_4bit=True)
+    needs = []
+    real = remat_choice.step_bytes_or_none
+
+    def planned(*args):  # the real plans; "selective" (the first) told it does not fit
+        needs.append(real(*args))
+        return None if len(needs) == 1 else needs[-1]
+
+    monkeypatch.setattr(remat_choice, "step_bytes_or_none", planned)
+    monkeypatch.setattr(remat_choice, "memory_stats", lambda: {"bytes_limit": 2**40})
+    rows = [{"text": f"row {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 3)} for i in range(8)]
+    cfg = jaxtune.TrainConfig(format="text", seq_len=48, micro_batch_size=4, max_steps=3, learning_rate=1e-2,
+                              warmup_steps=0, lora_r=4, save_steps=0)
+    result = jaxtune.train(model, tiny_tokenizer, rows, cfg, out_dir=tmp_path / "run", progress=False)
+    said = [line for line in capsys.readouterr().out.splitlines() if "remat auto" in line]
+    assert result.remat == "recompute-experts" and len(needs) == 2, (said, needs)
+    assert needs[1] < needs[0], needs  # the experts' rows are the step's largest saved activations here
+    assert "selective needs more; recompute-experts needs" in said[0] and "recompute-experts fits" in said[0], said
+    assert all(np.isfinite(result.losses))
+
+
 @pytest.mark.parametrize("change, words", [
     ({"num_experts_per_tok": 9}, "1 <= num_experts_per_tok <= num_experts"),
 ])

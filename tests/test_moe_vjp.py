@@ -175,10 +175,10 @@ def test_selective_remat_runs_every_frozen_expert_gemm_once_each_way(tmp_path, m
         jaxpr = jax.make_jaxpr(jax.grad(lambda p: jnp.mean(nnx.merge(graphdef, p, rest)(ids))))(lora).jaxpr
         return live_eqns(jaxpr, frozen_gemm)
 
-    counts = {policy: count(policy) for policy in ("none", "selective", "full")}
-    # the layer scan's body: 3 forward, 3 input gradients; per-layer remat runs gate and up forward again (down's
-    # output is not a residual)
-    assert counts == {"none": 6, "selective": 6, "full": 8}, counts
+    counts = {policy: count(policy) for policy in ("none", "selective", "selective-experts", "full")}
+    # the layer scan's body: 3 forward, 3 input gradients; per-layer remat, and "recompute-experts" (selective but
+    # the routed rows), run gate and up forward again (down's output is not a residual)
+    assert counts == {"none": 6, "selective": 6, "selective-experts": 8, "full": 8}, counts
     monkeypatch.setattr(block, "expert_mlp", fused.expert_mlp_reference)  # autodiff of the plain composition
     assert count("selective") > 6
 

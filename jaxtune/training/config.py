@@ -14,7 +14,7 @@ from jaxtune.ops.context import COMPUTE_MODES
 from jaxtune.qlora import ALL_TARGETS
 
 SCHEDULES = ("constant", "linear", "cosine")
-REMAT = ("auto", "none", "selective", "per-layer", "offload")
+REMAT = ("auto", "none", "selective", "recompute-experts", "per-layer", "offload")
 REPORTERS = ("tensorboard", "wandb")
 OBJECTIVES = ("sft", "dpo", "orpo", "grpo")
 GRPO_LOSSES = ("dapo", "grpo", "dr_grpo", "bnpo", "luspo", "cispo", "sapo", "vespo")
@@ -59,7 +59,8 @@ class TrainConfig:
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     use_rslora: bool = False
     # "auto": the fastest policy whose compiled step fits the device (training/remat_choice.py); "selective" is
-    # the fastest measured, "per-layer" and "offload" trade speed for memory
+    # the fastest measured, "recompute-experts" (mixtures of experts), "per-layer" and "offload" trade speed for
+    # memory
     remat: str = "auto"
     ce_chunk_size: int = 1024
     # "fp8": the frozen projections (forward and input gradient, but q/k's forward) as FP8 GEMMs; LoRA, norms,

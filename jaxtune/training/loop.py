@@ -266,7 +266,8 @@ def _plan_step(setup: _Setup) -> _Plan:
             tried[remat] = graphdef, step
             return step
 
-        choice = choose_remat(build_step, lora, opt_state, frozen, setup.rows, cfg, offloads_to_host())
+        choice = choose_remat(build_step, lora, opt_state, frozen, setup.rows, cfg, offloads_to_host(),
+                              experts=bool(model.config.num_experts))
         if setup.lead:
             print(choice.reason, flush=True)
         cfg = dataclasses.replace(cfg, remat=choice.policy)

@@ -21,7 +21,8 @@ from jaxtune.training.config import TrainConfig
 from jaxtune.training.objectives import SFT, Objective, make_objective
 from jaxtune.training.optimizer_offload import to_device_after, to_host
 
-REMAT_POLICIES = {"none": "none", "selective": "selective", "per-layer": "full", "offload": "offload"}
+REMAT_POLICIES = {"none": "none", "selective": "selective", "recompute-experts": "selective-experts",
+                  "per-layer": "full", "offload": "offload"}
 
 
 # the optimizer's and schedule's numbers: arguments of the compiled step, not constants baked into it
