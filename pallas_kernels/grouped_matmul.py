@@ -9,7 +9,9 @@ loaded tiles move). XLA's `ragged_dot` on the GPU computes every expert for ever
 GEMM's rate at Qwen3-30B-A3B's 128 experts); this kernel does one expert's work per tile.
 
 Also here: the jnp reference over the same tiles (`grouped_matmul_tiles_reference`) and the custom VJP (the weight
-is frozen in QLoRA: its cotangent is zero; LoRA's adapters train through their own products).
+is frozen in QLoRA: its cotangent is zero; LoRA's adapters train through their own products). With `row_token` the
+kernel reads each tile's rows from the token array by index (the routing's gather in the GEMM's loads), so the
+routed rows [rows, hidden] are never written out: a forward product only, inside a caller's own VJP.
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ class GroupedTiles:
 
 
 def grouped_matmul_tiles_reference(x: jax.Array, weight: jax.Array, tile_group: jax.Array, block_m: int,
-                                   transpose: bool = False) -> jax.Array:
+                                   transpose: bool = False, row_token: jax.Array | None = None) -> jax.Array:
     """The same product in jnp: tile i's rows times weight[tile_group[i]]ᵀ (`transpose`: times weight[e]);
-    unused tiles zero."""
+    unused tiles zero; `row_token`: the rows are x[row_token]."""
+    if row_token is not None:
+        x = x[row_token]
     tiles = x.shape[0] // block_m
     xt = x.reshape(tiles, block_m, x.shape[1])
     w = weight[jnp.maximum(tile_group, 0)]  # [tiles, N, K]
@@ -48,9 +52,11 @@ def grouped_matmul_tiles_reference(x: jax.Array, weight: jax.Array, tile_group: 
     return y.reshape(tiles * block_m, -1).astype(x.dtype)
 
 
-def _kernel(group_ref, x_ref, w_ref, o_ref, *, block_k: int, steps: int, transpose: bool):
+def _kernel(group_ref, *refs, block_k: int, steps: int, transpose: bool, gather: bool):
+    row_ref, x_ref, w_ref, o_ref = refs if gather else (None, *refs)
     g = group_ref[0]
     bm, bn = o_ref.shape
+    rows = row_ref[...] if gather else slice(None)  # the tile's rows of x: gathered by token index, or its block
 
     @pl.when(g < 0)
     def _():
@@ -60,7 +66,7 @@ def _kernel(group_ref, x_ref, w_ref, o_ref, *, block_k: int, steps: int, transpo
     def _():
         def body(t, acc):
             k0 = t * block_k
-            xb = x_ref[:, pl.ds(k0, block_k)]
+            xb = x_ref[rows, pl.ds(k0, block_k)]
             # the weight's block already holds this program's bn output columns of every expert
             if transpose:  # W[e] rows are the contraction: block [bk, bn]
                 wb = w_ref[g, pl.ds(k0, block_k), :].astype(xb.dtype)
@@ -80,10 +86,13 @@ def _fit(block: int, dim: int) -> int:
 
 
 def grouped_matmul_tiles(x: jax.Array, weight: jax.Array, tile_group: jax.Array, *, transpose: bool = False,
-                         tiles: GroupedTiles = GroupedTiles(), interpret: bool = False) -> jax.Array:
+                         tiles: GroupedTiles = GroupedTiles(), interpret: bool = False,
+                         row_token: jax.Array | None = None) -> jax.Array:
     """y [M, N] = each block_m-row tile of x [M, K] times weight[tile_group[i]]ᵀ (weight [E, N, K]), or with
-    `transpose` times weight[tile_group[i]] (weight [E, K, N] read as [E, N, K]ᵀ: the input gradient)."""
-    m, k = x.shape
+    `transpose` times weight[tile_group[i]] (weight [E, K, N] read as [E, N, K]ᵀ: the input gradient).
+    `row_token` [M]: x is the tokens [T, K] and row r is x[row_token[r]], loaded by index inside the kernel (the
+    routed rows are never written out)."""
+    m, k = x.shape if row_token is None else (row_token.shape[0], x.shape[1])
     e, rows_w, cols_w = weight.shape
     n, contraction = (cols_w, rows_w) if transpose else (rows_w, cols_w)
     bm = tiles.block_m
@@ -96,20 +105,20 @@ def grouped_matmul_tiles(x: jax.Array, weight: jax.Array, tile_group: jax.Array,
         raise ValueError(f"N={n} and K={k} must be multiples of 16 (the smallest tile)")
     w_block = (e, rows_w, bn) if transpose else (e, bn, cols_w)
     w_index = (lambda i, j: (0, 0, j)) if transpose else (lambda i, j: (0, j, 0))
+    gather = row_token is not None
+    rows_specs = [pl.BlockSpec((bm,), lambda i, j: (i,)), pl.BlockSpec(x.shape, lambda i, j: (0, 0))] if gather \
+        else [pl.BlockSpec((bm, k), lambda i, j: (i, 0))]
+    rows_args = (row_token.astype(jnp.int32), x) if gather else (x,)
     return pl.pallas_call(
-        functools.partial(_kernel, block_k=bk, steps=k // bk, transpose=transpose),
+        functools.partial(_kernel, block_k=bk, steps=k // bk, transpose=transpose, gather=gather),
         grid=(m // bm, n // bn),
-        in_specs=[
-            pl.BlockSpec((1,), lambda i, j: (i,)),
-            pl.BlockSpec((bm, k), lambda i, j: (i, 0)),
-            pl.BlockSpec(w_block, w_index),
-        ],
+        in_specs=[pl.BlockSpec((1,), lambda i, j: (i,)), *rows_specs, pl.BlockSpec(w_block, w_index)],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
-        name="grouped_matmul",
-    )(tile_group.astype(jnp.int32), x, weight)
+        name="grouped_matmul_gathered" if gather else "grouped_matmul",
+    )(tile_group.astype(jnp.int32), *rows_args, weight)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

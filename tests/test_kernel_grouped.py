@@ -59,6 +59,26 @@ def test_grouped_kernel_and_its_gradients_equal_float64(tiles, bm, k, n, experts
     np.testing.assert_allclose(np.asarray(dw), want_dw, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("tokens, tiles, bm, k, n, experts", [(11, 6, 16, 64, 32, 3), (40, 9, 16, 128, 64, 5)])
+def test_the_gathering_kernel_reads_each_rows_token_by_index(tokens, tiles, bm, k, n, experts):
+    """With row_token the kernel loads row r of each tile from the token array at row_token[r] (a token count that
+    is no power of two, tokens read by several rows): the product of the gathered rows, in interpret mode against
+    float64, and the jnp reference alike."""
+    tile_group, _, w, _ = _case(tokens + k, tiles, bm, k, n, experts)
+    rng = np.random.default_rng(tokens)
+    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    row_token = rng.integers(0, tokens, tiles * bm).astype(np.int32)
+    want = _per_tile(x[row_token], tile_group, bm, lambda a, g: a @ w[g].astype(np.float64).T if g >= 0
+                     else np.zeros((bm, n)))
+    with jax.default_matmul_precision("highest"):
+        got = grouped_matmul_tiles(jnp.asarray(x), jnp.asarray(w), jnp.asarray(tile_group), interpret=True,
+                                   tiles=GroupedTiles(bm, 32, 32), row_token=jnp.asarray(row_token))
+        ref = grouped_matmul_tiles_reference(jnp.asarray(x), jnp.asarray(w), jnp.asarray(tile_group), bm,
+                                             row_token=jnp.asarray(row_token))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(ref), want, rtol=1e-5, atol=1e-4)
+
+
 def test_grouped_kernel_refuses_shapes_its_tiles_do_not_divide():
     x, w, groups = jnp.zeros((48, 64)), jnp.zeros((2, 32, 64)), jnp.zeros((3,), jnp.int32)
     with pytest.raises(ValueError, match="multiple of block_m"):
@@ -80,6 +100,10 @@ def test_grouped_kernel_lowers_for_cuda(cuda_export, m, k, n, experts):
 
     text = cuda_export(step, x, w, groups)
     assert text.count("grouped_matmul") >= 2, "forward and input-gradient kernels"
+    tokens = jax.ShapeDtypeStruct((m // 8 + 3, k), jnp.bfloat16)  # the routed rows' tokens, loaded by index
+    row_token = jax.ShapeDtypeStruct((m,), jnp.int32)
+    text = cuda_export(lambda t, w, g, r: grouped_matmul_tiles(t, w, g, row_token=r), tokens, w, groups, row_token)
+    assert "grouped_matmul_gathered" in text
 
 
 @pytest.mark.gpu

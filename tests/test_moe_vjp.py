@@ -160,20 +160,23 @@ def test_selective_remat_runs_every_frozen_expert_gemm_once_each_way(tmp_path, m
     rank = 4
 
     def frozen_gemm(eqn) -> bool:  # a grouped GEMM whose operands are not LoRA's rank-r ones
-        if kernel_name(eqn) != "grouped_matmul":
+        if kernel_name(eqn) not in ("grouped_matmul", "grouped_matmul_gathered"):  # rows as they are, or by index
             return False
-        x, w = eqn.invars[1].aval.shape, eqn.invars[2].aval.shape
+        x, w = eqn.invars[-2].aval.shape, eqn.invars[-1].aval.shape
         return rank not in (x[-1], w[-1], w[-2])
 
     from jaxtune.moe import block, expert_mlp as fused
 
-    def count(policy: str) -> int:
+    def count(policy: str, matches=frozen_gemm) -> int:
         model, _ = jaxtune.from_pretrained(tmp_path, dtype="float32")
         jaxtune.get_peft_model(model, r=rank, target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"])
         model.remat_policy = policy
         graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
         jaxpr = jax.make_jaxpr(jax.grad(lambda p: jnp.mean(nnx.merge(graphdef, p, rest)(ids))))(lora).jaxpr
-        return live_eqns(jaxpr, frozen_gemm)
+        return live_eqns(jaxpr, matches)
+
+    # gate and up (frozen and LoRA's A) load their rows from the tokens by index: no routed copy in the forward
+    assert count("selective", lambda e: kernel_name(e) == "grouped_matmul_gathered") == 4
 
     counts = {policy: count(policy) for policy in ("none", "selective", "selective-experts", "full")}
     # the layer scan's body: 3 forward, 3 input gradients; per-layer remat, and "recompute-experts" (selective but

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtune.moe.grouped import grouped_matmul, grouped_matmul_input_grad
-from jaxtune.moe.layout import TileLayout
+from jaxtune.moe.grouped import gathered_matmul, grouped_matmul, grouped_matmul_input_grad
+from jaxtune.moe.layout import TileLayout, row_tokens
 
 EXPERT_GATE_UP = "expert_gate_up"  # the saved gate/up outputs of the routed rows
 EXPERT_ROUTING = "expert_routing"  # the saved routing: weights and the padded layout
@@ -162,12 +162,34 @@ def _combine(down_rows: jax.Array, weights: jax.Array, layout: TileLayout, top_k
     return jnp.sum((out * w).astype(jnp.float32), axis=1).astype(down_rows.dtype)
 
 
-def _gate_up_down(x, weights, layout, projections, spec, keys):
-    """(the output, the routed rows' gate and up outputs) of the plain composition."""
+def _gathering(spec: ExpertMLPSpec, keys) -> bool:
+    """Whether gate and up read their rows from the tokens by index (no LoRA dropout on them, which masks each
+    routed row on its own, and no FP8 rows)."""
+    dropped = any(k is not None and d > 0.0 for k, d in zip(keys[:2], spec.dropouts[:2]))
+    return spec.fp8 is None and not dropped
+
+
+def _project_gathered(x, row_token, p: ExpertProjection, layout: TileLayout, scale: float) -> jax.Array:
+    """`_project` of the rows x[row_token], each product loading its rows by index (no [rows, hidden] copy)."""
+    y = add_expert_bias(gathered_matmul(x, row_token, p.weight, layout), p.bias, layout)
+    if p.lora_a is None:
+        return y
+    hidden = gathered_matmul(x, row_token, p.lora_a.astype(x.dtype), layout, trainable=True)
+    return y + grouped_matmul(hidden * jnp.asarray(scale, x.dtype), p.lora_b, layout, trainable=True)
+
+
+def _gate_up_down(x, weights, layout, projections, spec, keys, gather: bool = False):
+    """(the output, the routed rows' gate and up outputs) of the plain composition; `gather` (a forward without
+    autodiff, `_forward`): gate and up load their rows from the tokens by index where `_gathering` allows."""
     gate_p, up_p, down_p = projections
-    rows = _rows_in(_gather_tokens(x, layout, spec.top_k), spec)
-    gate = _project(rows, gate_p, layout, spec.scales[0], spec.dropouts[0], keys[0], spec)
-    up = _project(rows, up_p, layout, spec.scales[1], spec.dropouts[1], keys[1], spec)
+    if gather and _gathering(spec, keys):
+        row_token = row_tokens(layout, spec.top_k)
+        gate = _project_gathered(x, row_token, gate_p, layout, spec.scales[0])
+        up = _project_gathered(x, row_token, up_p, layout, spec.scales[1])
+    else:
+        rows = _rows_in(_gather_tokens(x, layout, spec.top_k), spec)
+        gate = _project(rows, gate_p, layout, spec.scales[0], spec.dropouts[0], keys[0], spec)
+        up = _project(rows, up_p, layout, spec.scales[1], spec.dropouts[1], keys[1], spec)
     down = _project(_rows_in(activate(gate, up, spec), spec), down_p, layout, spec.scales[2], spec.dropouts[2],
                     keys[2], spec)
     return _combine(down, weights, layout, spec.top_k), gate, up
@@ -199,11 +221,11 @@ def _no_cotangent(tree: Any) -> Any:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _expert_mlp(spec, x, weights, layout_arrays, projections, keys):
-    return expert_mlp_reference(x, weights, _layout(*layout_arrays, spec), projections, spec, keys)
+    return _gate_up_down(x, weights, _layout(*layout_arrays, spec), projections, spec, keys, gather=True)[0]
 
 
 def _forward(spec, x, weights, layout_arrays, projections, keys):
-    out, gate, up = _gate_up_down(x, weights, _layout(*layout_arrays, spec), projections, spec, keys)
+    out, gate, up = _gate_up_down(x, weights, _layout(*layout_arrays, spec), projections, spec, keys, gather=True)
     gate, up = checkpoint_name((gate, up), EXPERT_GATE_UP)
     weights, layout_arrays = checkpoint_name((weights, layout_arrays), EXPERT_ROUTING)
     return out, (x, weights, layout_arrays, projections, keys, gate, up)

@@ -60,3 +60,19 @@ def grouped_matmul_input_grad(dy: jax.Array, weight: jax.Array, layout: TileLayo
         dot_dimension_numbers=(((1,), (1,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
     return jax.lax.ragged_dot_general(dy, weight, layout.group_sizes, dims,
                                       preferred_element_type=jnp.float32).astype(dy.dtype)
+
+
+def gathered_matmul(tokens: jax.Array, row_token: jax.Array, weight: jax.Array, layout: TileLayout, *,
+                    trainable: bool = False) -> jax.Array:
+    """`grouped_matmul` of the rows tokens[row_token] (tokens [T, in], row_token [rows] in `layout`'s order), a
+    forward product only (inside a caller's own VJP): the Pallas kernel loads each tile's rows by index, so the
+    [rows, in] copy is never written; elsewhere (XLA's ragged_dot, the wgmma kernel, a mesh) the rows are gathered
+    first. Padding rows read token 0: their products are not zeros, and nothing may read them."""
+    wgmma = not trainable and dispatch.moe_frozen_impl() == "wgmma"
+    if dispatch.moe_impl() == "pallas" and current_mesh() is None and not wgmma:
+        from pallas_kernels.grouped_matmul import GroupedTiles, grouped_matmul_tiles
+
+        return grouped_matmul_tiles(tokens, weight.astype(tokens.dtype), layout.tile_group,
+                                    tiles=GroupedTiles(block_m=layout.block_m), interpret=dispatch.interpret(),
+                                    row_token=row_token)
+    return grouped_matmul(tokens[row_token], weight, layout, trainable=trainable)

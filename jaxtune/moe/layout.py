@@ -46,3 +46,10 @@ def tile_layout(experts: jax.Array, num_experts: int, block_m: int = BLOCK_M) ->
     group = jnp.searchsorted(ends, tile_start, side="right").astype(jnp.int32)
     tile_group = jnp.where(tile_start < ends[-1], group, -1)
     return TileLayout(position, tile_group, padded, rows, block_m)
+
+
+def row_tokens(layout: TileLayout, top_k: int) -> jax.Array:
+    """[rows] the token each padded row is a copy of (padding rows: token 0, whose products nothing reads)."""
+    routed = layout.position.shape[0]
+    return jnp.zeros((layout.rows,), jnp.int32).at[layout.position].set(
+        jnp.arange(routed, dtype=jnp.int32) // top_k, unique_indices=True)
