@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jaxtune.ops import dispatch
 from jaxtune.ops.context import kv_cache_is_ring, segments_share_prefixes
-from jaxtune.ops.sharded import per_batch_shard
+from jaxtune.ops.sharded import per_batch_shard, per_batch_shard_with
 from pallas_kernels.attention_segments import segments_visible, softmax_with_sinks  # the flash kernel's own rules
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -63,6 +63,8 @@ def attention(
     denominator, attending to nothing. A fast kernel runs where `dispatch` picks one, else XLA.
     """
     fast = _fast_attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, sliding_window, sinks)
+    if fast is None:
+        fast = _decode_attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, sliding_window, sinks)
     if fast is not None:
         return fast
     b, t, hq, d = q.shape
@@ -78,6 +80,24 @@ def attention(
     probs = softmax_with_sinks(scores, sinks, hkv).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def _decode_attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, sliding_window, sinks) -> jax.Array | None:
+    """One decoding step (a single query per row over a KV cache) by the Pallas decode kernel, which reads only the
+    cache's filled part, where `dispatch` picks it; None: the reference."""
+    if (q.shape[1] != 1 or kv_segment_ids is None or q_segment_ids is None or segments_share_prefixes()
+            or dispatch.decode_attention_impl(q.shape[-1], k.shape[1]) != "pallas"):
+        return None
+    from pallas_kernels.decode_attention import decode_attention
+
+    ring = kv_cache_is_ring()
+
+    def step(q, k, v, q_seg, kv_seg, q_index, sinks):
+        return decode_attention(q[:, 0], k, v, q_seg[:, 0], kv_seg, q_index, window=sliding_window, ring=ring,
+                                sinks=sinks, interpret=dispatch.interpret())[:, None]
+
+    return per_batch_shard_with(step, (q, k, v, q_segment_ids, kv_segment_ids),
+                                (jnp.asarray(q_offset, jnp.int32), sinks))
 
 
 def _fast_attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, sliding_window,

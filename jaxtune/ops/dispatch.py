@@ -175,6 +175,20 @@ def attention_impl(plain_causal: bool, head_dim: int = 128) -> str:
     return _forced("pallas") or ("cudnn" if cudnn else "pallas")
 
 
+# A decoding step's attention by the Pallas kernel that reads only the filled (and windowed) part of the cache
+# (pallas_kernels/decode_attention.py); off on GPUs in `auto` mode until measured against XLA's, which reads the whole
+# cache
+DECODE_ATTENTION_ON_GPU = False
+
+
+def decode_attention_impl(head_dim: int, cache_length: int) -> str:
+    """`pallas` or `xla` for one decoding step's attention over a KV cache."""
+    fits = head_dim >= 16 and head_dim & (head_dim - 1) == 0 and cache_length % 16 == 0
+    if not fits:
+        return "xla"
+    return _forced("pallas") or ("pallas" if DECODE_ATTENTION_ON_GPU else "xla")
+
+
 def gated_delta_impl(dk: int, dv: int) -> str:
     """`pallas` (pallas_kernels/gated_delta.py) or `xla` for the chunked gated delta rule: the kernel on GPU where
     both head dims are powers of two >= 16 (1.9x-2.4x the XLA path forward + backward on an H200,
