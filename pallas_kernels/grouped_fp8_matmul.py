@@ -58,9 +58,11 @@ def grouped_fp8_matmul_reference(xq: jax.Array, x_scale: jax.Array, wq: jax.Arra
     return y.reshape(tiles * block_m, -1).astype(out_dtype)
 
 
-def _kernel(group_ref, x_ref, xs_ref, w_ref, ws_ref, o_ref, *, block_k: int, steps: int):
+def _kernel(group_ref, *refs, block_k: int, steps: int, gather: bool):
+    row_ref, x_ref, xs_ref, w_ref, ws_ref, o_ref = refs if gather else (None, *refs)
     g = group_ref[0]
     bm, bn = o_ref.shape
+    rows = row_ref[...] if gather else slice(None)  # the tile's rows: gathered by token index, or its block
 
     @pl.when(g < 0)
     def _():
@@ -70,26 +72,29 @@ def _kernel(group_ref, x_ref, xs_ref, w_ref, ws_ref, o_ref, *, block_k: int, ste
     def _():
         def body(t, acc):
             k0 = pl.multiple_of(t * block_k, block_k)
-            xb = x_ref[:, pl.ds(k0, block_k)]
+            xb = x_ref[rows, pl.ds(k0, block_k)]
             wb = w_ref[g, :, pl.ds(k0, block_k)]  # this program's bn columns of expert g, K-major
             return acc + pltriton.dot(xb, wb, trans_b=True)
 
         acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
-        o_ref[...] = (acc * xs_ref[...][:, None] * ws_ref[g, :][None, :]).astype(o_ref.dtype)
+        o_ref[...] = (acc * xs_ref[rows][:, None] * ws_ref[g, :][None, :]).astype(o_ref.dtype)
 
 
 def grouped_fp8_matmul_tiles(xq: jax.Array, x_scale: jax.Array, wq: jax.Array, w_scale: jax.Array,
                              tile_group: jax.Array, *, tiles: GroupedFp8Tiles = GroupedFp8Tiles(),
-                             out_dtype=jnp.bfloat16, interpret: bool = False) -> jax.Array:
-    """y [M, N] = (xq [M, K] * x_scale) tile by tile @ (wq[e] [N, K] * w_scale[e])ᵀ for e = tile_group[tile]."""
-    m, k = xq.shape
+                             out_dtype=jnp.bfloat16, interpret: bool = False,
+                             row_token: jax.Array | None = None) -> jax.Array:
+    """y [M, N] = (xq [M, K] * x_scale) tile by tile @ (wq[e] [N, K] * w_scale[e])ᵀ for e = tile_group[tile];
+    `row_token` [M]: xq and x_scale are the tokens' [T, K] and [T], row r read at row_token[r] by the kernel."""
+    gather = row_token is not None
+    m, k = xq.shape if not gather else (row_token.shape[0], xq.shape[1])
     e, n, kw = wq.shape
     bm = tiles.block_m
     if xq.dtype not in FP8_FORMATS.values() or wq.dtype not in FP8_FORMATS.values():
         raise ValueError(f"grouped fp8 matmul wants float8 operands, got {xq.dtype} and {wq.dtype}")
     if m % bm or tile_group.shape != (m // bm,):
         raise ValueError(f"x has {m} rows: a multiple of block_m={bm} with one tile_group entry per tile expected")
-    if kw != k or x_scale.shape != (m,) or w_scale.shape != (e, n):
+    if kw != k or x_scale.shape != (xq.shape[0],) or w_scale.shape != (e, n):
         raise ValueError(f"x {xq.shape} (scales {x_scale.shape}) does not match the weights {wq.shape} (scales "
                          f"{w_scale.shape}): K must agree, scales [M] and [E, N]")
     bn, bk = tiles.block_n, tiles.block_k
@@ -99,13 +104,19 @@ def grouped_fp8_matmul_tiles(xq: jax.Array, x_scale: jax.Array, wq: jax.Array, w
         bk //= 2
     if n % bn or k % bk:
         raise ValueError(f"N={n} and K={k} must be multiples of 16 and 32 (the smallest FP8 tiles)")
+    if gather:  # the tokens whole (read by index), the tile's token indices
+        rows_specs = [pl.BlockSpec((bm,), lambda i, j: (i,)), pl.BlockSpec(xq.shape, lambda i, j: (0, 0)),
+                      pl.BlockSpec(x_scale.shape, lambda i, j: (0,))]
+        rows_args = (row_token.astype(jnp.int32), xq, x_scale.astype(jnp.float32))
+    else:
+        rows_specs = [pl.BlockSpec((bm, k), lambda i, j: (i, 0)), pl.BlockSpec((bm,), lambda i, j: (i,))]
+        rows_args = (xq, x_scale.astype(jnp.float32))
     return pl.pallas_call(
-        functools.partial(_kernel, block_k=bk, steps=k // bk),
+        functools.partial(_kernel, block_k=bk, steps=k // bk, gather=gather),
         grid=(m // bm, n // bn),
         in_specs=[
             pl.BlockSpec((1,), lambda i, j: (i,)),
-            pl.BlockSpec((bm, k), lambda i, j: (i, 0)),
-            pl.BlockSpec((bm,), lambda i, j: (i,)),
+            *rows_specs,
             pl.BlockSpec((e, bn, k), lambda i, j: (0, j, 0)),
             pl.BlockSpec((e, bn), lambda i, j: (0, j)),
         ],
@@ -114,15 +125,19 @@ def grouped_fp8_matmul_tiles(xq: jax.Array, x_scale: jax.Array, wq: jax.Array, w
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="grouped_fp8_matmul",
-    )(tile_group.astype(jnp.int32), xq, x_scale.astype(jnp.float32), wq, w_scale.astype(jnp.float32))
+    )(tile_group.astype(jnp.int32), *rows_args, wq, w_scale.astype(jnp.float32))
 
 
-def grouped_fp8_product(xq, x_scale, wq, w_scale, tile_group, tiles: GroupedFp8Tiles, out_dtype, impl: str):
-    """`grouped_fp8_matmul_tiles` (impl "pallas" or "pallas-interpret") or its reference ("xla")."""
+def grouped_fp8_product(xq, x_scale, wq, w_scale, tile_group, tiles: GroupedFp8Tiles, out_dtype, impl: str,
+                        row_token: jax.Array | None = None):
+    """`grouped_fp8_matmul_tiles` (impl "pallas" or "pallas-interpret") or its reference ("xla"); `row_token`: the
+    rows are the tokens' xq[row_token] (by index in the kernel)."""
     if impl == "xla":
+        if row_token is not None:
+            xq, x_scale = xq[row_token], x_scale[row_token]
         return grouped_fp8_matmul_reference(xq, x_scale, wq, w_scale, tile_group, tiles.block_m, out_dtype)
     return grouped_fp8_matmul_tiles(xq, x_scale, wq, w_scale, tile_group, tiles=tiles, out_dtype=out_dtype,
-                                    interpret=impl == "pallas-interpret")
+                                    interpret=impl == "pallas-interpret", row_token=row_token)
 
 
 def e4m3_rows(a: jax.Array, impl: str) -> tuple[jax.Array, jax.Array]:

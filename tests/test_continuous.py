@@ -44,8 +44,8 @@ def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
 
 @pytest.mark.parametrize("family", ["llama", "mistral-window"])
 def test_greedy_completions_equal_transformers_per_prompt(tmp_path, family):
-    """Nine prompts of 1-13 tokens through three slots, refilled two (or one) at a time: each completion (ended at the first
-    of two EOS ids, so lengths vary from one token to the maximum) is what transformers' greedy `generate` gives the
+    """Nine prompts of 1-13 tokens through three slots, refilled two (or one) at a time: each completion (ended at the
+    first of two EOS ids, so lengths vary from one token to the maximum) is what transformers' greedy `generate` gives the
     prompt alone; with a 4-token sliding window the ring's distances decide what a step sees. The loop runs fewer
     steps than static batches of three would."""
     config = (LlamaConfig(**SHAPES) if family == "llama"
@@ -126,5 +126,6 @@ def test_the_decode_bound_counts_the_weights_and_cache_a_step_reads(tmp_path):
     assert decode_bound.cache_bytes(model.config, 3, 48, jnp.bfloat16, False) == sum(
         a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))
     assert decode_bound.memory_bandwidth(SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")) == 4.8e12
-    assert decode_bound.memory_bandwidth(SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")) == 3.35e12
+    h100 = SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+    assert decode_bound.memory_bandwidth(h100) == 3.35e12
     assert decode_bound.memory_bandwidth(SimpleNamespace(platform="cpu", device_kind="cpu")) is None

@@ -66,6 +66,23 @@ def test_grouped_fp8_kernel_and_its_input_gradient_equal_float64(tiles, bm, k, n
     assert np.abs(np.asarray(y) - exact).max() < 0.1 * np.abs(exact).max()
 
 
+def test_the_gathering_fp8_kernel_reads_each_rows_token_by_index():
+    """row_token: the e4m3 rows and their scales are the tokens', row r read at row_token[r] inside the kernel."""
+    tile_group, _, w, _ = _case(3, 6, 16, 64, 32, 3)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((21, 64)).astype(np.float32)
+    row_token = jnp.asarray(rng.integers(0, 21, 96), jnp.int32)
+    xq, x_scale = quantize_rows_reference(jnp.asarray(x))
+    wq, w_scale, _, _ = fp8_expert_weights(jnp.asarray(w))
+    w_deq = _dequantized(wq, w_scale)
+    want = _per_tile(_dequantized(xq, x_scale[:, 0])[np.asarray(row_token)], tile_group, 16, 32,
+                     lambda a, g: a @ w_deq[g].T)
+    got = grouped_fp8_matmul_tiles(xq, x_scale[:, 0], wq, w_scale, jnp.asarray(tile_group),
+                                   tiles=GroupedFp8Tiles(16, 16, 32), out_dtype=jnp.float32, interpret=True,
+                                   row_token=row_token)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def test_grouped_fp8_kernel_refuses_what_it_cannot_take():
     wq = jnp.zeros((2, 32, 64), jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match="float8 operands"):
@@ -95,3 +112,8 @@ def test_grouped_fp8_kernel_lowers_for_cuda(cuda_export, m, k, n, experts):
 
     text = cuda_export(step, x, frozen, groups)
     assert text.count("grouped_fp8_matmul") >= 2, "forward and input-gradient kernels"
+    tokens = (jax.ShapeDtypeStruct((m // 4 + 3, k), jnp.float8_e4m3fn),
+              jax.ShapeDtypeStruct((m // 4 + 3,), jnp.float32))
+    text = cuda_export(lambda t, s, w, ws, g, r: grouped_fp8_matmul_tiles(t, s, w, ws, g, row_token=r), *tokens,
+                       frozen[0], frozen[1], groups, jax.ShapeDtypeStruct((m,), jnp.int32))
+    assert "grouped_fp8_matmul" in text

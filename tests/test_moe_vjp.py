@@ -265,7 +265,7 @@ def test_a_model_under_compute_fp8_runs_its_experts_in_fp8_where_switched_on(tmp
 
     traced = []  # the FP8 expert products each traced step makes
     product = grouped_fp8.grouped_fp8_product
-    monkeypatch.setattr(grouped_fp8, "grouped_fp8_product", lambda *a: traced.append(a[-1]) or product(*a))
+    monkeypatch.setattr(grouped_fp8, "grouped_fp8_product", lambda *a: traced.append(a[7]) or product(*a))  # impl
     config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=64,
                             num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)

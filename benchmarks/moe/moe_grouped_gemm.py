@@ -3,7 +3,8 @@ same FLOPs, on a mixture of experts' training shapes, and the NF4 dequantization
 
     PYTHONPATH=. python3 benchmarks/moe/moe_grouped_gemm.py --model qwen3-30b-a3b --tokens 8192
 Prints one JSON line per projection and implementation (the Pallas kernel at several tilings; --xla: also
-XLA's ragged_dot; --fp8: the grouped FP8 kernel at several tilings beside cuBLASLt's dense FP8 GEMM): milliseconds and TFLOP/s of the grouped GEMM (forward; input gradient, as QLoRA's frozen
+XLA's ragged_dot; --fp8: the grouped FP8 kernel at several tilings beside cuBLASLt's dense FP8 GEMM): milliseconds
+and TFLOP/s of the grouped GEMM (forward; input gradient, as QLoRA's frozen
 experts need) and of the dense GEMM of the same rows, and their ratio.
 """
 
@@ -39,7 +40,8 @@ TILES = [GroupedTiles(64, 128, 64, 4, 3), GroupedTiles(128, 128, 64, 8, 3), Grou
          GroupedTiles(128, 256, 64, 8, 3), GroupedTiles(64, 256, 64, 8, 4)]
 # (block_m, block_n, block_k, stages, grid_block_n): JAX's Mosaic GPU ragged dot (--wgmma, Hopper only)
 FP8_TILES = [GroupedFp8Tiles(128, 128, 128, 8, 4), GroupedFp8Tiles(128, 256, 128, 8, 3),
-             GroupedFp8Tiles(64, 128, 128, 4, 4), GroupedFp8Tiles(128, 128, 64, 8, 4), GroupedFp8Tiles(64, 256, 128, 8, 3)]
+             GroupedFp8Tiles(64, 128, 128, 4, 4), GroupedFp8Tiles(128, 128, 64, 8, 4),
+             GroupedFp8Tiles(64, 256, 128, 8, 3)]
 WGMMA_TILES = [WgmmaTiles(128, 128, 64, 4, 1), WgmmaTiles(128, 128, 64, 5, 1), WgmmaTiles(128, 256, 64, 3, 1),
                WgmmaTiles(128, 256, 64, 4, 1), WgmmaTiles(128, 128, 64, 4, 2), WgmmaTiles(128, 192, 64, 4, 1),
                WgmmaTiles(64, 256, 64, 4, 1)]

@@ -164,14 +164,22 @@ def _combine(down_rows: jax.Array, weights: jax.Array, layout: TileLayout, top_k
 
 def _gathering(spec: ExpertMLPSpec, keys) -> bool:
     """Whether gate and up read their rows from the tokens by index (no LoRA dropout on them, which masks each
-    routed row on its own, and no FP8 rows)."""
-    dropped = any(k is not None and d > 0.0 for k, d in zip(keys[:2], spec.dropouts[:2]))
-    return spec.fp8 is None and not dropped
+    routed row on its own)."""
+    return not any(k is not None and d > 0.0 for k, d in zip(keys[:2], spec.dropouts[:2]))
 
 
-def _project_gathered(x, row_token, p: ExpertProjection, layout: TileLayout, scale: float) -> jax.Array:
-    """`_project` of the rows x[row_token], each product loading its rows by index (no [rows, hidden] copy)."""
-    y = add_expert_bias(gathered_matmul(x, row_token, p.weight, layout), p.bias, layout)
+def _project_gathered(x, row_token, p: ExpertProjection, layout: TileLayout, scale: float, spec: ExpertMLPSpec,
+                      quantized=None) -> jax.Array:
+    """`_project` of the rows x[row_token], each product loading its rows by index (no [rows, hidden] copy); under
+    FP8 experts from the tokens' e4m3 rows and scales (`quantized`: a row and its copies share them)."""
+    if spec.fp8 is None:
+        frozen = gathered_matmul(x, row_token, p.weight, layout)
+    else:
+        from pallas_kernels.grouped_fp8_matmul import grouped_fp8_product
+
+        frozen = grouped_fp8_product(*quantized, p.weight[0], p.weight[1], layout.tile_group, _fp8_tiles(layout),
+                                     x.dtype, spec.fp8, row_token)
+    y = add_expert_bias(frozen, p.bias, layout)
     if p.lora_a is None:
         return y
     hidden = gathered_matmul(x, row_token, p.lora_a.astype(x.dtype), layout, trainable=True)
@@ -184,8 +192,9 @@ def _gate_up_down(x, weights, layout, projections, spec, keys, gather: bool = Fa
     gate_p, up_p, down_p = projections
     if gather and _gathering(spec, keys):
         row_token = row_tokens(layout, spec.top_k)
-        gate = _project_gathered(x, row_token, gate_p, layout, spec.scales[0])
-        up = _project_gathered(x, row_token, up_p, layout, spec.scales[1])
+        quantized = None if spec.fp8 is None else _rows_in(x, spec)[1:]  # the tokens' e4m3 rows, once
+        gate = _project_gathered(x, row_token, gate_p, layout, spec.scales[0], spec, quantized)
+        up = _project_gathered(x, row_token, up_p, layout, spec.scales[1], spec, quantized)
     else:
         rows = _rows_in(_gather_tokens(x, layout, spec.top_k), spec)
         gate = _project(rows, gate_p, layout, spec.scales[0], spec.dropouts[0], keys[0], spec)
