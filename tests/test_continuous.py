@@ -44,10 +44,10 @@ def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
 
 @pytest.mark.parametrize("family", ["llama", "mistral-window"])
 def test_greedy_completions_equal_transformers_per_prompt(tmp_path, family):
-    """Nine prompts of 1-13 tokens through three slots, refilled two (or one) at a time: each completion (ended at the
-    first of two EOS ids, so lengths vary from one token to the maximum) is what transformers' greedy `generate` gives the
-    prompt alone; with a 4-token sliding window the ring's distances decide what a step sees. The loop runs fewer
-    steps than static batches of three would."""
+    """Nine prompts of 1-13 tokens through three slots, refilled two (or one) at a time: each completion (ended at
+    the first of two EOS ids, so lengths vary from one token to the maximum) is what transformers' greedy `generate`
+    gives the prompt alone; with a 4-token sliding window the ring's distances decide what a step sees. The loop
+    runs fewer steps than static batches of three would."""
     config = (LlamaConfig(**SHAPES) if family == "llama"
               else MistralConfig(**SHAPES, sliding_window=4))
     hf = build_hf_model(config, tmp_path)
