@@ -75,8 +75,10 @@ def sample(graphdef, lora, frozen, ids, pad, key, *, max_new_tokens: int, cache_
                   per_layer=per_layer)
 
 
-def _options(max_new_tokens: int, prompt_len: int, temperature: float, top_p: float, top_k: int,
-             eos_ids: Sequence[int], ignore_eos: bool, dense: bool | int = 0) -> dict[str, Any]:
+def sampler_options(max_new_tokens: int, prompt_len: int, temperature: float, top_p: float, top_k: int,
+                    eos_ids: Sequence[int], ignore_eos: bool, dense: bool | int = 0) -> dict[str, Any]:
+    """The sampler's static options for prompts of `prompt_len` (padded) tokens: the cache's length, the per-layer
+    cache where the backend decodes faster with it, the dense layers only with it."""
     per_layer = per_layer_cache(jax.default_backend() == "gpu")
     return dict(max_new_tokens=max_new_tokens, cache_len=cache_length(prompt_len, max_new_tokens),
                 temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
@@ -116,7 +118,7 @@ def sample_rollout(graphdef, lora, frozen, prompt_ids: list[list[int]], key: jax
     process gets all of them. `dense`: from the base dequantized once per call (`sample`; True: every layer, n: the
     first n)."""
     ids, pad = left_padded(prompt_ids, pad_id)  # one prompt length for every call: one compilation
-    options = _options(max_new_tokens, ids.shape[1], temperature, top_p, top_k, eos_ids, ignore_eos, dense)
+    options = sampler_options(max_new_tokens, ids.shape[1], temperature, top_p, top_k, eos_ids, ignore_eos, dense)
     step = rows_per_call or len(ids)
     if continuous and mesh is None and step < len(ids):
         from jaxtune.rl.continuous import refill_rows_for, sample_continuous
@@ -154,7 +156,7 @@ def sampling_bytes(graphdef, lora, frozen, rows: int, prompt_len: int, *, max_ne
     split = {} if mesh is None else {"sharding": NamedSharding(mesh, P(BATCH_AXES))}
     ids = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, **split)
     pad = jax.ShapeDtypeStruct((rows,), jnp.int32, **split)
-    options = _options(max_new_tokens, prompt_len, temperature, top_p, top_k, eos_ids, ignore_eos, dense)
+    options = sampler_options(max_new_tokens, prompt_len, temperature, top_p, top_k, eos_ids, ignore_eos, dense)
     from jaxtune.training.autobatch import SIZING_OPTIONS_GPU  # the plan does not depend on the GEMM algorithms
 
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():

@@ -301,7 +301,7 @@ class Rollouts:
         bandwidth = decode_bound.memory_bandwidth()
         if bandwidth is None or self.mesh is not None:
             return m
-        options = rollout_module._options(self.cfg.max_completion_length, prompt_bucket(prompt_len),
+        options = rollout_module.sampler_options(self.cfg.max_completion_length, prompt_bucket(prompt_len),
                                           self.cfg.temperature, self.cfg.top_p, self.cfg.top_k, self.eos_ids,
                                           self.ignore_eos, self.dense)
         dense = 1.0 if options["dense"] < 0 else options["dense"] / self.num_layers
