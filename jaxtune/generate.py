@@ -145,10 +145,11 @@ def prompt_bucket(length: int) -> int:
     return _round_up(length, _BUCKET)
 
 
-def left_padded(prompt_ids: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+def left_padded(prompt_ids: Sequence[Sequence[int]], pad_id: int,
+                longest: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(ids [N, P], each row's padding [N]): prompts right-aligned in rows of P, a multiple of 16 (nearby lengths
-    share one compilation)."""
-    prompt_len = prompt_bucket(max(len(p) for p in prompt_ids))
+    share one compilation); `longest`: P fits prompts of that many tokens (every batch of a run padded alike)."""
+    prompt_len = prompt_bucket(max(max(len(p) for p in prompt_ids), longest or 0))
     ids = np.full((len(prompt_ids), prompt_len), pad_id, np.int32)
     pad = np.zeros(len(prompt_ids), np.int32)
     for row, p in enumerate(prompt_ids):

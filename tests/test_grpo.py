@@ -275,6 +275,26 @@ def test_sampling_uses_the_current_adapters_stops_at_eos_and_is_seeded(tiny_toke
     assert (forced >= 0).all() and not np.isin(forced, eos).any()
 
 
+def test_every_rollout_of_a_run_is_one_compiled_sampler(tiny_tokenizer):
+    """Rollouts whose prompts fall in different length buckets, padded for the run's longest prompt: one compiled
+    sampler serves them all (and the completions are the ones each gets padded for its own batch alone)."""
+    from flax import nnx
+
+    from jaxtune.qlora import get_peft_model
+    from jaxtune.rl.rollout import completion_lists, sample, sample_rollout
+
+    graphdef, lora, frozen = nnx.split(get_peft_model(_tiny_model(tiny_tokenizer), r=4, seed=1), nnx.LoRAParam, ...)
+    options = dict(max_new_tokens=4, temperature=0.0, top_p=1.0, top_k=0, eos_ids=(), pad_id=0)
+    batches = [[[5, 6], [7]], [list(range(5, 40)), [9, 10, 11]]]  # prompt buckets of 16 and 48 tokens
+    before = sample._cache_size()
+    padded = [completion_lists(sample_rollout(graphdef, lora, frozen, b, jax.random.key(0), longest_prompt=40,
+                                              **options)[0]) for b in batches]
+    assert sample._cache_size() == before + 1
+    alone = [completion_lists(sample_rollout(graphdef, lora, frozen, b, jax.random.key(0), **options)[0])
+             for b in batches]
+    assert padded == alone
+
+
 def test_rows_per_call_is_the_largest_even_split_that_fits():
     from jaxtune.rl.rollout import rows_per_call
 

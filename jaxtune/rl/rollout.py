@@ -109,15 +109,16 @@ def sample_completions(graphdef, lora, frozen, prompt_ids: list[list[int]], key:
 def sample_rollout(graphdef, lora, frozen, prompt_ids: list[list[int]], key: jax.Array, *, max_new_tokens: int,
                    temperature: float, top_p: float, top_k: int, eos_ids: tuple[int, ...], pad_id: int,
                    ignore_eos: bool = False, rows_per_call: int | None = None, mesh=None,
-                   dense: bool | int = 0, continuous: bool = False) -> tuple[np.ndarray, RolloutStats]:
+                   dense: bool | int = 0, continuous: bool = False,
+                   longest_prompt: int | None = None) -> tuple[np.ndarray, RolloutStats]:
     """(completions [N, max_new_tokens] of the prompts, how they decoded), `rows_per_call` rows at a time (None: all
     in one call). In several static calls each takes its own key, folded from `key` by the call's index, and runs
     to its longest completion; with `continuous` (one device) they run as one call of `rows_per_call` slots, each
     refilled with the next prompt as its completion ends (`continuous.decode_continuous`, its keys per completion).
     On a mesh each device samples its share of the rows (split as the training step splits a micro-batch); every
     process gets all of them. `dense`: from the base dequantized once per call (`sample`; True: every layer, n: the
-    first n)."""
-    ids, pad = left_padded(prompt_ids, pad_id)  # one prompt length for every call: one compilation
+    first n). `longest_prompt`: the prompts padded for that many tokens, so every rollout of a run has one shape."""
+    ids, pad = left_padded(prompt_ids, pad_id, longest_prompt)  # one prompt length for every call: one compilation
     options = sampler_options(max_new_tokens, ids.shape[1], temperature, top_p, top_k, eos_ids, ignore_eos, dense)
     step = rows_per_call or len(ids)
     if continuous and mesh is None and step < len(ids):

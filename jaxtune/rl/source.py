@@ -54,6 +54,8 @@ class Rollouts:
         self.sampler_graphdef = nnx.split(model, nnx.LoRAParam, ...)[0]  # the inference flags, no remat
         self.num_layers = model.config.num_layers
         self.model_config, self.model_dtype = model.config, model.dtype
+        # every rollout's prompts padded for the longest of the run: one compiled sampler serves every step
+        self.longest_prompt = max(map(len, prompt_ids)) if prompt_ids else 0
         self.samples_path = os.path.join(run_dir, "completions.jsonl") if run_dir is not None and lead else None
         self.batch_extra = {"advantages": ((1,), np.dtype(np.float32))}
         if cfg.num_iterations > 1:
@@ -113,7 +115,8 @@ class Rollouts:
             self.rows_per_call, self._planned = self._plan_sampling(lora, frozen, len(prompt_ids)), True
         out, decoded = sample_rollout(self.sampler_graphdef, lora, frozen, prompt_ids, key, pad_id=self.pad_id,
                                       rows_per_call=self.rows_per_call, mesh=self.mesh, dense=self.dense,
-                                      continuous=True, **self._sampling_options())
+                                      continuous=True, longest_prompt=self.longest_prompt,
+                                      **self._sampling_options())
         completions = completion_lists(out)
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
@@ -138,7 +141,7 @@ class Rollouts:
         self.efficiency = float((batch["segment_ids"] > 0).mean())
         self.metrics = self._metrics(completions, truncated, rewards, reward_metrics, t1 - t0,
                                      time.perf_counter() - t1)
-        self.metrics.update(self._decode_metrics(lora, frozen, decoded, max(len(p) for p in prompt_ids), t1 - t0))
+        self.metrics.update(self._decode_metrics(lora, frozen, decoded, self.longest_prompt, t1 - t0))
         self.metrics.update(logs.metric_means())
         self._cached = batch
         if self.samples_path is not None and step % cfg.logging_steps == 0:
