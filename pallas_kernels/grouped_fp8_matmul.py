@@ -24,6 +24,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.grouped_matmul import zero_unused_tile
 from pallas_kernels.fp8_quantize import FP8_FORMATS, quantize_blocks, quantize_rows, quantize_rows_reference
 
 
@@ -63,10 +64,7 @@ def _kernel(group_ref, *refs, block_k: int, steps: int, gather: bool):
     g = group_ref[0]
     bm, bn = o_ref.shape
     rows = row_ref[...] if gather else slice(None)  # the tile's rows: gathered by token index, or its block
-
-    @pl.when(g < 0)
-    def _():
-        o_ref[...] = jnp.zeros((bm, bn), o_ref.dtype)
+    zero_unused_tile(g, o_ref)
 
     @pl.when(g >= 0)
     def _():

@@ -52,15 +52,19 @@ def grouped_matmul_tiles_reference(x: jax.Array, weight: jax.Array, tile_group: 
     return y.reshape(tiles * block_m, -1).astype(x.dtype)
 
 
+def zero_unused_tile(g: jax.Array, o_ref) -> None:
+    """An unused tile (expert -1) is written as zeros, with no GEMM."""
+    @pl.when(g < 0)
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+
 def _kernel(group_ref, *refs, block_k: int, steps: int, transpose: bool, gather: bool):
     row_ref, x_ref, w_ref, o_ref = refs if gather else (None, *refs)
     g = group_ref[0]
     bm, bn = o_ref.shape
     rows = row_ref[...] if gather else slice(None)  # the tile's rows of x: gathered by token index, or its block
-
-    @pl.when(g < 0)
-    def _():
-        o_ref[...] = jnp.zeros((bm, bn), o_ref.dtype)
+    zero_unused_tile(g, o_ref)
 
     @pl.when(g >= 0)
     def _():
