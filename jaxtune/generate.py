@@ -83,6 +83,13 @@ def sample_token(logits: jax.Array, key: jax.Array, temperature: float, top_p: f
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def prompt_layout(pad: jax.Array, prompt_len: int) -> tuple[jax.Array, jax.Array]:
+    """(segment ids, positions) [B, prompt_len] of left-padded prompts (pad: each row's padding): the padding is
+    segment 0, never attended by real tokens, and each prompt's positions start at 0 at its first token."""
+    idx = jnp.arange(prompt_len, dtype=jnp.int32)[None]
+    return (idx >= pad[:, None]).astype(jnp.int32), jnp.maximum(idx - pad[:, None], 0)
+
+
 def decode(model: CausalLM, ids: jax.Array, pad: jax.Array, key: jax.Array, *, max_new_tokens: int, cache_len: int,
            temperature: float, top_p: float, eos_ids: tuple[int, ...], top_k: int = 0,
            ignore_eos: bool = False, per_layer: bool = False) -> jax.Array:
@@ -92,9 +99,7 @@ def decode(model: CausalLM, ids: jax.Array, pad: jax.Array, key: jax.Array, *, m
     `per_layer`: a KV cache per layer (`KVCache`; faster on a GPU, slower to compile).
     Traced inside a caller's jit."""
     batch, prompt_len = ids.shape
-    idx = jnp.arange(prompt_len, dtype=jnp.int32)[None]
-    seg = (idx >= pad[:, None]).astype(jnp.int32)  # left padding is segment 0: never attended by real tokens
-    pos = jnp.maximum(idx - pad[:, None], 0)
+    seg, pos = prompt_layout(pad, prompt_len)
     cache = KVCache.empty(model.config, batch, cache_len, model.dtype, per_layer=per_layer)
     logits, cache = model.forward_with_cache(ids, pos, seg, cache, jnp.int32(0), last_only=True)
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)

@@ -51,10 +51,9 @@ def main() -> None:
                    rows_per_call=args.slots, dense=args.dense)
     bandwidth = decode_bound.memory_bandwidth()
     fraction = 1.0 if args.dense else 0.0
-    step_bytes = (decode_bound.weight_bytes(frozen, lora, model.dtype, fraction)
-                  + decode_bound.cache_bytes(model.config, args.slots,
-                                             cache_length(prompt_bucket(args.prompt), args.completion), model.dtype,
-                                             per_layer))
+    step_bytes = decode_bound.step_bytes(frozen, lora, model.config, model.dtype, args.slots,
+                                         cache_length(prompt_bucket(args.prompt), args.completion), per_layer,
+                                         fraction)
     for continuous in (False, True):
         run = lambda: sample_rollout(graphdef, lora, frozen, prompts, jax.random.key(0),  # noqa: E731
                                      continuous=continuous, **options)

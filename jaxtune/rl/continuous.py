@@ -22,9 +22,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from jaxtune.generate import sample_token
+from jaxtune.generate import prompt_layout, sample_token
 from jaxtune.models.cache import KVCache
 from jaxtune.models.cache_rows import place_rows
 from jaxtune.ops.context import ring_kv_cache
@@ -88,9 +87,7 @@ def decode_continuous(model, ids: jax.Array, pad: jax.Array, key: jax.Array, *, 
         target = jnp.where(valid, free, slots)  # out of range: dropped
         part = jax.lax.dynamic_slice_in_dim(ids, st.next_row, r)
         part_pad = jax.lax.dynamic_slice_in_dim(pad, st.next_row, r)
-        idx = jnp.arange(p, dtype=jnp.int32)[None]
-        seg = (idx >= part_pad[:, None]).astype(jnp.int32)  # left padding is segment 0
-        pos = jnp.maximum(idx - part_pad[:, None], 0)
+        seg, pos = prompt_layout(part_pad, p)
         prefill = KVCache.empty(cfg, r, p, dtype, per_layer=per_layer)
         logits, prefill = model.forward_with_cache(part, pos, seg, prefill, jnp.int32(0), last_only=True)
         first = pick(logits[:, -1], rows, jnp.zeros((r,), jnp.int32))
@@ -132,19 +129,3 @@ def decode_continuous(model, ids: jax.Array, pad: jax.Array, key: jax.Array, *, 
     done = jax.lax.while_loop(lambda s: jnp.any(s.active), step, refill_all(start, eager=True))
     return done.out, done.steps, done.prefills
 
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "slots", "refill_rows", "max_new_tokens", "cache_len",
-                                             "temperature", "top_p", "top_k", "eos_ids", "ignore_eos", "per_layer",
-                                             "dense"))
-def sample_continuous(graphdef, lora, frozen, ids, pad, key, *, slots: int, refill_rows: int, max_new_tokens: int,
-                      cache_len: int, temperature: float, top_p: float, top_k: int, eos_ids: tuple[int, ...],
-                      ignore_eos: bool = False, per_layer: bool = False, dense: int = 0):
-    """`decode_continuous` under the adapters `lora` (as `rollout.sample`: the kernels' scales once, and with
-    `dense` the first `dense` layers' base dequantized once for the whole rollout, -1 every layer)."""
-    model = nnx.merge(graphdef, lora, frozen)
-    model.prepare_for_kernels()
-    if dense and per_layer:
-        model.prepare_dense_weights(None if dense < 0 else dense)
-    return decode_continuous(model, ids, pad, key, slots=slots, refill_rows=refill_rows,
-                             max_new_tokens=max_new_tokens, cache_len=cache_len, temperature=temperature,
-                             top_p=top_p, top_k=top_k, eos_ids=eos_ids, ignore_eos=ignore_eos, per_layer=per_layer)

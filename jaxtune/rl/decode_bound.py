@@ -32,11 +32,11 @@ def weight_bytes(frozen, lora, dtype: jnp.dtype, dense_fraction: float = 0.0) ->
     """Bytes of weights one decoding step reads: the 4-bit codes and their scales (the share `dense_fraction` of
     them as their dequantized copy in `dtype`), the adapters, norms and the head; the input embedding's table is
     not counted where the head is another array (a step gathers a row of it)."""
-    quantized = other = 0
-    codes = 0
-    embed = 0
+    quantized = other = codes = embed = 0
+    head_is_embed = True
     for path, var in nnx.to_flat_state(frozen):
         nbytes = int(np.prod(var.value.shape)) * var.value.dtype.itemsize
+        head_is_embed &= "lm_head" not in map(str, path)
         if isinstance(var, QuantizedWeight):
             quantized += nbytes
             codes += nbytes if str(path[-1]) == "codes" else 0  # the 4-bit values, two a byte
@@ -44,7 +44,6 @@ def weight_bytes(frozen, lora, dtype: jnp.dtype, dense_fraction: float = 0.0) ->
             embed += nbytes
         else:
             other += nbytes
-    head_is_embed = not any("lm_head" in map(str, p) for p, _ in nnx.to_flat_state(frozen))
     other += embed if head_is_embed else 0
     adapters = sum(int(np.prod(v.value.shape)) * v.value.dtype.itemsize for _, v in nnx.to_flat_state(lora))
     dense = 2 * codes * jnp.dtype(dtype).itemsize  # two 4-bit codes per byte
@@ -56,6 +55,12 @@ def cache_bytes(cfg, rows: int, cache_len: int, dtype: jnp.dtype, per_layer: boo
     KV entries, segment ids, and a hybrid decoder's windows and states."""
     shapes = jax.eval_shape(lambda: KVCache.empty(cfg, rows, cache_len, dtype, per_layer=per_layer))
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+
+
+def step_bytes(frozen, lora, cfg, dtype: jnp.dtype, rows: int, cache_len: int, per_layer: bool,
+               dense_fraction: float = 0.0) -> int:
+    """Bytes one decoding step of `rows` rows reads: `weight_bytes` and `cache_bytes`."""
+    return weight_bytes(frozen, lora, dtype, dense_fraction) + cache_bytes(cfg, rows, cache_len, dtype, per_layer)
 
 
 def bound_seconds(steps: int, step_bytes: int, bandwidth: float) -> float:

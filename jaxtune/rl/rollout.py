@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtune.data.packing import IGNORE
 from jaxtune.data.sources import DataError, Row
 from jaxtune.generate import cache_length, decode, encode_prompt, left_padded, per_layer_cache, prompt_bucket
+from jaxtune.rl.continuous import decode_continuous, refill_rows_for
 from jaxtune.parallel.sharding import BATCH_AXES, global_rows
 
 
@@ -66,13 +67,32 @@ def sample(graphdef, lora, frozen, ids, pad, key, *, max_new_tokens: int, cache_
     (with `per_layer`): the NF4 base of the first `dense` decoder layers (-1: every layer) dequantized once for the
     whole rollout, each token's GEMMs reading that copy (the same bits as the per-token dequantization, at the
     memory of a 16-bit base for those layers); the other layers decode from the codes."""
+    return decode(_sampling_model(graphdef, lora, frozen, per_layer, dense), ids, pad, key,
+                  max_new_tokens=max_new_tokens, cache_len=cache_len, temperature=temperature, top_p=top_p,
+                  top_k=top_k, eos_ids=eos_ids, ignore_eos=ignore_eos, per_layer=per_layer)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "slots", "refill_rows", "max_new_tokens", "cache_len",
+                                             "temperature", "top_p", "top_k", "eos_ids", "ignore_eos", "per_layer",
+                                             "dense"))
+def sample_continuous(graphdef, lora, frozen, ids, pad, key, *, slots: int, refill_rows: int, max_new_tokens: int,
+                      cache_len: int, temperature: float, top_p: float, top_k: int, eos_ids: tuple[int, ...],
+                      ignore_eos: bool = False, per_layer: bool = False, dense: int = 0):
+    """`sample` by continuous batching (`continuous.decode_continuous`): (completions, decoding steps, prefills)."""
+    return decode_continuous(_sampling_model(graphdef, lora, frozen, per_layer, dense), ids, pad, key, slots=slots,
+                             refill_rows=refill_rows, max_new_tokens=max_new_tokens, cache_len=cache_len,
+                             temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=eos_ids,
+                             ignore_eos=ignore_eos, per_layer=per_layer)
+
+
+def _sampling_model(graphdef, lora, frozen, per_layer: bool, dense: int):
+    """The policy a traced sampler decodes with: the kernels' scales prepared once per rollout (not once per token)
+    and, with `dense` and `per_layer`, the first `dense` layers' base dequantized once (-1: every layer)."""
     model = nnx.merge(graphdef, lora, frozen)
-    model.prepare_for_kernels()  # the kernels' scales once per rollout, not once per token
+    model.prepare_for_kernels()
     if dense and per_layer:
         model.prepare_dense_weights(None if dense < 0 else dense)
-    return decode(model, ids, pad, key, max_new_tokens=max_new_tokens, cache_len=cache_len,
-                  temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=eos_ids, ignore_eos=ignore_eos,
-                  per_layer=per_layer)
+    return model
 
 
 def sampler_options(max_new_tokens: int, prompt_len: int, temperature: float, top_p: float, top_k: int,
@@ -93,12 +113,11 @@ def dense_layers(dense: bool | int) -> int:
 
 
 class RolloutStats(NamedTuple):
-    """How a rollout decoded: decoding steps (each reads every weight once) and the rows they carried, refill
-    prefills (continuous batching), and whether slots were refilled."""
+    """How a rollout decoded: decoding steps (each reads every weight once) and the rows they carried, and its
+    prefills (a static call's one, or continuous batching's refills)."""
     steps: int
     rows: int
     prefills: int
-    continuous: bool
 
 
 def sample_completions(graphdef, lora, frozen, prompt_ids: list[list[int]], key: jax.Array, **options) -> np.ndarray:
@@ -122,11 +141,9 @@ def sample_rollout(graphdef, lora, frozen, prompt_ids: list[list[int]], key: jax
     options = sampler_options(max_new_tokens, ids.shape[1], temperature, top_p, top_k, eos_ids, ignore_eos, dense)
     step = rows_per_call or len(ids)
     if continuous and mesh is None and step < len(ids):
-        from jaxtune.rl.continuous import refill_rows_for, sample_continuous
-
         out, steps, prefills = sample_continuous(graphdef, lora, frozen, jnp.asarray(ids), jnp.asarray(pad), key,
                                                  slots=step, refill_rows=refill_rows_for(step), **options)
-        return np.asarray(out), RolloutStats(int(steps), step, int(prefills), True)
+        return np.asarray(out), RolloutStats(int(steps), step, int(prefills))
 
     def call(s: int, key: jax.Array) -> np.ndarray:
         part_ids, part_pad = ids[s:s + step], pad[s:s + step]
@@ -144,7 +161,7 @@ def sample_rollout(graphdef, lora, frozen, prompt_ids: list[list[int]], key: jax
         out = np.concatenate([call(s, jax.random.fold_in(key, s // step)) for s in range(0, len(ids), step)])
     # a static call's loop runs to its longest completion
     steps = sum(int((out[s:s + step] >= 0).sum(axis=1).max()) for s in range(0, len(ids), step))
-    return out, RolloutStats(steps, min(step, len(ids)), len(range(0, len(ids), step)), False)
+    return out, RolloutStats(steps, min(step, len(ids)), len(range(0, len(ids), step)))
 
 
 def sampling_bytes(graphdef, lora, frozen, rows: int, prompt_len: int, *, max_new_tokens: int, temperature: float,

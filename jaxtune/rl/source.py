@@ -56,6 +56,7 @@ class Rollouts:
         self.model_config, self.model_dtype = model.config, model.dtype
         # every rollout's prompts padded for the longest of the run: one compiled sampler serves every step
         self.longest_prompt = max(map(len, prompt_ids)) if prompt_ids else 0
+        self._step_bytes: dict[tuple, int] = {}  # a decoding step's bytes by (rows, cache length, per layer, dense)
         self.samples_path = os.path.join(run_dir, "completions.jsonl") if run_dir is not None and lead else None
         self.batch_extra = {"advantages": ((1,), np.dtype(np.float32))}
         if cfg.num_iterations > 1:
@@ -307,10 +308,12 @@ class Rollouts:
         options = rollout_module.sampler_options(self.cfg.max_completion_length, prompt_bucket(prompt_len),
                                           self.cfg.temperature, self.cfg.top_p, self.cfg.top_k, self.eos_ids,
                                           self.ignore_eos, self.dense)
-        dense = 1.0 if options["dense"] < 0 else options["dense"] / self.num_layers
-        step_bytes = (decode_bound.weight_bytes(frozen, lora, self.model_dtype, dense)
-                      + decode_bound.cache_bytes(self.model_config, decoded.rows, options["cache_len"],
-                                                 self.model_dtype, options["per_layer"]))
+        shape = (decoded.rows, options["cache_len"], options["per_layer"], options["dense"])
+        if shape not in self._step_bytes:  # the same every rollout of that shape
+            dense = 1.0 if options["dense"] < 0 else options["dense"] / self.num_layers
+            self._step_bytes[shape] = decode_bound.step_bytes(frozen, lora, self.model_config, self.model_dtype,
+                                                              *shape[:3], dense)
+        step_bytes = self._step_bytes[shape]
         m["rollout/step_bytes"] = float(step_bytes)
         m["rollout/hbm_bound_fraction"] = round(
             decode_bound.bound_seconds(decoded.steps, step_bytes, bandwidth) / max(seconds, 1e-9), 4)
