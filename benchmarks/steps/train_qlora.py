@@ -121,6 +121,8 @@ def main() -> None:
     ap.add_argument("--moe-gemm", default="auto", choices=["auto", "wgmma", "triton"],
                     help="the frozen experts' grouped GEMMs by JAX's Mosaic GPU ragged dot (wgmma, Hopper) or the "
                          "Triton grouped kernel (auto: the dispatch's choice)")
+    ap.add_argument("--moe-fp8-experts", action="store_true",
+                    help="under --compute fp8, the frozen experts' GEMMs in e4m3 too (the grouped FP8 kernel)")
     ap.add_argument("--moe-mlp", default="fused", choices=["fused", "plain"],
                     help="the routed experts' MLP with its own VJP (fused) or autodiff of the plain composition")
     ap.add_argument("--unroll-layers", action="store_true",
@@ -148,6 +150,8 @@ def main() -> None:
     if args.moe_mlp == "plain":  # the A/B baseline: every grouped GEMM's input and output autodiff keeps
         from jaxtune.moe import block, expert_mlp
         block.expert_mlp = expert_mlp.expert_mlp_reference
+    if args.moe_fp8_experts:
+        dispatch.MOE_FP8_EXPERTS = True
     if args.moe_gemm != "auto":
         dispatch.MOE_WGMMA_ON_HOPPER = args.moe_gemm == "wgmma"
     cfg = jaxtune.TrainConfig(seq_len=args.seq, micro_batch_size=args.batch if args.batch == "auto" else int(args.batch.split(",")[0]),
@@ -222,6 +226,7 @@ def run_batch(args, cfg, model, graphdef, lora, opt_state, frozen, batch_arg, co
             "unroll_layers": args.unroll_layers, "qat": args.qat, "qat_impl": args.qat_impl,
             "moe_gemm": args.moe_gemm,
             "moe_mlp": args.moe_mlp,
+            "moe_fp8_experts": args.moe_fp8_experts,
             "offload_optimizer": args.offload_optimizer, "offload_embedding": args.offload_embedding,
             "compile_first": args.compile_first, "warm_autotune": args.warm_autotune, "warm_compile_s": warm_s}
     if compiled is None:
