@@ -14,6 +14,7 @@ from transformers import MixtralConfig, Qwen3MoeConfig
 
 import jaxtune
 from conftest import build_hf_model
+from test_kernel_dispatch import all_eqns
 from jaxtune.errors import UnsupportedModelError
 from jaxtune.moe.grouped import grouped_matmul
 from jaxtune.moe.layout import tile_layout
@@ -109,6 +110,14 @@ def test_a_bf16_router_is_one_bf16_gemm_with_float32_logits():
     dlogits = probs * (dprobs - (probs * dprobs).sum(-1, keepdims=True))
     want = dlogits @ np.asarray(router, np.float64)
     np.testing.assert_allclose(np.asarray(dx, np.float64), want, rtol=2e-2, atol=2e-3)  # dx is bf16
+    # the backward's products are 16-bit GEMMs too (no float32 operand: that GEMM runs off the tensor cores)
+    backward = jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(route(x, w, 2, normalize=False).weights * c),
+                                       argnums=(0, 1)))(x, router)
+    dots = [e for e in all_eqns(backward.jaxpr) if e.primitive.name == "dot_general"]
+    assert len(dots) >= 3 and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars), backward
+    dw = jax.grad(lambda w: jnp.sum(route(x, w, 2, normalize=False).weights * c))(router)
+    want_dw = dlogits.T @ np.asarray(x, np.float64)
+    np.testing.assert_allclose(np.asarray(dw, np.float64), want_dw, rtol=2e-2, atol=2e-3)
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))

@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/device.txt"
 if [ "${PART:-moe}" = moe ]; then
   CK=/tmp/moe30
-  python3 benchmarks/tools/make_bnb4_checkpoint.py --model qwen3-30b-a3b --bf16 --layers 24 $CK 2>&1 | tail -1 \
+  [ -f $CK/config.json ] || python3 benchmarks/tools/make_bnb4_checkpoint.py --model qwen3-30b-a3b --bf16 --layers 24 $CK 2>&1 | tail -1 \
     | tee -a "$OUT/make.txt"
   timeout 150 python3 benchmarks/steps/train_qlora.py $CK --batch ${JB:-32} --remat selective --steps 3 --warmup 1 \
     --profile /tmp/trace_jt 2>&1 | grep -E '^\{|Error' | tee -a "$OUT/jaxtune.jsonl" | cut -c1-300

@@ -176,9 +176,9 @@ def attention_impl(plain_causal: bool, head_dim: int = 128) -> str:
 
 
 # A decoding step's attention by the Pallas kernel that reads only the filled (and windowed) part of the cache
-# (pallas_kernels/decode_attention.py); off on GPUs in `auto` mode until measured against XLA's, which reads the whole
-# cache
-DECODE_ATTENTION_ON_GPU = False
+# (pallas_kernels/decode_attention.py): 1.04-10.4x XLA's, which reads the whole cache, in all six rollout shapes
+# measured (H100, benchmarks/results/2026-12-08-moe-kernels-rollout-h100.md)
+DECODE_ATTENTION_ON_GPU = True
 
 
 def decode_attention_impl(head_dim: int, cache_length: int) -> str:
