@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels.grouped_matmul import (GroupedTiles, grouped_matmul, grouped_matmul_tiles,
-                                           grouped_matmul_tiles_reference, grouped_matmul_trainable)
+                                           grouped_matmul_tiles_reference, grouped_matmul_trainable,
+                                           sum_per_expert)
+from test_kernel_dispatch import all_eqns
 
 
 def _case(seed: int, tiles: int, bm: int, k: int, n: int, experts: int):
@@ -119,3 +121,33 @@ def test_grouped_kernel_on_the_gpu_equals_float64_at_expert_shapes():
     dx = grouped_matmul_tiles(jnp.asarray(dy), jnp.asarray(w), jnp.asarray(tile_group), transpose=True, tiles=tiles)
     want_dx = _per_tile(dy, tile_group, 64, lambda a, g: a @ w64[g] if g >= 0 else np.zeros((64, 256)))
     np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=2e-2, atol=2e-2 * np.abs(want_dx).max())
+
+
+def test_a_16bit_factors_gradient_is_summed_per_expert_on_tensor_cores():
+    """bf16 LoRA factors: each expert's dW (its tiles' products summed by the one-hot GEMM) comes from bf16 GEMMs
+    accumulating in float32, with no float32 operand (that GEMM runs off the tensor cores), and equals float64 of
+    the same bf16 inputs to about 16 bits (the float32 sums split into a bf16 high part and remainder)."""
+    tiles, bm, k, n, experts = 9, 16, 64, 16, 4
+    tile_group, x, w, dy = _case(tiles * k, tiles, bm, k, n, experts)
+    x, w, dy = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, dy))
+    tg = jnp.asarray(tile_group)
+    fn = lambda x, w: grouped_matmul_trainable(x, w, tg, GroupedTiles(bm, 16, 32), True)  # noqa: E731
+    backward = jax.make_jaxpr(lambda x, w, dy: jax.vjp(fn, x, w)[1](dy))(x, w, dy)
+    dots = [e for e in all_eqns(backward.jaxpr) if e.primitive.name == "dot_general"]
+    assert dots and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars), backward
+    _, dw = jax.vjp(fn, x, w)[1](dy)
+    x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    want = np.zeros((experts, n, k))
+    for i, g in enumerate(tile_group):
+        if g >= 0:
+            want[g] += dy64[i * bm:(i + 1) * bm].T @ x64[i * bm:(i + 1) * bm]
+    np.testing.assert_allclose(np.asarray(dw, np.float64), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    # the sum itself before the 16-bit cast: about 16 bits of float64's
+    per_tile = jnp.asarray(np.random.default_rng(1).standard_normal((tiles, 3, 5)), jnp.float32)
+    got = sum_per_expert(per_tile, tg, experts)
+    want_sum = np.zeros((experts, 3, 5))
+    for i, g in enumerate(tile_group):
+        if g >= 0:
+            want_sum[g] += np.asarray(per_tile[i], np.float64)
+    np.testing.assert_allclose(np.asarray(got), want_sum, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(sum_per_expert(per_tile, tg, experts, full=True)), want_sum, atol=1e-6)

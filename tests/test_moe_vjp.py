@@ -178,6 +178,14 @@ def test_selective_remat_runs_every_frozen_expert_gemm_once_each_way(tmp_path, m
     # gate and up (frozen and LoRA's A) load their rows from the tokens by index: no routed copy in the forward
     assert count("selective", lambda e: kernel_name(e) == "grouped_matmul_gathered") == 4
 
+    # LoRA products from the rank to the hidden size: down's term forward, gate's and up's input gradients; the
+    # routing weights' gradient takes down's term from the rank (<u, dr B>), not from its [rows, hidden] output
+    def rank_to_hidden(eqn) -> bool:
+        return (kernel_name(eqn) == "grouped_matmul" and eqn.invars[-2].aval.shape[-1] == rank
+                and eqn.outvars[0].aval.shape[-1] == config.hidden_size)
+
+    assert count("selective", rank_to_hidden) == 3
+
     counts = {policy: count(policy) for policy in ("none", "selective", "selective-experts", "full")}
     # the layer scan's body: 3 forward, 3 input gradients; per-layer remat, and "recompute-experts" (selective but
     # the routed rows), run gate and up forward again (down's output is not a residual)

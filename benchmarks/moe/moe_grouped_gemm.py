@@ -3,7 +3,7 @@ same FLOPs, on a mixture of experts' training shapes, and the NF4 dequantization
 
     PYTHONPATH=. python3 benchmarks/moe/moe_grouped_gemm.py --model qwen3-30b-a3b --tokens 8192
 Prints one JSON line per projection and implementation (the Pallas kernel at several tilings; --xla: also
-XLA's ragged_dot; --fp8: the grouped FP8 kernel at several tilings beside cuBLASLt's dense FP8 GEMM): milliseconds
+XLA's ragged_dot; --tokamax: tokamax's ragged_dot (Mosaic GPU on Hopper); --fp8: the grouped FP8 kernel at several tilings beside cuBLASLt's dense FP8 GEMM): milliseconds
 and TFLOP/s of the grouped GEMM (forward; input gradient, as QLoRA's frozen
 experts need) and of the dense GEMM of the same rows, and their ratio.
 """
@@ -65,6 +65,8 @@ def main() -> None:
     ap.add_argument("--xla", action="store_true", help="also time XLA's ragged_dot")
     ap.add_argument("--wgmma", action="store_true", help="also time JAX's Mosaic GPU ragged dot (Hopper)")
     ap.add_argument("--only-wgmma", action="store_true", help="time the wgmma kernel's tilings alone")
+    ap.add_argument("--tokamax", action="store_true",
+                    help="also time tokamax.ragged_dot (PYTHONPATH: a site with tokamax, and benchmarks/moe/site_shims)")
     ap.add_argument("--fp8", action="store_true", help="also time the grouped FP8 kernel (and a dense FP8 GEMM)")
     args = ap.parse_args()
     hidden, width, experts, top_k = SHAPES[args.model]
@@ -98,12 +100,23 @@ def main() -> None:
         variants += [("wgmma", t) for t in WGMMA_TILES if fits(k, n, t) and fits(n, k, t)] \
             if args.wgmma or args.only_wgmma else []
         variants += [("fp8", t) for t in FP8_TILES] if args.fp8 else []
+        variants += [("tokamax", None)] if args.tokamax else []
         for impl, tiles in variants:
             jaxtune.set_kernels("xla" if impl == "xla" else "pallas-interpret" if INTERPRET else "pallas")
             layout = tile_layout(chosen, experts, BLOCK_M if tiles is None else tiles.block_m)
             xp = jax.random.normal(key, (layout.rows, k), jnp.bfloat16)
             dyp = jax.random.normal(key, (layout.rows, n), jnp.bfloat16)
-            if impl == "fp8":
+            operand = w
+            if impl == "tokamax":  # unpadded rows grouped by expert, the weight as [E, K, N]
+                import tokamax
+
+                sizes = jnp.bincount(chosen.reshape(-1), length=experts).astype(jnp.int32)
+                operand = jnp.swapaxes(w, 1, 2)
+                xp = jax.random.normal(key, (rows, k), jnp.bfloat16)
+                dyp = jax.random.normal(key, (rows, n), jnp.bfloat16)
+                fwd = jax.jit(lambda x, w: tokamax.ragged_dot(x, w, sizes))
+                dx = jax.jit(lambda x, w, dy: jax.vjp(lambda x: tokamax.ragged_dot(x, w, sizes), x)[1](dy)[0])
+            elif impl == "fp8":
                 frozen = jax.jit(fp8_expert_weights)(w)
                 fwd = jax.jit(lambda x, w, t=tiles: grouped_fp8_matmul(x, frozen, layout.tile_group, t,
                                                                         "pallas-interpret" if INTERPRET else "pallas"))
@@ -122,7 +135,7 @@ def main() -> None:
                                                                 x)[1](dy)[0])
             named = {**record, "impl": impl, "tiles": None if tiles is None else list(tiles.__dict__.values())}
             try:
-                g, gdx = timed(fwd, xp, w), timed(dx, xp, w, dyp)
+                g, gdx = timed(fwd, xp, operand), timed(dx, xp, operand, dyp)
             except Exception as err:  # a tiling past shared memory: recorded, not fatal
                 print(json.dumps({**named, "error": str(err).splitlines()[0][:200]}), flush=True)
                 continue

@@ -100,11 +100,16 @@ def _lora(x: jax.Array, a: jax.Array, b: jax.Array, layout: TileLayout, scale: f
           key: jax.Array | None) -> jax.Array:
     """scale * (dropout(x) @ A[e]ᵀ) @ B[e]ᵀ per row's expert (the same key in forward and backward: the same
     mask)."""
-    if key is not None and dropout > 0.0:
-        keep = jax.random.bernoulli(key, 1.0 - dropout, x.shape)
-        x = jnp.where(keep, x / (1.0 - dropout), 0).astype(x.dtype)
-    hidden = grouped_matmul(x, a, layout, trainable=True) * jnp.asarray(scale, x.dtype)
+    hidden = grouped_matmul(_dropped(x, dropout, key), a, layout, trainable=True) * jnp.asarray(scale, x.dtype)
     return grouped_matmul(hidden, b, layout, trainable=True)
+
+
+def _dropped(x: jax.Array, dropout: float, key: jax.Array | None) -> jax.Array:
+    """LoRA's input dropout (the mask drawn from `key`: the same in forward and backward)."""
+    if key is None or dropout <= 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - dropout, x.shape)
+    return jnp.where(keep, x / (1.0 - dropout), 0).astype(x.dtype)
 
 
 def _fp8_tiles(layout: TileLayout):
@@ -247,6 +252,22 @@ def _lora_vjp(x, p: ExpertProjection, layout, scale, dropout, key, cotangent):
     return (y, *vjp(cotangent))
 
 
+def _weighted_lora_vjp(x, p: ExpertProjection, layout, scale, dropout, key, dr, w_rows):
+    """The LoRA term of a projection whose output rows are weighted by w_rows (down): (the routing weights' part
+    <lora row, dr>, the gradient wrt x, dA, dB) for the unweighted cotangent dr. With u = scale · x Aᵀ [rows, r]
+    and the term's output (w·u) Bᵀ, the routing weight's part is <u, dr B> over the rank: the [rows, hidden] output
+    of the term is never formed (nor reduced against dr)."""
+    def hidden(x, a):
+        return grouped_matmul(_dropped(x, dropout, key), a, layout, trainable=True) * jnp.asarray(scale, x.dtype)
+
+    u, hidden_vjp = jax.vjp(hidden, x, p.lora_a)
+    _, out_vjp = jax.vjp(lambda wu, b: grouped_matmul(wu, b, layout, trainable=True), w_rows * u, p.lora_b)
+    v, db = out_vjp(dr)  # v = dr B (per row's expert), dB = Σ drᵀ (w·u)
+    d_weight = jnp.sum(u.astype(jnp.float32) * v.astype(jnp.float32), axis=-1)
+    dx, da = hidden_vjp((w_rows * v).astype(u.dtype))
+    return d_weight, dx, da, db
+
+
 def _backward(spec, residuals, dout):
     x, weights, layout_arrays, projections, keys, gate, up = residuals
     layout = _layout(*layout_arrays, spec)
@@ -262,9 +283,9 @@ def _backward(spec, residuals, dout):
     dh = w_rows * g
     grads = [None, None, None]
     if down_p.lora_a is not None:
-        lora_out, dh_lora, da, db = _lora_vjp(h, down_p, layout, spec.scales[2], spec.dropouts[2], keys[2],
-                                              w_rows * dr)
-        d_weight = d_weight + jnp.sum(lora_out.astype(jnp.float32) * dr.astype(jnp.float32), axis=-1)
+        d_weight_lora, dh_lora, da, db = _weighted_lora_vjp(h, down_p, layout, spec.scales[2], spec.dropouts[2],
+                                                            keys[2], dr, w_rows)
+        d_weight = d_weight + d_weight_lora
         dh = dh + dh_lora
         grads[2] = (da, db)
     if down_p.bias is not None:  # <bias[e], dr> per row, tile by tile
