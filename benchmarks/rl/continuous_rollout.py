@@ -17,6 +17,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # decode_profile's trace readers
 
 
 def main() -> None:
@@ -28,6 +29,8 @@ def main() -> None:
     ap.add_argument("--completion", type=int, default=512)
     ap.add_argument("--eos-fraction", type=float, default=0.01)
     ap.add_argument("--dense", action="store_true", help="decode from the base dequantized once per rollout")
+    ap.add_argument("--trace", help="profile each mode's timed run into this folder: GPU busy time, kernels per "
+                                    "decoding step and the top kernels (GPU only)")
     args = ap.parse_args()
 
     import jax
@@ -60,12 +63,17 @@ def main() -> None:
         t0 = time.perf_counter()
         run()
         first = time.perf_counter() - t0
+        mode = "continuous" if continuous else "static"
+        if args.trace:
+            jax.profiler.start_trace(f"{args.trace}/{mode}", create_perfetto_trace=True)
         t0 = time.perf_counter()
         out, stats = run()
         seconds = time.perf_counter() - t0
+        if args.trace:
+            jax.profiler.stop_trace()
         tokens = int((out >= 0).sum())
         lengths = (out >= 0).sum(axis=1)
-        line = {"mode": "continuous" if continuous else "static", "device": jax.devices()[0].device_kind,
+        line = {"mode": mode, "device": jax.devices()[0].device_kind,
                 "completions": args.completions, "slots": args.slots, "prompt": args.prompt,
                 "max_completion": args.completion, "dense": args.dense, "seconds": round(seconds, 3),
                 "first_call_s": round(first, 1), "generated_tokens": tokens,
@@ -76,6 +84,26 @@ def main() -> None:
             line["hbm_bound_fraction"] = round(decode_bound.bound_seconds(stats.steps, step_bytes, bandwidth)
                                                / seconds, 4)
         print(json.dumps(line), flush=True)
+        if args.trace:
+            print(json.dumps({"mode": mode, **kernel_summary(f"{args.trace}/{mode}", stats.steps)}), flush=True)
+
+
+def kernel_summary(folder: str, steps: int) -> dict:
+    """GPU busy milliseconds, kernel launches and the top kernels of a profiled run, per decoding step."""
+    import collections
+
+    from benchmarks.tools.trace_summary import _gpu_events, classify
+    from decode_profile import busy_ms
+
+    events = [e for e in _gpu_events(folder)[1] if "dur" in e and "ts" in e]
+    ms, by_class = collections.Counter(), collections.Counter()
+    for e in events:
+        ms[e.get("name", "")[:100]] += float(e["dur"]) / 1e3
+        by_class[classify(e.get("name", ""))] += float(e["dur"]) / 1e3
+    return {"gpu_busy_ms_per_step": round(busy_ms(events) / steps, 3),
+            "kernels_per_step": round(len(events) / steps, 1),
+            "class_ms_per_step": {k: round(v / steps, 3) for k, v in by_class.most_common()},
+            "top_kernels_ms_per_step": {k: round(v / steps, 3) for k, v in ms.most_common(15)}}
 
 
 if __name__ == "__main__":
