@@ -145,6 +145,12 @@ def _backward(tiles, interpret, residuals, dy):
 grouped_matmul.defvjp(_forward, _backward)
 
 
+# LoRA's per-expert factor gradients by `grouped_weight_grad` (one kernel, no per-tile products written) rather
+# than per-tile batched GEMMs summed per expert; off until measured on the device against them
+# (benchmarks/moe/moe_grouped_gemm.py --weight-grad)
+WEIGHT_GRAD_KERNEL = False
+
+
 def sum_per_expert(per_tile: jax.Array, tile_group: jax.Array, experts: int, full: bool = False) -> jax.Array:
     """[E, ...] float32: the sum of each expert's tiles of per_tile [T, ...] (float32; tile_group -1: in none).
     A GEMM with the tiles' one-hot expert matrix, since a scatter-add of the tiles into their experts' slots
@@ -164,6 +170,61 @@ def sum_per_expert(per_tile: jax.Array, tile_group: jax.Array, experts: int, ful
     return total.reshape(experts, *per_tile.shape[1:])
 
 
+def expert_tiles(tile_group: jax.Array, experts: int) -> tuple[jax.Array, jax.Array]:
+    """(first tile, tile count) [E] of each expert: its tiles are contiguous in the layout (-1 tiles at the end)."""
+    count = jnp.sum(tile_group[None, :] == jnp.arange(experts, dtype=tile_group.dtype)[:, None], axis=1,
+                    dtype=jnp.int32)
+    return jnp.cumsum(count) - count, count
+
+
+def _weight_grad_kernel(first_ref, count_ref, dy_ref, x_ref, o_ref, *, block_m: int, exact: bool):
+    """One expert's [bn, bk] block of dW = Σ over its tiles of dyᵀ x: a loop of run-time length over its tiles."""
+    first = first_ref[0]
+
+    def body(t, acc):
+        r0 = pl.multiple_of((first + t) * block_m, block_m)
+        dy, x = dy_ref[pl.ds(r0, block_m), :], x_ref[pl.ds(r0, block_m), :]
+        return acc + pltriton.dot(dy, x, trans_a=True, allow_tf32=not exact)
+
+    o_ref[...] = jax.lax.fori_loop(0, count_ref[0], body, jnp.zeros(o_ref.shape, jnp.float32))
+
+
+def grouped_weight_grad(dy: jax.Array, x: jax.Array, tile_group: jax.Array, experts: int, block_m: int, *,
+                        block_n: int = 64, block_k: int = 64, num_warps: int = 4, num_stages: int = 3,
+                        interpret: bool = False) -> jax.Array:
+    """dW [E, N, K] float32, each expert's Σ over its tiles of dy[tile]ᵀ x[tile] (dy [M, N], x [M, K], rows
+    grouped in `block_m`-row tiles as `tile_group` says): LoRA's per-expert factor gradient in one kernel, a
+    program per (expert, N block, K block) accumulating in registers over the expert's tiles, so no per-tile
+    products are written. An expert with no tiles gets zeros."""
+    m, n = dy.shape
+    k = x.shape[1]
+    bn, bk = _fit(block_n, n), _fit(block_k, k)
+    if m % block_m or tile_group.shape != (m // block_m,) or x.shape[0] != m or n % bn or k % bk:
+        raise ValueError(f"dy {dy.shape} and x {x.shape}: rows in whole {block_m}-row tiles, one tile_group entry "
+                         "each, and sizes that are multiples of 16 expected")
+    first, count = expert_tiles(tile_group.astype(jnp.int32), experts)
+    return pl.pallas_call(
+        functools.partial(_weight_grad_kernel, block_m=block_m, exact=jnp.finfo(x.dtype).bits > 16),
+        grid=(experts, n // bn, k // bk),
+        in_specs=[pl.BlockSpec((1,), lambda e, j, q: (e,)), pl.BlockSpec((1,), lambda e, j, q: (e,)),
+                  pl.BlockSpec((m, bn), lambda e, j, q: (0, j)), pl.BlockSpec((m, bk), lambda e, j, q: (0, q))],
+        out_specs=pl.BlockSpec((None, bn, bk), lambda e, j, q: (e, j, q)),
+        out_shape=jax.ShapeDtypeStruct((experts, n, k), jnp.float32),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="grouped_weight_grad",
+    )(first, count, dy, x)
+
+
+def grouped_weight_grad_reference(dy: jax.Array, x: jax.Array, tile_group: jax.Array, experts: int,
+                                  block_m: int) -> jax.Array:
+    """The same sums in jnp: each tile's product (a batched GEMM), summed per expert (`sum_per_expert`)."""
+    count = tile_group.shape[0]
+    per_tile = jnp.einsum("tmn,tmk->tnk", dy.reshape(count, block_m, -1), x.reshape(count, block_m, -1),
+                          preferred_element_type=jnp.float32)
+    return sum_per_expert(per_tile, tile_group, experts, full=jnp.finfo(x.dtype).bits > 16)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def grouped_matmul_trainable(x: jax.Array, weight: jax.Array, tile_group: jax.Array,
                              tiles: GroupedTiles = GroupedTiles(), interpret: bool = False) -> jax.Array:
@@ -179,10 +240,10 @@ def _trainable_forward(x, weight, tile_group, tiles, interpret):
 def _trainable_backward(tiles, interpret, residuals, dy):
     x, weight, tile_group = residuals
     dx = grouped_matmul_tiles(dy, weight, tile_group, transpose=True, tiles=tiles, interpret=interpret)
-    count, bm = tile_group.shape[0], tiles.block_m
-    per_tile = jnp.einsum("tmn,tmk->tnk", dy.reshape(count, bm, -1), x.reshape(count, bm, -1),
-                          preferred_element_type=jnp.float32)
-    dw = sum_per_expert(per_tile, tile_group, weight.shape[0], full=jnp.finfo(weight.dtype).bits > 16)
+    if WEIGHT_GRAD_KERNEL:
+        dw = grouped_weight_grad(dy, x, tile_group, weight.shape[0], tiles.block_m, interpret=interpret)
+    else:
+        dw = grouped_weight_grad_reference(dy, x, tile_group, weight.shape[0], tiles.block_m)
     return dx, dw.astype(weight.dtype), np.zeros(tile_group.shape, jax.dtypes.float0)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from pallas_kernels.grouped_matmul import (GroupedTiles, grouped_matmul, grouped_matmul_tiles,
                                            grouped_matmul_tiles_reference, grouped_matmul_trainable,
-                                           sum_per_expert)
+                                           grouped_weight_grad, grouped_weight_grad_reference, sum_per_expert)
 from test_kernel_dispatch import all_eqns
 
 
@@ -151,3 +151,61 @@ def test_a_16bit_factors_gradient_is_summed_per_expert_on_tensor_cores():
             want_sum[g] += np.asarray(per_tile[i], np.float64)
     np.testing.assert_allclose(np.asarray(got), want_sum, rtol=0, atol=1e-4)
     np.testing.assert_allclose(np.asarray(sum_per_expert(per_tile, tg, experts, full=True)), want_sum, atol=1e-6)
+
+
+@pytest.mark.parametrize("tiles, bm, n, k, experts, blocks", [
+    (9, 16, 16, 64, 5, (16, 32)),  # LoRA's A: rank rows, every input column
+    (7, 32, 96, 16, 3, (32, 16)),  # LoRA's B: output rows (no power of two: the block fitted), rank columns
+    (12, 16, 32, 48, 6, (64, 64)),  # experts with no tiles, one with many; blocks larger than the sizes
+])
+def test_weight_grad_kernel_sums_each_experts_tiles_as_float64(tiles, bm, n, k, experts, blocks):
+    """The per-expert weight gradient kernel (interpret mode) against float64: each expert's dW is the sum over
+    its tiles of dyᵀ x, an expert with no tiles gets zeros, unused tiles (-1) count for none; float32 and bf16
+    inputs; the jnp reference alike; and the trainable GEMM's backward through the kernel gives the same dW."""
+    tile_group, x, _, _ = _case(tiles * 7 + n, tiles, bm, k, n, experts)
+    dy = np.random.default_rng(n).standard_normal((tiles * bm, n)).astype(np.float32)
+    want = np.zeros((experts, n, k))
+    for i, g in enumerate(tile_group):
+        if g >= 0:
+            want[g] += dy[i * bm:(i + 1) * bm].astype(np.float64).T @ x[i * bm:(i + 1) * bm].astype(np.float64)
+    tg = jnp.asarray(tile_group)
+    got = grouped_weight_grad(jnp.asarray(dy), jnp.asarray(x), tg, experts, bm, block_n=blocks[0], block_k=blocks[1],
+                              interpret=True)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+    assert not np.asarray(got)[[e for e in range(experts) if e not in tile_group]].any()
+    ref = grouped_weight_grad_reference(jnp.asarray(dy), jnp.asarray(x), tg, experts, bm)
+    np.testing.assert_allclose(np.asarray(ref), want, rtol=1e-5, atol=1e-4)
+    half = [jnp.asarray(a, jnp.bfloat16) for a in (dy, x)]
+    want16 = np.zeros((experts, n, k))
+    d16, x16 = (np.asarray(a, np.float64) for a in half)
+    for i, g in enumerate(tile_group):
+        if g >= 0:
+            want16[g] += d16[i * bm:(i + 1) * bm].T @ x16[i * bm:(i + 1) * bm]
+    got16 = grouped_weight_grad(*half, tg, experts, bm, block_n=blocks[0], block_k=blocks[1], interpret=True)
+    np.testing.assert_allclose(np.asarray(got16), want16, rtol=1e-5, atol=1e-4)
+
+
+def test_the_trainable_gemm_backward_through_the_weight_grad_kernel(monkeypatch):
+    """With the kernel switched on, the LoRA factor's gradient through `grouped_matmul_trainable` is unchanged."""
+    import pallas_kernels.grouped_matmul as grouped
+
+    tile_group, x, w, dy = _case(5, 9, 16, 64, 16, 4)
+    fn = lambda x, w: grouped_matmul_trainable(x, w, jnp.asarray(tile_group), GroupedTiles(16, 16, 32), True)  # noqa
+    with jax.default_matmul_precision("highest"):
+        before = jax.vjp(fn, jnp.asarray(x), jnp.asarray(w))[1](jnp.asarray(dy))
+        monkeypatch.setattr(grouped, "WEIGHT_GRAD_KERNEL", True)
+        jaxpr = str(jax.make_jaxpr(lambda x, w, dy: jax.vjp(fn, x, w)[1](dy))(x, w, dy))
+        after = jax.vjp(fn, jnp.asarray(x), jnp.asarray(w))[1](jnp.asarray(dy))
+    assert "grouped_weight_grad" in jaxpr
+    for b, a in zip(before, after):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("m, n, k, experts", [(2304, 16, 2048, 128), (2304, 768, 16, 128), (256, 2048, 16, 8)])
+def test_weight_grad_kernel_lowers_for_cuda(cuda_export, m, n, k, experts):
+    """LoRA's factor gradients at Qwen3-30B-A3B's expert shapes (A of gate/up, B of gate/up, B of down)."""
+    dy = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    groups = jax.ShapeDtypeStruct((m // 128,), jnp.int32)
+    text = cuda_export(lambda d, x, g: grouped_weight_grad(d, x, g, experts, 128), dy, x, groups)
+    assert "grouped_weight_grad" in text

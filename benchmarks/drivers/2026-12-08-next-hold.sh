@@ -2,9 +2,9 @@
 # The next hold (one H100 or H200, two calls of under 10 minutes; each call's outputs are at most 8 files).
 # PART=moe: the MoE step beside Unsloth again (router and LoRA-sum GEMMs on tensor cores, down's LoRA part of the
 # routing gradient from the rank), its trace by class, and the HLO of the trace's top reductions and fusions.
-# PART=kernels: tokamax's ragged_dot beside the Pallas grouped GEMM (carry .whl: tokamax and its missing
-# dependencies, benchmarks/moe/site_shims for xprof), then continuous against static rollouts with the decode
-# attention kernel on, each traced (kernels and GPU time per decoding step).
+# PART=kernels: tokamax's ragged_dot beside the Pallas grouped GEMM, and the per-expert LoRA gradient kernel
+# (carry .whl: tokamax and its missing dependencies, benchmarks/moe/site_shims for xprof), then continuous against
+# static rollouts with the decode attention kernel on, each traced (kernels and GPU time per decoding step).
 #   PART=moe bash benchmarks/drivers/2026-12-08-next-hold.sh    (carry .site .bench)
 #   PART=kernels bash benchmarks/drivers/2026-12-08-next-hold.sh    (carry .whl)
 set -uo pipefail
@@ -28,7 +28,7 @@ if [ "${PART:-moe}" = moe ]; then
 else
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   PYTHONPATH=$PWD:/tmp/site:$PWD/benchmarks/moe/site_shims timeout 150 python3 benchmarks/moe/moe_grouped_gemm.py \
-    --model qwen3-30b-a3b --tokens 16384 --tokamax > "$OUT/grouped.jsonl" 2>> "$OUT/log.txt"
+    --model qwen3-30b-a3b --tokens 16384 --tokamax --weight-grad > "$OUT/grouped.jsonl" 2>> "$OUT/log.txt"
   [ -f /tmp/bnb4_8b/config.json ] || python3 benchmarks/tools/make_bnb4_checkpoint.py --model llama3-8b /tmp/bnb4_8b \
     2>&1 | tail -1 >> "$OUT/log.txt"
   timeout 300 python3 benchmarks/rl/continuous_rollout.py /tmp/bnb4_8b --completions 256 --slots 64 \

@@ -3,7 +3,8 @@ same FLOPs, on a mixture of experts' training shapes, and the NF4 dequantization
 
     PYTHONPATH=. python3 benchmarks/moe/moe_grouped_gemm.py --model qwen3-30b-a3b --tokens 8192
 Prints one JSON line per projection and implementation (the Pallas kernel at several tilings; --xla: also
-XLA's ragged_dot; --tokamax: tokamax's ragged_dot (Mosaic GPU on Hopper); --fp8: the grouped FP8 kernel at several tilings beside cuBLASLt's dense FP8 GEMM): milliseconds
+XLA's ragged_dot; --tokamax: tokamax's ragged_dot (Mosaic GPU on Hopper); --fp8: the grouped FP8 kernel at
+several tilings beside cuBLASLt's dense FP8 GEMM; --weight-grad: LoRA's per-expert gradients): milliseconds
 and TFLOP/s of the grouped GEMM (forward; input gradient, as QLoRA's frozen
 experts need) and of the dense GEMM of the same rows, and their ratio.
 """
@@ -58,6 +59,30 @@ def timed(fn, *args, reps: int = 20) -> float:
     return 1e3 * float(np.median(times))
 
 
+def weight_grads(chosen, experts: int, hidden: int, width: int, rows: int, key, model: str, rank: int = 16) -> None:
+    """LoRA's factor gradients of every expert (dA of gate/up [E, r, hidden], dB of gate/up [E, width, r], dA of
+    down [E, r, width], dB of down [E, hidden, r]): `grouped_weight_grad` against the per-tile batched GEMMs summed
+    per expert (`grouped_weight_grad_reference`), one JSON line each."""
+    from pallas_kernels.grouped_matmul import grouped_weight_grad, grouped_weight_grad_reference
+
+    layout = tile_layout(chosen, experts, BLOCK_M)
+    for name, (n, k) in {"gate_up.A": (rank, hidden), "gate_up.B": (width, rank), "down.A": (rank, width),
+                         "down.B": (hidden, rank)}.items():
+        dy = jax.random.normal(key, (layout.rows, n), jnp.bfloat16)
+        x = jax.random.normal(jax.random.fold_in(key, 1), (layout.rows, k), jnp.bfloat16)
+        ref = jax.jit(lambda d, x: grouped_weight_grad_reference(d, x, layout.tile_group, experts, BLOCK_M))
+        line = {"model": model, "weight_grad": name, "rows": rows, "n": n, "k": k, "experts": experts,
+                "device": jax.devices()[0].device_kind, "per_tile_sum_ms": round(timed(ref, dy, x), 3)}
+        for bn, bk in ((16, 64), (16, 128), (64, 16), (128, 16), (64, 64)):
+            fn = jax.jit(lambda d, x, bn=bn, bk=bk: grouped_weight_grad(d, x, layout.tile_group, experts, BLOCK_M,
+                                                                       block_n=bn, block_k=bk, interpret=INTERPRET))
+            try:
+                line[f"kernel_{bn}x{bk}_ms"] = round(timed(fn, dy, x), 3)
+            except Exception as err:  # a tiling the shape does not take: recorded, not fatal
+                line[f"kernel_{bn}x{bk}_error"] = str(err).splitlines()[0][:120]
+        print(json.dumps(line), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-30b-a3b", choices=list(SHAPES))
@@ -65,8 +90,10 @@ def main() -> None:
     ap.add_argument("--xla", action="store_true", help="also time XLA's ragged_dot")
     ap.add_argument("--wgmma", action="store_true", help="also time JAX's Mosaic GPU ragged dot (Hopper)")
     ap.add_argument("--only-wgmma", action="store_true", help="time the wgmma kernel's tilings alone")
+    ap.add_argument("--weight-grad", action="store_true",
+                    help="time LoRA's per-expert factor gradients: the one-kernel sum against per-tile GEMMs summed")
     ap.add_argument("--tokamax", action="store_true",
-                    help="also time tokamax.ragged_dot (PYTHONPATH: a site with tokamax, and benchmarks/moe/site_shims)")
+                    help="also time tokamax.ragged_dot (PYTHONPATH: a site with tokamax, benchmarks/moe/site_shims)")
     ap.add_argument("--fp8", action="store_true", help="also time the grouped FP8 kernel (and a dense FP8 GEMM)")
     args = ap.parse_args()
     hidden, width, experts, top_k = SHAPES[args.model]
@@ -75,6 +102,8 @@ def main() -> None:
     # a router's choice over random tokens: near-uniform groups (what a trained router's balancing loss aims at)
     chosen = jnp.asarray(np.stack([rng.choice(experts, top_k, replace=False) for _ in range(args.tokens)]))
     key = jax.random.key(0)
+    if args.weight_grad:
+        weight_grads(chosen, experts, hidden, width, rows, key, args.model)
     for name, (k, n) in {"gate_up": (hidden, width), "down": (width, hidden)}.items():
         w = (0.02 * jax.random.normal(key, (experts, n, k), jnp.float32)).astype(jnp.bfloat16)
         dense_w = w[0]
