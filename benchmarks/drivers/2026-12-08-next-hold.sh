@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The next hold (one H100 or H200, two calls of under 10 minutes; each call's outputs are at most 8 files).
 # PART=moe: the MoE step beside Unsloth again (router and LoRA-sum GEMMs on tensor cores, down's LoRA part of the
-# routing gradient from the rank), its trace by class, and the HLO of the trace's top reductions and fusions.
+# routing gradient from the rank), its trace by class, the HLO of the trace's top reductions and fusions, and a
+# larger batch under remat recompute-experts.
 # PART=kernels: tokamax's ragged_dot beside the Pallas grouped GEMM, and the per-expert LoRA gradient kernel
 # (carry .whl: tokamax and its missing dependencies, benchmarks/moe/site_shims for xprof), then continuous against
 # static rollouts with the decode attention kernel on, each traced (kernels and GPU time per decoding step).
@@ -22,6 +23,9 @@ if [ "${PART:-moe}" = moe ]; then
   python3 benchmarks/tools/trace_summary.py /tmp/trace_jt/b${JB:-16} 2 40 > "$OUT/jaxtune_trace.txt" 2>&1
   top=$(grep -o '"kernel": "[a-z_0-9]*fusion[a-z_0-9]*"' "$OUT/jaxtune_trace.txt" | head -12 | cut -d'"' -f4)
   python3 benchmarks/tools/hlo_fusions.py /tmp/hlo $top > "$OUT/hlo_fusions.txt" 2>&1
+  # the batch "selective" cannot fit, with the routed rows' gate/up recomputed instead of kept
+  timeout 150 python3 benchmarks/steps/train_qlora.py $CK --batch ${JB2:-32} --remat recompute-experts --steps 3 \
+    --warmup 1 2>&1 | grep -E '^\{|Error' | tee -a "$OUT/jaxtune.jsonl" | cut -c1-300
   PYTHONPATH=$PWD/.site:$PWD timeout ${UNSLOTH_S:-200} python3 benchmarks/moe/unsloth_moe.py $CK ${UB:-8} \
     --ckpt false --profile > "$OUT/unsloth.jsonl" 2> "$OUT/unsloth.err"
   grep -v '"event": "loaded"' "$OUT/unsloth.jsonl" | cut -c1-600
