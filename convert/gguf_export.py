@@ -1,5 +1,5 @@
 """GGUF export of a fine-tuned model for llama.cpp / Ollama: the merged weights as a GGUF of llama.cpp's `llama`
-(Llama, Mistral, Mixtral), `qwen3` or `qwen3moe` architecture.
+(Llama, Mistral, Mixtral), `qwen3`, `qwen3moe` or `gpt-oss` architecture (what gpt-oss adds: convert/gguf_gpt_oss.py).
 
 The tensors are those of the merged HF checkpoint (LoRA added onto the original weights when they are
 given), renamed to llama.cpp's names; for `llama`, q/k rows permuted into llama.cpp's interleaved-RoPE order
@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from convert.atomic import check_writable, plain_permissions
 from convert.gguf_source import _LAYER_NAMES, _TOP_NAMES
 from convert.gguf_tokenizer import gguf_tokenizer_fields
-from convert import moe_names
+from convert import gguf_gpt_oss, moe_names
 from convert.merged import MergedTensor, merged_tensors, open_original
 from jaxtune.models.config import ModelConfig
 from jaxtune.errors import CheckpointError, UnsupportedModelError
@@ -38,7 +38,7 @@ from jaxtune.models.rope import inverse_frequencies, unscaled_inverse_frequencie
 GGUF_TYPES = ("bf16", "f16", "q8_0", "q6_k", "q4_k_m", "q4_0", "f32")
 # model type -> llama.cpp's architecture it is written as
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen3": "qwen3",
-                      "qwen3_moe": "qwen3moe"}
+                      "qwen3_moe": "qwen3moe", **dict.fromkeys(gguf_gpt_oss.MODEL_TYPES, gguf_gpt_oss.ARCHITECTURE)}
 GGUF_MODEL_TYPES = tuple(GGUF_ARCHITECTURES)
 _GGUF_NAMES = {hf: gguf for gguf, hf in _TOP_NAMES.items()}
 _GGUF_LAYER_NAMES = {**{hf: gguf for gguf, hf in _LAYER_NAMES.items()}, "self_attn.q_norm": "attn_q_norm",
@@ -72,8 +72,10 @@ def _stack(parts: list[MergedTensor]) -> np.ndarray:
     return np.stack([p.compute() for p in parts])
 
 
-def _gguf_tensors(merged: list[MergedTensor]) -> list[MergedTensor]:
+def _gguf_tensors(merged: list[MergedTensor], cfg: ModelConfig) -> list[MergedTensor]:
     """The merged HF tensors under llama.cpp's names, each layer's experts stacked per projection."""
+    if cfg.model_type in gguf_gpt_oss.MODEL_TYPES:
+        return gguf_gpt_oss.gguf_tensors(merged)
     groups: dict[str, list[MergedTensor]] = {}  # llama.cpp name -> its merged tensors (several for a stack)
     for t in merged:
         groups.setdefault(_stacked_name(t.name) or gguf_name(t.name), []).append(t)
@@ -142,6 +144,10 @@ def _check_exportable(model: CausalLM, gguf_type: str) -> ModelConfig:
     check_gguf_model(cfg)
     if gguf_type not in GGUF_TYPES:
         raise CheckpointError(f"unknown GGUF type {gguf_type!r}; choose one of: {', '.join(GGUF_TYPES)}")
+    if cfg.model_type in gguf_gpt_oss.MODEL_TYPES and gguf_type not in gguf_gpt_oss.GGUF_TYPES:
+        raise CheckpointError(f"a gpt-oss GGUF is written as {', '.join(gguf_gpt_oss.GGUF_TYPES)}, not {gguf_type}: "
+                              "llama-quantize's 4- and 6-bit mix for gpt-oss is its own; write q8_0 or bf16 and "
+                              "quantize that file with llama-quantize")
     return cfg
 
 
@@ -151,6 +157,8 @@ def check_gguf_model(cfg: ModelConfig) -> None:
         raise UnsupportedModelError(
             f"GGUF export covers {', '.join(GGUF_MODEL_TYPES)} models, not {cfg.model_type!r}; export --merged and "
             "convert that directory with llama.cpp's convert_hf_to_gguf.py")
+    if cfg.model_type in gguf_gpt_oss.MODEL_TYPES:
+        return gguf_gpt_oss.check(cfg)
     if cfg.num_experts and not cfg.norm_topk_prob:
         raise UnsupportedModelError(
             f"llama.cpp's {GGUF_ARCHITECTURES[cfg.model_type]} renormalizes each token's top-{cfg.num_experts_per_tok} "
@@ -198,6 +206,8 @@ def _add_hyperparameters(writer: Any, cfg: ModelConfig, name: str, file_type: in
         writer.add_rope_scaling_factor(cfg.rope_factor)
     elif cfg.rope_type == "llama3":  # the factors go in the rope_freqs tensor; this key makes them read back as given
         writer.add_rope_scaling_orig_ctx_len(cfg.rope_original_max_position)
+    if cfg.model_type in gguf_gpt_oss.MODEL_TYPES:
+        gguf_gpt_oss.add_hyperparameters(writer, cfg)
 
 
 def _add_tokenizer(writer: Any, tokenizer: Any, cfg: ModelConfig) -> None:
@@ -274,14 +284,15 @@ _FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 
 
 def _encoding(name: str, shape: tuple[int, ...], mix: TensorMix) -> tuple[Any, Any]:
-    """(raw GGML type or None, numpy dtype of the stored array) of one tensor; 1-D tensors and the experts' router
-    stay f32, as llama.cpp's converter writes them and llama-quantize keeps them. The quantized types pick each
+    """(raw GGML type or None, numpy dtype of the stored array) of one tensor; 1-D tensors, biases and the experts'
+    router stay f32, as llama.cpp's converter writes them and llama-quantize keeps them. The quantized types pick each
     matrix's block type as llama-quantize does (`_mix_type`); a row that is not whole 256-weight super-blocks falls
     back as llama.cpp's does (`_FALLBACK`), one that is not whole 32-weight blocks to f16."""
     import gguf
 
     q = gguf.GGMLQuantizationType
-    if len(shape) == 1 or mix.gguf_type == "f32" or name.endswith("ffn_gate_inp.weight"):
+    if len(shape) == 1 or mix.gguf_type == "f32" or not name.endswith(".weight") \
+            or name.endswith("ffn_gate_inp.weight"):
         return None, np.float32
     kind = mix.gguf_type
     if kind in ("q8_0", "q6_k", "q4_k_m", "q4_0"):
@@ -370,7 +381,7 @@ def save_gguf(
         rope = rope_factors(cfg) if cfg.rope_type == "llama3" else None
         if rope is not None:
             writer.add_tensor_info("rope_freqs.weight", rope.shape, rope.dtype, rope.nbytes)
-        tensors = _gguf_tensors(list(merged_tensors(model, source)))
+        tensors = _gguf_tensors(list(merged_tensors(model, source)), cfg)
         mix = dataclasses.replace(TensorMix.of(cfg, gguf_type, tied=not any(t.name == "output.weight" for t in tensors)),
                                   imatrix=importance is not None)
         weights = _importance_weights(importance, tensors)

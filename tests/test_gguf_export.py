@@ -264,7 +264,7 @@ def test_gguf_export_refusals_are_clear_and_leave_no_file(tmp_path, tiny_tokeniz
     build_hf_model(Qwen2Config(vocab_size=len(tiny_tokenizer), **SMALL), tmp_path / "qwen")
     qwen, _ = jaxtune.from_pretrained(tmp_path / "qwen", dtype="float32")
     jaxtune.get_peft_model(qwen, r=4, lora_alpha=8)
-    with pytest.raises(jaxtune.UnsupportedModelError, match="GGUF export covers llama, mistral, mixtral, qwen3, qwen3_moe models, not 'qwen2'"):
+    with pytest.raises(jaxtune.UnsupportedModelError, match="GGUF export covers llama, mistral, mixtral, qwen3, qwen3_moe, gpt_oss models, not 'qwen2'"):
         jaxtune.save_gguf(qwen, out / "q.gguf", tokenizer=tok)
 
 
@@ -400,3 +400,28 @@ def test_yarn_rope_is_refused_in_one_line_before_writing(tmp_path, tiny_tokenize
     with pytest.raises(jaxtune.UnsupportedModelError, match="YaRN RoPE scaling.*export --merged"):
         jaxtune.save_gguf(model, out / "m.gguf", tokenizer=tiny_tokenizer)
     assert not out.exists() or list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("case", ["gpt_oss_yarn", "gpt_oss_plain_rope"])
+def test_gpt_oss_gguf_gives_llama_cpps_logits_of_the_merged_model(tmp_path, tiny_tokenizer, case):
+    """gpt-oss as llama.cpp's `gpt-oss` (sinks, biases, alternating windows, split gate/up experts, YaRN): the file
+    written here is byte for byte the one llama.cpp read when its logits were recorded
+    (tests/data/make_llama_cpp_gguf_logits.py), and those logits, every position of a row three windows long, equal
+    transformers' of the merged checkpoint. With gpt-oss's YaRN, llama.cpp rounds the ramp's ends to whole pairs
+    where transformers' gpt-oss does not: a difference in the ramp's frequencies only, bounded here."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from gguf_families import IDS, family_gguf
+
+    recorded = json.loads((Path(__file__).parent / "data" / "llama_cpp_gguf_logits.json").read_text())[case]
+    path, merged = family_gguf(case, tiny_tokenizer, str(tmp_path))
+    assert hashlib.sha256(Path(path).read_bytes()).hexdigest() == recorded["sha256"], \
+        "the GGUF differs from the recorded one: rerun tests/data/make_llama_cpp_gguf_logits.py"
+    hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    want = _logits(hf, [IDS])[0]
+    got = np.asarray(recorded["logits"])
+    tol = 2e-2 if case == "gpt_oss_yarn" else 1e-3
+    assert np.abs(got - want).max() < tol * np.abs(want).max(), np.abs(got - want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.9

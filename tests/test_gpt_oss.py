@@ -84,8 +84,10 @@ def test_a_4bit_run_trains_the_experts_and_refuses_exports_it_cannot_write(tmp_p
     for proj in (model.layers.mlp.down_proj, model.sliding_attention_layers.mlp.gate_proj,
                  model.sliding_attention_layers.self_attn.q_proj):
         assert np.abs(np.asarray(proj.lora_b[...])).max() > 0
-    with pytest.raises(jaxtune.UnsupportedModelError, match="not 'gpt_oss'"):
-        jaxtune.save_gguf(model, tmp_path / "out" / "m.gguf", tokenizer=tiny_tokenizer)
+    # GGUF (tests/test_gguf_export.py: llama.cpp's logits) in one type for every matrix; llama-quantize's mixes not
+    with pytest.raises(jaxtune.CheckpointError, match="a gpt-oss GGUF is written as bf16, f16, q8_0, f32, not q4_k_m"):
+        jaxtune.save_gguf(model, tmp_path / "out" / "m.gguf", tokenizer=tiny_tokenizer, gguf_type="q4_k_m")
+    assert not (tmp_path / "out" / "m.gguf").exists()
     # merged onto the original bf16 weights: the hub's fused layout, which transformers reads to jaxtune's logits
     jaxtune.save_merged(model, tmp_path / "merged", base=tmp_path / "base", dtype="float32")
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
