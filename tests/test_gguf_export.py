@@ -408,7 +408,7 @@ def test_gpt_oss_gguf_gives_llama_cpps_logits_of_the_merged_model(tmp_path, tiny
     written here is byte for byte the one llama.cpp read when its logits were recorded
     (tests/data/make_llama_cpp_gguf_logits.py), and those logits, every position of a row three windows long, equal
     transformers' of the merged checkpoint. With gpt-oss's YaRN, llama.cpp rounds the ramp's ends to whole pairs
-    where transformers' gpt-oss does not: a difference in the ramp's frequencies only, bounded here."""
+    where transformers' gpt-oss does not: within the bound below at these shapes."""
     import hashlib
     import json
     from pathlib import Path
@@ -422,6 +422,7 @@ def test_gpt_oss_gguf_gives_llama_cpps_logits_of_the_merged_model(tmp_path, tiny
     hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
     want = _logits(hf, [IDS])[0]
     got = np.asarray(recorded["logits"])
-    tol = 2e-2 if case == "gpt_oss_yarn" else 1e-3
+    # llama.cpp keeps its KV cache in f16: 9e-4 apart with plain RoPE, 1.7e-3 with YaRN (logits spanning ±1.5)
+    tol = 2e-3 if case == "gpt_oss_yarn" else 1e-3
     assert np.abs(got - want).max() < tol * np.abs(want).max(), np.abs(got - want).max()
-    assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.9
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
