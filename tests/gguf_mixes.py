@@ -66,7 +66,7 @@ def seeded_imatrix(model):
 
     rng = np.random.default_rng(0)
     sums, counts = {}, {}
-    for t in _gguf_tensors(list(merged_tensors(model, None))):
+    for t in _gguf_tensors(list(merged_tensors(model, None)), model.config):
         if not t.name.startswith("blk.") or len(t.shape) != 2:
             continue
         sums[t.name] = (np.exp(rng.normal(0, 1.5, t.shape[-1])) * 1000).astype(np.float32)

@@ -24,7 +24,7 @@ def test_every_tensor_type_is_llama_quantizes(case, tiny_tokenizer):
     from convert.merged import merged_tensors
 
     model = mix_model(case, len(tiny_tokenizer))
-    tensors = _gguf_tensors(list(merged_tensors(model, None)))
+    tensors = _gguf_tensors(list(merged_tensors(model, None)), model.config)
     tied = not any(t.name == "output.weight" for t in tensors)
     for ftype in FTYPES:
         mix = TensorMix.of(model.config, ftype, tied)
