@@ -17,20 +17,25 @@ IDS = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 200, 31, 77, 150, 9, 280, 46, 13, 
 
 def family_gguf(case: str, tokenizer, tmp: str) -> tuple[str, str]:
     """(the GGUF, the merged HF directory) of the case: a random HF model (torch seed 0), its float32 jaxtune model
-    with LoRA r=8 on every projection drawn by numpy (seed 1), merged onto the original weights and written as an
-    f32 GGUF named "gguf-case"; the same bytes on every machine."""
+    with LoRA r=8 on every projection drawn by numpy (seed 1) as multiples of 1/256, so that B @ A is exact in
+    float32 whatever order a BLAS sums it in, merged onto the original weights and written as an f32 GGUF named
+    "gguf-case": the same bytes on every machine."""
+    import numpy as np
+    from flax import nnx
+
     import jaxtune
     from transformers import GptOssConfig
 
     from conftest import build_hf_model
-    from test_export import _randomize_lora
 
     base = os.path.join(tmp, f"{case}-base")
     build_hf_model(GptOssConfig(**{**CASES[case], "vocab_size": len(tokenizer)}), base)
     tokenizer.save_pretrained(base)
     model, tok = jaxtune.from_pretrained(base, dtype="float32")
     jaxtune.get_peft_model(model, r=8, lora_alpha=16)
-    _randomize_lora(model)
+    rng = np.random.default_rng(1)
+    for _, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
+        var.set_value(np.asarray(rng.integers(-8, 9, var.get_value().shape) / 256, np.float32))
     path, merged = os.path.join(tmp, f"{case}.gguf"), os.path.join(tmp, f"{case}-merged")
     jaxtune.save_gguf(model, path, tokenizer=tok, base=base, gguf_type="f32", name="gguf-case")
     jaxtune.save_merged(model, merged, base=base, dtype="float32")

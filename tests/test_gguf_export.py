@@ -422,7 +422,6 @@ def test_gpt_oss_gguf_gives_llama_cpps_logits_of_the_merged_model(tmp_path, tiny
     hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
     want = _logits(hf, [IDS])[0]
     got = np.asarray(recorded["logits"])
-    # llama.cpp keeps its KV cache in f16: 9e-4 apart with plain RoPE, 1.7e-3 with YaRN (logits spanning ±1.5)
-    tol = 2e-3 if case == "gpt_oss_yarn" else 1e-3
-    assert np.abs(got - want).max() < tol * np.abs(want).max(), np.abs(got - want).max()
+    # llama.cpp keeps its KV cache in f16: 3.1e-4 apart with plain RoPE, 4.9e-4 with YaRN (logits spanning ±1.4)
+    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max(), np.abs(got - want).max()
     np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
