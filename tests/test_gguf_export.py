@@ -425,3 +425,26 @@ def test_gpt_oss_gguf_gives_llama_cpps_logits_of_the_merged_model(tmp_path, tiny
     # llama.cpp keeps its KV cache in f16: 3.1e-4 apart with plain RoPE, 4.9e-4 with YaRN (logits spanning ±1.4)
     assert np.abs(got - want).max() < 1e-3 * np.abs(want).max(), np.abs(got - want).max()
     np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("gguf_type", ["q8_0", "f16", "bf16"])
+def test_gpt_oss_gguf_types_and_bytes_are_llama_quantizes(tmp_path, tiny_tokenizer, gguf_type):
+    """jaxtune's gpt-oss GGUF in q8_0, f16 and bf16: every tensor's type and bytes are what llama.cpp's quantizer
+    wrote from the same f32 file (recorded by tests/data/make_llama_cpp_gguf_logits.py): the router, the norms,
+    the sinks and every bias stay F32."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    import gguf
+
+    from gguf_families import family_gguf
+
+    recorded = json.loads((Path(__file__).parent / "data" / "llama_cpp_gguf_logits.json").read_text())
+    _, merged = family_gguf("gpt_oss_yarn", tiny_tokenizer, str(tmp_path))
+    model, _ = jaxtune.from_pretrained(merged, dtype="float32")
+    path = tmp_path / f"{gguf_type}.gguf"
+    jaxtune.save_gguf(model, path, tokenizer=tiny_tokenizer, gguf_type=gguf_type, name="gguf-case")
+    got = {t.name: [t.tensor_type.name, hashlib.sha256(t.data.tobytes()).hexdigest()]
+           for t in gguf.GGUFReader(path).tensors}
+    assert got == recorded["gpt_oss_yarn"]["quantized"][gguf_type]

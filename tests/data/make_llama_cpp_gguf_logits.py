@@ -1,6 +1,8 @@
 """Writes tests/data/llama_cpp_gguf_logits.json: llama.cpp's own logits of jaxtune's GGUF of seeded random gpt-oss
 fine-tunes (tests/gguf_families.py), every position of a fixed row longer than the sliding window, with the file's
-sha256 (the suite checks that it writes the same file, then compares these logits with transformers').
+sha256 (the suite checks that it writes the same file, then compares these logits with transformers'); and each
+tensor's type and sha256 in what llama.cpp's quantizer writes from that f32 file as q8_0, f16 and bf16 (the suite
+checks jaxtune's own files of those types against them).
 
     pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_CURL=OFF" python3.12 -m venv V && V/bin/pip install numpy \\
@@ -32,6 +34,22 @@ ids = json.loads(sys.argv[2])
 llm.eval(ids)
 print(json.dumps({"version": __version__, "logits": np.asarray(llm.scores[:len(ids)], np.float64).tolist()}))
 """
+QUANTIZE = """
+import ctypes, sys
+import llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + sys.argv[3].upper())
+assert llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)) == 0
+"""
+QUANTIZED = ("q8_0", "f16", "bf16")
+
+
+def tensors(path: str) -> dict[str, list[str]]:
+    """Each tensor's [type, sha256 of its bytes]."""
+    import gguf
+
+    return {t.name: [t.tensor_type.name, hashlib.sha256(t.data.tobytes()).hexdigest()]
+            for t in gguf.GGUFReader(path).tensors}
 
 
 def main(llama_python: str) -> None:
@@ -47,7 +65,12 @@ def main(llama_python: str) -> None:
             run = subprocess.run([llama_python, "-c", READ, path, json.dumps(IDS)], check=True, capture_output=True,
                                  text=True)
             read = json.loads(run.stdout.strip().splitlines()[-1])
-            out[case] = {"sha256": digest, "logits": [[round(v, 6) for v in row] for row in read["logits"]]}
+            out[case] = {"sha256": digest, "logits": [[round(v, 6) for v in row] for row in read["logits"]],
+                         "quantized": {}}
+            for ftype in QUANTIZED:
+                target = os.path.join(tmp, f"{case}-{ftype}.gguf")
+                subprocess.run([llama_python, "-c", QUANTIZE, path, target, ftype], check=True, capture_output=True)
+                out[case]["quantized"][ftype] = tensors(target)
             out["_source"] = {"llama_cpp_python": read["version"]}
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_cpp_gguf_logits.json")
     with open(path, "w") as f:
