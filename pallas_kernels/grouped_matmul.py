@@ -151,6 +151,13 @@ grouped_matmul.defvjp(_forward, _backward)
 WEIGHT_GRAD_KERNEL = False
 
 
+def bf16_parts(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A float32 array as a bf16 high part and the bf16 remainder: two tensor-core products of them, accumulated in
+    float32, carry about 16 of its bits (one carries 8)."""
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
 def sum_per_expert(per_tile: jax.Array, tile_group: jax.Array, experts: int, full: bool = False) -> jax.Array:
     """[E, ...] float32: the sum of each expert's tiles of per_tile [T, ...] (float32; tile_group -1: in none).
     A GEMM with the tiles' one-hot expert matrix, since a scatter-add of the tiles into their experts' slots
@@ -164,9 +171,8 @@ def sum_per_expert(per_tile: jax.Array, tile_group: jax.Array, experts: int, ful
         total = jnp.einsum("te,tf->ef", one_hot, flat, precision=jax.lax.Precision.HIGHEST)
     else:
         one_hot = jax.nn.one_hot(tile_group, experts, dtype=jnp.bfloat16)
-        hi = flat.astype(jnp.bfloat16)
-        lo = (flat - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-        total = sum(jnp.einsum("te,tf->ef", one_hot, part, preferred_element_type=jnp.float32) for part in (hi, lo))
+        total = sum(jnp.einsum("te,tf->ef", one_hot, part, preferred_element_type=jnp.float32)
+                    for part in bf16_parts(flat))
     return total.reshape(experts, *per_tile.shape[1:])
 
 

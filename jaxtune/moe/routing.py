@@ -28,12 +28,13 @@ def _router_logits_fwd(x, weight):
 
 
 def _router_logits_bwd(residuals, g):
+    from pallas_kernels.grouped_matmul import bf16_parts
+
     x, weight = residuals
-    hi = g.astype(x.dtype)
-    lo = (g - hi.astype(jnp.float32)).astype(x.dtype)
+    parts = [p.astype(x.dtype) for p in bf16_parts(g)]
 
     def two_part(dims, other):
-        return sum(jax.lax.dot_general(part, other, dims, preferred_element_type=jnp.float32) for part in (hi, lo))
+        return sum(jax.lax.dot_general(part, other, dims, preferred_element_type=jnp.float32) for part in parts)
 
     dx = two_part((((1,), (0,)), ((), ())), weight)  # [N, E] @ [E, H]
     dw = two_part((((0,), (0,)), ((), ())), x)  # [N, E]ᵀ @ [N, H]
