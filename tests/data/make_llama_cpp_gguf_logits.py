@@ -23,6 +23,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gguf_families import CASES, IDS, family_gguf  # noqa: E402
+from make_llama_quantize_mixes import _tensors as tensors  # noqa: E402  (each tensor's type and sha256)
 from tiny_tokenizer import save_tiny_tokenizer  # noqa: E402
 
 READ = """
@@ -42,14 +43,6 @@ params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + sys.argv[3].upper())
 assert llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)) == 0
 """
 QUANTIZED = ("q8_0", "f16", "bf16")
-
-
-def tensors(path: str) -> dict[str, list[str]]:
-    """Each tensor's [type, sha256 of its bytes]."""
-    import gguf
-
-    return {t.name: [t.tensor_type.name, hashlib.sha256(t.data.tobytes()).hexdigest()]
-            for t in gguf.GGUFReader(path).tensors}
 
 
 def main(llama_python: str) -> None:
